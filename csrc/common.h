@@ -1,0 +1,63 @@
+// Host-side helpers shared by the op entry points in csrc/.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <optional>
+#include <string>
+
+#include "cpu/kernels.h"
+
+namespace fusedlm {
+
+// The kernel table for this processor (csrc/cpu_dispatch.cpp).
+const cpu::KernelTable& cpu_kernels();
+
+inline cpu::DType kernel_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return cpu::DType::kF32;
+    case at::kDouble: return cpu::DType::kF64;
+    case at::kBFloat16: return cpu::DType::kBF16;
+    case at::kHalf: return cpu::DType::kF16;
+    default:
+      TORCH_CHECK_TYPE(false, "fusedlm CPU kernels take float32, float64, bfloat16 or float16, got ",
+                       t.scalar_type());
+  }
+}
+
+inline cpu::Gelu gelu_kind(const std::string& approximate) {
+  TORCH_CHECK_VALUE(approximate == "none" || approximate == "tanh",
+                    "approximate must be 'none' or 'tanh', got '", approximate, "'");
+  return approximate == "tanh" ? cpu::Gelu::kTanh : cpu::Gelu::kErf;
+}
+
+inline const void* data_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
+}
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+}
+
+// Rows per block of a deterministic two-stage reduction: the partial sums are
+// per block of this many rows (never per thread), so results do not depend on
+// the number of threads.
+constexpr int64_t kReduceBlockRows = 64;
+
+// The dtype kernels accumulate in for inputs of `dtype`: float64 for float64, else float32.
+inline at::ScalarType acc_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Sums a [blocks, cols] buffer of partial sums (in acc_dtype) over its blocks, in
+// block order, and returns it in `dtype`.
+at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype);
+
+// The dropout seed, drawn from torch's generator by the Python layer.
+inline uint64_t seed_value(const at::Tensor& seed) {
+  TORCH_CHECK_VALUE(seed.numel() == 1 && seed.scalar_type() == at::kLong,
+                    "seed must be a one-element int64 tensor");
+  return static_cast<uint64_t>(seed.item<int64_t>());
+}
+
+}  // namespace fusedlm

@@ -1,0 +1,122 @@
+// Element conversion and branch-free math for the per-instruction-set kernels.
+//
+// Everything here is written so that GCC and Clang vectorise the loops that call
+// it (no branches, no library calls on the float path): the same source becomes
+// SSE2, AVX2 or AVX-512 code depending on the flags of the compilation. It lives
+// in the per-ISA namespace, so the three copies never collide at link time.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+#ifndef FUSEDLM_ISA
+#error "csrc/cpu sources are compiled once per instruction set with -DFUSEDLM_ISA=<name>"
+#endif
+
+namespace fusedlm::cpu::FUSEDLM_ISA {
+
+struct bf16 { uint16_t bits; };
+struct f16 { uint16_t bits; };
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// Loads widen to float (double stays double); stores round to nearest even.
+inline float load(float v) { return v; }
+inline double load(double v) { return v; }
+inline float load(bf16 v) { return bits_to_float(uint32_t(v.bits) << 16); }
+inline float load(f16 v) {
+  // IEEE half -> float without F16C, branch-free (handles subnormals, inf, nan).
+  uint32_t h = v.bits, sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
+  // Normal numbers: rebias the exponent. Inf/NaN: force the float exponent to 255.
+  uint32_t normal = (em << 13) + ((127 - 15) << 23);
+  normal = em >= 0x7c00u ? (em << 13) | 0x7f800000u : normal;
+  // Subnormals: the mantissa is an integer multiple of 2^-24.
+  float sub = float(em) * 5.9604644775390625e-8f;
+  uint32_t out = em < 0x0400u ? float_to_bits(sub) : normal;
+  return bits_to_float(out | sign);
+}
+
+inline void store(float& dst, float v) { dst = v; }
+inline void store(double& dst, double v) { dst = v; }
+inline void store(bf16& dst, float v) {
+  uint32_t u = float_to_bits(v);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x40u;  // keep NaN a (quiet) NaN
+  dst.bits = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+inline void store(f16& dst, float v) {
+  // float -> IEEE half, round to nearest even, branch-free.
+  uint32_t u = float_to_bits(v), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  // Normal range: add the rounding bias then rebias the exponent.
+  uint32_t normal = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - ((127 - 15) << 10);
+  // Subnormal range: let the FPU round by adding 0.5 (which aligns the mantissa).
+  uint32_t sub = float_to_bits(bits_to_float(a) + 0.5f) - 0x3f000000u;
+  uint32_t out = a < 0x38800000u ? sub : normal;
+  out = a >= 0x47800000u ? 0x7c00u : out;                        // overflow -> inf
+  out = a > 0x7f800000u ? (0x7e00u | ((a >> 13) & 0x3ffu)) : out;  // nan
+  dst.bits = uint16_t(out | sign);
+}
+
+// exp(x) to ~1 ulp on [-87.3, 88.7]; 0 below, +inf above. Cephes' expf polynomial.
+inline float exp_f(float x) {
+  float xc = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);
+  // Round to nearest by the 1.5 * 2^23 trick: no roundps needed, so SSE2 vectorises it too.
+  float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  float scale = bits_to_float(uint32_t(int32_t(n) + 127) << 23);
+  float y = p * scale;
+  y = x < -87.33654f ? 0.0f : y;
+  return x > 88.72283f ? INFINITY : y;
+}
+
+// erfc(a) for a >= 0, to ~1.2e-7 relative (Numerical Recipes' Chebyshev fit).
+// Relative accuracy in the tail is what keeps GELU's negative side accurate.
+inline float erfc_nonneg_f(float a) {
+  float t = 1.0f / (1.0f + 0.5f * a);
+  float poly = -1.26551223f + t * (1.00002368f + t * (0.37409196f + t * (0.09678418f +
+               t * (-0.18628806f + t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f +
+               t * (-0.82215223f + t * 0.17087277f))))))));
+  return t * exp_f(-a * a + poly);
+}
+
+// The standard normal CDF, Phi(z) = erfc(-z / sqrt(2)) / 2, without cancellation on either side.
+inline float normal_cdf(float z) {
+  float half_tail = 0.5f * erfc_nonneg_f(std::fabs(z) * 0.70710678118654752f);
+  return z < 0.0f ? half_tail : 1.0f - half_tail;
+}
+inline double normal_cdf(double z) { return 0.5 * std::erfc(-z * 0.70710678118654752440); }
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp_f(-x)); }
+inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+inline float exp_(float x) { return exp_f(x); }
+inline double exp_(double x) { return std::exp(x); }
+
+// Calls f with a typed null pointer for the element type, f(static_cast<T*>(nullptr)).
+template <typename F>
+inline void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: f(static_cast<float*>(nullptr)); break;
+    case DType::kF64: f(static_cast<double*>(nullptr)); break;
+    case DType::kBF16: f(static_cast<bf16*>(nullptr)); break;
+    case DType::kF16: f(static_cast<f16*>(nullptr)); break;
+  }
+}
+
+// The arithmetic type of an element type: double for double, float otherwise.
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+template <typename T> using acc_t = typename Acc<T>::type;
+
+}  // namespace fusedlm::cpu::FUSEDLM_ISA

@@ -1,0 +1,92 @@
+// Picks the CPU kernel table for this processor, as ATen picks its own kernels:
+// the best instruction set the CPU supports, or a lower one named by the
+// FUSEDLM_CPU_CAPABILITY environment variable (baseline, avx2, avx512).
+#include <cstdlib>
+#include <mutex>
+
+#include <ATen/Dispatch.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace fusedlm {
+namespace {
+
+bool cpu_supports(const std::string& isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == "baseline";
+}
+
+const cpu::KernelTable& table_for(const std::string& isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "avx512") return cpu::kernel_table_avx512();
+  if (isa == "avx2") return cpu::kernel_table_avx2();
+#endif
+  return cpu::kernel_table_baseline();
+}
+
+const cpu::KernelTable* active = nullptr;
+std::once_flag chosen;
+
+void choose_default() {
+  std::string isa = "baseline";
+  for (const char* candidate : {"avx512", "avx2"})
+    if (cpu_supports(candidate)) { isa = candidate; break; }
+  if (const char* env = std::getenv("FUSEDLM_CPU_CAPABILITY"))
+    if (cpu_supports(env)) isa = env;
+  active = &table_for(isa);
+}
+
+}  // namespace
+
+const cpu::KernelTable& cpu_kernels() {
+  std::call_once(chosen, choose_default);
+  return *active;
+}
+
+std::string cpu_capability() { return cpu_kernels().isa; }
+
+void set_cpu_capability(const std::string& isa) {
+  TORCH_CHECK_VALUE(isa == "baseline" || isa == "avx2" || isa == "avx512",
+                    "capability must be 'baseline', 'avx2' or 'avx512', got '", isa, "'");
+  TORCH_CHECK_VALUE(cpu_supports(isa), "this processor does not support ", isa);
+  cpu_kernels();
+  active = &table_for(isa);
+}
+
+std::vector<std::string> supported_cpu_capabilities() {
+  std::vector<std::string> out;
+  for (const char* isa : {"baseline", "avx2", "avx512"})
+    if (cpu_supports(isa)) out.emplace_back(isa);
+  return out;
+}
+
+at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
+  const int64_t blocks = partial.size(0), cols = partial.size(1);
+  auto out = at::empty({cols}, partial.options());
+  AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "sum_partials", [&] {
+    const scalar_t* src = partial.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, cols, 1024, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) dst[c] = 0;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t c = begin; c < end; ++c) dst[c] += src[b * cols + c];
+    });
+  });
+  return out.to(dtype);
+}
+
+at::Tensor dropout_mask(const at::Tensor& seed, int64_t offset, at::IntArrayRef shape, double p) {
+  auto keep = at::empty(shape, at::dtype(at::kBool));
+  cpu_kernels().dropout_mask(seed_value(seed), static_cast<uint64_t>(offset), keep.numel(),
+                             p, reinterpret_cast<uint8_t*>(keep.data_ptr()));
+  return keep;
+}
+
+}  // namespace fusedlm

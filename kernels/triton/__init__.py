@@ -1,0 +1,1 @@
+"""Triton kernels of fusedlm (the `triton` backend), one module per op."""

@@ -1,0 +1,26 @@
+// fusedlm._C: the compiled extension. Binds the C++ entry points of csrc/ to
+// Python; python/fusedlm/ops registers them as torch ops with autograd and
+// fake (meta) implementations.
+#include <torch/extension.h>
+
+#include "../csrc/ops.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusedlm's compiled kernels (CPU, and CUDA when built with it)";
+#ifdef FUSEDLM_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+
+  m.def("cpu_capability", &fusedlm::cpu_capability);
+  m.def("set_cpu_capability", &fusedlm::set_cpu_capability, py::arg("isa"));
+  m.def("supported_cpu_capabilities", &fusedlm::supported_cpu_capabilities);
+  m.def("dropout_mask", &fusedlm::dropout_mask, py::arg("seed"), py::arg("offset"),
+        py::arg("shape"), py::arg("p"));
+
+  m.def("bias_gelu_forward", &fusedlm::bias_gelu_forward);
+  m.def("bias_gelu_backward", &fusedlm::bias_gelu_backward);
+  m.def("gelu_ffn_forward", &fusedlm::gelu_ffn_forward);
+  m.def("gelu_ffn_backward", &fusedlm::gelu_ffn_backward);
+}

@@ -1,0 +1,14 @@
+"""fusedlm: fused attention, add+LayerNorm, GELU feed-forward and cross-entropy
+kernels (CUDA, Triton and C++ CPU) for the transformer language models of the
+pretraining era.
+
+    import fusedlm
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask)
+    fusedlm.explain("attention", q, k, v)   # which backend runs this call, and why
+"""
+from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on a bad build)
+from . import ops
+from .backends import backends, explain, get_backend, set_backend
+
+__version__ = "0.1.0"
+__all__ = ["ops", "backends", "explain", "get_backend", "set_backend", "__version__"]

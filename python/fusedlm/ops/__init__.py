@@ -1,0 +1,12 @@
+"""fusedlm's ops. Each is differentiable, registered with torch.library (so
+torch.compile traces it without graph breaks), and runs on the backend chosen
+by fusedlm.backends; ``backend=`` names one explicitly.
+
+Conventions: key_padding_mask is bool [batch, seq_k] with True = padding; with
+seq_q != seq_k, causal aligns to the bottom right; rows with every key masked
+are zeros; dropout draws its seed from torch's generator.
+"""
+from . import reference
+from .gelu import bias_gelu, gelu_ffn
+
+__all__ = ["reference", "bias_gelu", "gelu_ffn"]

@@ -1,0 +1,56 @@
+"""Argument checks shared by the ops: each error names the argument and what was expected."""
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def tensor(name: str, t, *, ndim=None, min_ndim=None, dtypes=FLOAT_DTYPES, optional=False):
+    """Checks that ``t`` is a tensor with an allowed dtype and number of dimensions."""
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
+    """The one device of the given tensors (None entries are skipped)."""
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}: all tensors must be on one device"
+            )
+    return first.device
+
+
+def same_dtype(**tensors: Optional[torch.Tensor]) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}: they must match")
+
+
+def shape(name: str, t: Optional[torch.Tensor], expected: tuple) -> None:
+    if t is not None and tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def probability(name: str, p: float) -> None:
+    if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {p!r}")
+
+
+def choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -1,0 +1,159 @@
+"""Builds fusedlm and its compiled extension fusedlm._C.
+
+    pip install --no-build-isolation .        # or -e . for development
+
+Sources come from sources.txt (shared with CMakeLists.txt). The CPU kernels
+(group "isa") are compiled once per instruction set into static libraries and
+picked at run time; host code and bindings are compiled once with ninja.
+
+Environment:
+    FUSEDLM_CUDA=auto|0|1   build the CUDA kernels (auto: when torch has CUDA and nvcc is found)
+    TORCH_CUDA_ARCH_LIST    CUDA targets, default "8.0;9.0a"
+    MAX_JOBS                parallel compile jobs (ninja)
+"""
+import glob
+import os
+import platform
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_clib import build_clib
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as e:  # pragma: no cover - message for users
+    raise SystemExit(
+        "fusedlm compiles against your installed PyTorch: install torch first, then "
+        "`pip install --no-build-isolation .`"
+    ) from e
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_CUDA_ARCHES = "8.0;9.0a"
+# Host code takes the C++ standard torch's headers need; the kernels need C++17.
+HOST_FLAGS = ["-O3", "-fvisibility=hidden"]
+KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
+# Flags of each CPU kernel build. Never -march=native: the wheel must run on any x86-64.
+ISA_FLAGS = {
+    "baseline": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+
+
+def read_sources():
+    """{group: [paths relative to ROOT]} from sources.txt."""
+    groups = {}
+    for line in (ROOT / "sources.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].split()
+        if line:
+            group, pattern = line
+            groups.setdefault(group, []).extend(sorted(glob.glob(pattern, root_dir=ROOT)))
+    return groups
+
+
+def want_cuda():
+    setting = os.environ.get("FUSEDLM_CUDA", "auto").lower()
+    if setting not in ("auto", "0", "1"):
+        raise SystemExit(f"FUSEDLM_CUDA must be auto, 0 or 1, got {setting!r}")
+    if setting == "0":
+        return False
+    has_toolchain = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if setting == "1" and not has_toolchain:
+        missing = "this PyTorch has no CUDA" if torch.version.cuda is None else "nvcc was not found (set CUDA_HOME)"
+        raise SystemExit(f"FUSEDLM_CUDA=1 asks for the CUDA kernels, but {missing}.")
+    return has_toolchain
+
+
+def isa_libraries(sources):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        names = ["baseline"]
+    else:
+        names = list(ISA_FLAGS)
+    return [
+        (
+            f"fusedlm_cpu_{isa}",
+            {
+                "sources": sources,
+                "macros": [("FUSEDLM_ISA", isa)],
+                "cflags": [*KERNEL_FLAGS, *ISA_FLAGS[isa]],
+                "depends": sorted(glob.glob("csrc/cpu/*.h", root_dir=ROOT)),
+            },
+        )
+        for isa in names
+    ]
+
+
+def write_build_info(with_cuda):
+    arches = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
+    (ROOT / "python/fusedlm/_build_info.py").write_text(
+        '"""Written by setup.py: what the extension was compiled against."""\n'
+        f"torch_version = {torch.__version__!r}\n"
+        f"cuda_version = {torch.version.cuda if with_cuda else None!r}\n"
+        f"cuda_arches = {arches!r}\n"
+    )
+
+
+def extension(sources, with_cuda):
+    kwargs = dict(
+        name="fusedlm._C",
+        sources=sources["host"] + (sources.get("cuda", []) if with_cuda else []),
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={"cxx": HOST_FLAGS, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+        define_macros=[("FUSEDLM_WITH_CUDA", None)] if with_cuda else [],
+    )
+    if with_cuda:
+        return cpp_extension.CUDAExtension(**kwargs)
+    kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]
+    return cpp_extension.CppExtension(**kwargs)
+
+
+class BuildIsaLibraries(build_clib):
+    """Compiles each instruction set's kernel library into its own object folder
+    (the same sources are compiled once per instruction set)."""
+
+    def build_libraries(self, libraries):
+        for name, info in libraries:
+            objects = self.compiler.compile(
+                info["sources"],
+                output_dir=os.path.join(self.build_temp, name),
+                macros=info["macros"],
+                extra_postargs=info["cflags"],
+                depends=info["depends"],
+            )
+            self.compiler.create_static_lib(objects, name, output_dir=self.build_clib)
+
+
+class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """Builds the per-instruction-set kernel libraries first (editable installs run
+    build_ext alone, without the build_clib step of a full build)."""
+
+    def run(self):
+        self.run_command("build_clib")
+        super().run()
+
+
+sources = read_sources()
+with_cuda = want_cuda()
+if with_cuda:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHES)
+write_build_info(with_cuda)
+
+setup(
+    name="fusedlm",
+    version="0.1.0",
+    description="Fused CUDA, Triton and CPU kernels for BERT, GPT, ELECTRA and ELMo in PyTorch",
+    python_requires=">=3.10",
+    package_dir={"": "python", "fusedlm.triton_kernels": "kernels/triton"},
+    packages=find_packages("python") + ["fusedlm.triton_kernels"],
+    libraries=isa_libraries(sources["isa"]),
+    ext_modules=[extension(sources, with_cuda)],
+    cmdclass={"build_clib": BuildIsaLibraries, "build_ext": BuildExtension},
+    install_requires=["torch>=2.11", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.6"],
+        "hf": ["transformers", "tokenizers", "safetensors"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis"],
+    },
+    zip_safe=False,
+)

@@ -1,0 +1,74 @@
+"""Shared test helpers: which backends to test, on which device, and tolerances.
+
+Every op's test file takes the backend as a parameter and compares it with
+fusedlm.ops.reference evaluated in float64 on the same inputs.
+"""
+import os
+
+import pytest
+import torch
+
+import fusedlm
+from fusedlm.backends import _REGISTRY
+
+# Tolerances (atol, rtol) of a kernel's output in a dtype against a float64 reference.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-8),
+    torch.float32: (2e-5, 2e-4),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device whose tensors a backend is tested on here."""
+    if backend == "cpu" or (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def backends_for(op: str):
+    """pytest params: every kernel backend that implements `op`, skipped where it cannot run."""
+    params = []
+    for name in ("cpu", "triton", "cuda"):
+        backend = _REGISTRY[name]
+        reason = backend.unavailable() or (None if op in backend.kernels else f"no {op} kernel")
+        marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
+        params.append(pytest.param(name, id=name, marks=marks))
+    return params
+
+
+def assert_close(actual, expected, dtype=None, scale=1.0, name="output"):
+    """Compares with a float64 reference at the tolerance of `dtype` (default: actual's)."""
+    atol, rtol = TOLERANCES[dtype or actual.dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol * scale, rtol=rtol * scale,
+                               msg=lambda m: f"{name}: {m}")
+
+
+def fresh(shape, dtype, device, scale=1.0, requires_grad=True):
+    """New random inputs each call (never zeros), as a leaf tensor."""
+    t = (torch.randn(shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+    return t.requires_grad_(requires_grad)
+
+
+def as_reference(*tensors):
+    """float64 leaf copies of the inputs, for the reference."""
+    return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
+@pytest.fixture(params=fusedlm._C.supported_cpu_capabilities())
+def cpu_isa(request):
+    """Runs a test once per instruction set the processor supports."""
+    before = fusedlm._C.cpu_capability()
+    fusedlm._C.set_cpu_capability(request.param)
+    yield request.param
+    fusedlm._C.set_cpu_capability(before)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """Every test draws new random inputs; pytest shows the printed seed when a test fails."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"torch.manual_seed({seed})")
+    torch.manual_seed(seed)
+    yield seed

@@ -1,0 +1,232 @@
+"""bias_gelu and gelu_ffn against the reference, on every backend that has them."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fusedlm
+from fusedlm.ops import reference
+from fusedlm.ops._dropout import cpu_keep_mask
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_gelu_matches_reference(backend, dtype, approximate, with_bias):
+    device = backend_device(backend)
+    x = fresh((3, 37, 130), dtype, device, scale=3.0)
+    bias = fresh((130,), dtype, device) if with_bias else None
+    out = fusedlm.ops.bias_gelu(x, bias, approximate, backend=backend)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    x64, b64 = as_reference(x, bias)
+    expected = reference.bias_gelu(x64, b64, approximate)
+    expected.backward(grad.double())
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, expected, name="out")
+    assert_close(x.grad, x64.grad, name="dx")
+    if with_bias:
+        # The bias gradient sums 111 rows: allow for the rounding of that many terms.
+        assert_close(bias.grad, b64.grad, scale=10, name="dbias")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_gradcheck(approximate):
+    x = fresh((4, 9), torch.float64, "cpu")
+    bias = fresh((9,), torch.float64, "cpu")
+    assert torch.autograd.gradcheck(lambda x, b: fusedlm.ops.bias_gelu(x, b, approximate, backend="cpu"), (x, bias))
+
+
+def test_bias_gelu_every_instruction_set(cpu_isa):
+    # Odd widths exercise the vector loops' remainders.
+    for cols in (1, 7, 33, 1000):
+        x = fresh((5, cols), torch.float32, "cpu", scale=4.0)
+        bias = fresh((cols,), torch.float32, "cpu")
+        for approximate in ("none", "tanh"):
+            out = fusedlm.ops.bias_gelu(x, bias, approximate, backend="cpu")
+            (dx, db) = torch.autograd.grad(out, (x, bias), torch.ones_like(out))
+            x64, b64 = as_reference(x, bias)
+            expected = reference.bias_gelu(x64, b64, approximate)
+            (ex, eb) = torch.autograd.grad(expected, (x64, b64), torch.ones_like(expected))
+            assert_close(out, expected, name=f"{cpu_isa} out")
+            assert_close(dx, ex, name=f"{cpu_isa} dx")
+            assert_close(db, eb, name=f"{cpu_isa} dbias")
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 70), cols=st.integers(1, 300), scale=st.floats(0.1, 20.0),
+       approximate=st.sampled_from(["none", "tanh"]))
+def test_bias_gelu_random_shapes(rows, cols, scale, approximate):
+    x = fresh((rows, cols), torch.float32, "cpu", scale=scale)
+    bias = fresh((cols,), torch.float32, "cpu")
+    out = fusedlm.ops.bias_gelu(x, bias, approximate, backend="cpu")
+    out.sum().backward()
+    x64, b64 = as_reference(x, bias)
+    expected = reference.bias_gelu(x64, b64, approximate)
+    expected.sum().backward()
+    assert_close(out, expected)
+    assert_close(x.grad, x64.grad)
+    assert_close(bias.grad, b64.grad, scale=10)
+
+
+def test_bias_gelu_edge_cases():
+    # Non-contiguous input, and extreme values that must not overflow in half precision.
+    x = fresh((40, 24), torch.float32, "cpu").t()
+    bias = fresh((40,), torch.float32, "cpu")
+    assert_close(fusedlm.ops.bias_gelu(x, bias, backend="cpu"), reference.bias_gelu(*as_reference(x, bias)))
+    big = torch.tensor([[-60000.0, -20.0, 0.0, 20.0, 60000.0]], dtype=torch.float16)
+    out = fusedlm.ops.bias_gelu(big, None, backend="cpu")
+    assert torch.isfinite(out).all()
+    assert_close(out, reference.bias_gelu(big.double()), dtype=torch.float16)
+
+
+def test_bias_gelu_compiles_without_graph_breaks():
+    x = fresh((8, 64), torch.float32, "cpu")
+    bias = fresh((64,), torch.float32, "cpu")
+    compiled = torch.compile(lambda x, b: fusedlm.ops.bias_gelu(x, b, "tanh", backend="cpu") * 2, fullgraph=True)
+    out = compiled(x, bias)
+    out.sum().backward()
+    x64, b64 = as_reference(x, bias)
+    expected = reference.bias_gelu(x64, b64, "tanh") * 2
+    expected.sum().backward()
+    assert_close(out, expected)
+    assert_close(x.grad, x64.grad)
+
+
+def test_bias_gelu_rejects_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="bias"):
+        fusedlm.ops.bias_gelu(x, torch.randn(7))
+    with pytest.raises(TypeError, match="bias"):
+        fusedlm.ops.bias_gelu(x, torch.randn(8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x"):
+        fusedlm.ops.bias_gelu(torch.ones(4, 8, dtype=torch.int64), None)
+    with pytest.raises(ValueError, match="approximate"):
+        fusedlm.ops.bias_gelu(x, None, "sigmoid")
+    with pytest.raises(ValueError, match="bias"):
+        fusedlm.ops.bias_gelu(x, torch.randn(8, device="meta"))
+
+
+# --- gelu_ffn ------------------------------------------------------------------------------------
+
+def _ffn_inputs(dtype, device, d_in=48, d_ff=136, d_out=40, with_bias=True):
+    x = fresh((2, 13, d_in), dtype, device)
+    w1 = fresh((d_ff, d_in), dtype, device, scale=d_in ** -0.5)
+    b1 = fresh((d_ff,), dtype, device) if with_bias else None
+    w2 = fresh((d_out, d_ff), dtype, device, scale=d_ff ** -0.5)
+    b2 = fresh((d_out,), dtype, device) if with_bias else None
+    return x, w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gelu_ffn_matches_reference(backend, dtype, approximate, with_bias):
+    inputs = _ffn_inputs(dtype, backend_device(backend), with_bias=with_bias)
+    out = fusedlm.ops.gelu_ffn(*inputs, approximate=approximate, backend=backend)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref_inputs = as_reference(*inputs)
+    expected = reference.gelu_ffn(*ref_inputs, approximate=approximate)
+    expected.backward(grad.double())
+    # Matrix products in bf16/fp16 round their inputs and outputs: scale the tolerance.
+    scale = 1 if dtype == torch.float32 else 3
+    assert_close(out, expected, scale=scale, name="out")
+    for name, t, r in zip(("x", "w1", "b1", "w2", "b2"), inputs, ref_inputs):
+        if t is not None:
+            assert_close(t.grad, r.grad, scale=10 * scale, name=f"d{name}")
+
+
+def test_gelu_ffn_gradcheck():
+    inputs = _ffn_inputs(torch.float64, "cpu", d_in=5, d_ff=7, d_out=3)
+    inputs = [t[:1, :3] if i == 0 else t for i, t in enumerate(inputs)]
+    inputs[0] = inputs[0].detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: fusedlm.ops.gelu_ffn(*a, backend="cpu"), tuple(inputs))
+
+
+def test_gelu_ffn_dropout_replays_its_mask():
+    inputs = _ffn_inputs(torch.float64, "cpu")
+    p = 0.3
+    torch.manual_seed(1234)
+    seed = fusedlm.ops._dropout.next_seed(p)
+    torch.manual_seed(1234)
+    out = fusedlm.ops.gelu_ffn(*inputs, dropout_p=p, backend="cpu")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    keep = cpu_keep_mask(seed, (26, inputs[1].shape[0]), p).view(2, 13, -1)
+    ref_inputs = as_reference(*inputs)
+    expected = reference.gelu_ffn(*ref_inputs, dropout_p=p, dropout_mask=keep)
+    expected.backward(grad)
+    assert_close(out, expected)
+    for t, r in zip(inputs, ref_inputs):
+        assert_close(t.grad, r.grad)
+    # The same seed repeats the run; another seed does not.
+    torch.manual_seed(1234)
+    assert torch.equal(fusedlm.ops.gelu_ffn(*inputs, dropout_p=p, backend="cpu"), out)
+    assert not torch.equal(fusedlm.ops.gelu_ffn(*inputs, dropout_p=p, backend="cpu"), out)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_stream_statistics(p):
+    # Keep rate within 5 standard deviations of 1 - p, and no visible correlation between neighbours.
+    n = 200_000
+    keep = cpu_keep_mask(torch.tensor(987654321), (n,), p, offset=12345).double()
+    sd = (p * (1 - p) / n) ** 0.5
+    assert abs(keep.mean().item() - (1 - p)) < 5 * sd
+    assert abs(torch.corrcoef(torch.stack([keep[:-1], keep[1:]]))[0, 1].item()) < 0.02
+    # Offsets index one stream: a shifted window reproduces the same decisions.
+    shifted = cpu_keep_mask(torch.tensor(987654321), (n - 7,), p, offset=12352).double()
+    assert torch.equal(shifted, keep[7:])
+
+
+def test_gelu_ffn_dropout_scales_kept_units():
+    # With w2 = identity the output is the dropped activation: zeros or exactly gelu / (1 - p).
+    d = 64
+    x = fresh((512, d), torch.float64, "cpu", requires_grad=False)
+    w1 = torch.eye(d, dtype=torch.float64)
+    eye = torch.eye(d, dtype=torch.float64)
+    p = 0.25
+    out = fusedlm.ops.gelu_ffn(x, w1, None, eye, None, dropout_p=p, backend="cpu")
+    full = reference.bias_gelu(x)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], full[kept] / (1 - p))
+    assert abs(kept.double().mean().item() - (1 - p)) < 0.01
+
+
+def test_gelu_ffn_compiles_without_graph_breaks():
+    inputs = _ffn_inputs(torch.float32, "cpu")
+    compiled = torch.compile(lambda *a: fusedlm.ops.gelu_ffn(*a, backend="cpu"), fullgraph=True)
+    out = compiled(*inputs)
+    out.sum().backward()
+    ref_inputs = as_reference(*inputs)
+    expected = reference.gelu_ffn(*ref_inputs)
+    expected.sum().backward()
+    assert_close(out, expected)
+    assert_close(inputs[1].grad, ref_inputs[1].grad, scale=10)
+
+
+def test_gelu_ffn_empty_batch():
+    x, w1, b1, w2, b2 = _ffn_inputs(torch.float32, "cpu")
+    x = torch.randn(0, 48, requires_grad=True)
+    out = fusedlm.ops.gelu_ffn(x, w1, b1, w2, b2, backend="cpu")
+    assert out.shape == (0, 40)
+    out.sum().backward()
+    assert torch.equal(w1.grad, torch.zeros_like(w1))
+
+
+def test_gelu_ffn_rejects_bad_input():
+    x, w1, b1, w2, b2 = _ffn_inputs(torch.float32, "cpu")
+    with pytest.raises(ValueError, match="w1"):
+        fusedlm.ops.gelu_ffn(x, w1.t(), b1, w2, b2)
+    with pytest.raises(ValueError, match="b2"):
+        fusedlm.ops.gelu_ffn(x, w1, b1, w2, b1)
+    with pytest.raises(TypeError, match="w2"):
+        fusedlm.ops.gelu_ffn(x, w1, b1, w2.half(), b2)
+    with pytest.raises(ValueError, match="dropout_p"):
+        fusedlm.ops.gelu_ffn(x, w1, b1, w2, b2, dropout_p=1.0)
