@@ -23,4 +23,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("bias_gelu_backward", &fusedlm::bias_gelu_backward);
   m.def("gelu_ffn_forward", &fusedlm::gelu_ffn_forward);
   m.def("gelu_ffn_backward", &fusedlm::gelu_ffn_backward);
+  m.def("attention_forward", &fusedlm::attention_forward);
+  m.def("attention_backward", &fusedlm::attention_backward);
+  m.def("attention_varlen_forward", &fusedlm::attention_varlen_forward);
+  m.def("attention_varlen_backward", &fusedlm::attention_varlen_backward);
+  m.def("unpad_forward", &fusedlm::unpad_forward);
+  m.def("pad_forward", &fusedlm::pad_forward);
+  m.def("pad_backward", &fusedlm::pad_backward);
 }

@@ -10,6 +10,11 @@ BACKEND = register(
         {
             "bias_gelu": Kernel(_C.bias_gelu_forward, _C.bias_gelu_backward),
             "gelu_ffn": Kernel(_C.gelu_ffn_forward, _C.gelu_ffn_backward),
+            "attention": Kernel(_C.attention_forward, _C.attention_backward),
+            "attention_varlen": Kernel(_C.attention_varlen_forward, _C.attention_varlen_backward),
+            # unpad's backward is the pad op.
+            "unpad": Kernel(_C.unpad_forward),
+            "pad": Kernel(_C.pad_forward, _C.pad_backward),
         },
     )
 )

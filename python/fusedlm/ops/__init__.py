@@ -8,5 +8,7 @@ are zeros; dropout draws its seed from torch's generator.
 """
 from . import reference
 from .gelu import bias_gelu, gelu_ffn
+from .attention import attention, attention_varlen
+from .padding import pad, unpad
 
-__all__ = ["reference", "bias_gelu", "gelu_ffn"]
+__all__ = ["reference", "bias_gelu", "gelu_ffn", "attention", "attention_varlen", "unpad", "pad"]
