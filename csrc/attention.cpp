@@ -3,11 +3,11 @@
 // between (the kernels of csrc/cpu/attention.cpp).
 //
 // Forward: one at::parallel_for task per (sequence, head, block of kBlockQ queries).
-// It packs the block's queries times the softmax scale, and the keys and values the
-// block may attend to, into dense buffers in the accumulation type (one read of each
-// input, any strides), then for each block of kBlockK keys: S = Q K^T (at::mm), the
-// fused online-softmax step, O += P V (at::addmm_). It writes O / l and each row's
-// log-sum-exp, the one statistic backward needs.
+// For each block of kBlockK keys: S = Q K^T (at::mm), the fused scale + bias + mask +
+// online-softmax step, O += P V (at::addmm_). It writes O / l and each row's
+// log-sum-exp, the one statistic backward needs. The products read float32/float64
+// inputs in place (any row stride); other layouts and dtypes are first packed into
+// dense float32 buffers, one read of each input.
 //
 // Backward: one task per (sequence, head), which owns dK and dV, so their sums need no
 // reduction across threads. Per query block it recomputes P = exp(S - lse) tile by
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/attention.h"
 #include "ops.h"
 
 namespace fusedlm {
@@ -35,6 +36,10 @@ namespace {
 // does over a million multiply-adds at head_dim 64.
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 256;
+// Forward tasks take this many heads of a query block at once, so each ATen call (a few
+// microseconds to dispatch, comparable to a product at seq 128) serves them all through
+// bmm. A constant, so the split of the work does not depend on the machine.
+constexpr int64_t kHeadGroup = 4;
 
 // Rows of a tensor in units of elements: row `r` of head `h` of sequence `b` starts at
 // data + (b * batch + h * head + r * row) * elem; columns are `col` apart. Padded
@@ -73,6 +78,8 @@ struct Problem {
   uint64_t seed = 0;
   Rows q, k, v, bias;
   bool has_bias = false;
+  // The products may read the inputs in place: their element type is the accumulation type.
+  bool direct = false;
 
   // The gathered keys of sequence b: key_pos[key_start[b] + j] is the position of its
   // j-th valid key; slot[slot_start[b] + t] is the gathered index of position t (-1
@@ -80,6 +87,9 @@ struct Problem {
   // t, for t in [0, k_len[b]].
   std::vector<int32_t> key_pos, slot, below;
   std::vector<int64_t> key_start, slot_start;
+  // Whether sequence b's valid keys are consecutive positions (padding only at the ends),
+  // so that a product can read them in place.
+  std::vector<bool> keys_consecutive;
 
   int64_t keys(int64_t b) const { return key_start[b + 1] - key_start[b]; }
   const int32_t* positions(int64_t b) const { return key_pos.data() + key_start[b]; }
@@ -118,30 +128,53 @@ struct Problem {
       }
       below.push_back(count);
       key_start.push_back(static_cast<int64_t>(key_pos.size()));
+      keys_consecutive.push_back(count == 0 || key_pos.back() - key_pos[key_start[b]] + 1 == count);
     }
   }
 };
 
-// One thread's buffers, in the accumulation type. Sized for a query block and for
-// all the keys of the longest sequence.
+// A buffer of at least n elements for this thread. Up to kKeptBytes it is kept for the
+// thread's next call: a fresh allocation of that size comes from mmap, and touching its
+// pages again on every call costs more than the attention of a short sequence.
+constexpr int64_t kKeptBytes = int64_t(8) << 20;
+
+at::Tensor thread_buffer(int64_t n, const at::TensorOptions& options) {
+  thread_local at::Tensor kept;
+  const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  if (kept.defined() && kept.dtype() == options.dtype() && kept.numel() >= n) return kept;
+  auto fresh = at::empty({n}, options);
+  if (bytes <= kKeptBytes) kept = fresh;
+  return fresh;
+}
+
+// A matrix operand of the products, per head of a group: rows `ld` elements apart,
+// heads `head_ld` apart, unit column stride.
+struct Operand {
+  char* data;
+  int64_t head_ld, ld;
+};
+
+// One thread's buffers, in the accumulation type. Sized for `group` heads of a query
+// block and of all the keys of the longest sequence.
 struct Workspace {
   at::Tensor storage;
   at::TensorOptions options;
-  size_t acc_size;
+  int64_t acc_size;
   void *q, *k, *v, *s, *dp, *o, *dout, *dk, *dv, *m, *l, *delta;
   std::vector<int32_t> limit, relative;
   std::vector<uint8_t> keep, scratch;
 
-  Workspace(const Problem& pb, bool backward) : options(at::dtype(pb.acc)) {
+  Workspace(const Problem& pb, bool backward, int64_t group) : options(at::dtype(pb.acc)) {
     const int64_t n = pb.max_keys(), tile = kBlockQ * kBlockK;
-    // Offsets (in elements) of each buffer in one allocation; backward-only ones are empty in forward.
-    const int64_t sizes[] = {kBlockQ * pb.dk, n * pb.dk, n * pb.dv, tile, backward ? tile : 0,
-                             kBlockQ * std::max(pb.dk, pb.dv), backward ? kBlockQ * pb.dv : 0,
-                             backward ? n * pb.dk : 0, backward ? n * pb.dv : 0, kBlockQ, kBlockQ,
-                             kBlockQ};
+    // Each buffer's size in elements, carved from one allocation in this order.
+    const int64_t sizes[] = {group * kBlockQ * pb.dk, group * n * pb.dk, group * n * pb.dv,
+                             group * tile, backward ? tile : 0,
+                             group * kBlockQ * std::max(pb.dk, pb.dv),
+                             backward ? kBlockQ * pb.dv : 0, backward ? n * pb.dk : 0,
+                             backward ? n * pb.dv : 0, group * kBlockQ, group * kBlockQ, kBlockQ};
     void** slots[] = {&q, &k, &v, &s, &dp, &o, &dout, &dk, &dv, &m, &l, &delta};
-    storage = at::empty({std::accumulate(std::begin(sizes), std::end(sizes), int64_t(0))}, options);
-    acc_size = storage.element_size();
+    storage = thread_buffer(std::accumulate(std::begin(sizes), std::end(sizes), int64_t(0)), options);
+    acc_size = static_cast<int64_t>(storage.element_size());
     char* at = static_cast<char*>(storage.data_ptr());
     for (size_t i = 0; i < std::size(sizes); ++i) {
       *slots[i] = at;
@@ -155,11 +188,42 @@ struct Workspace {
     }
   }
 
-  // A [rows, cols] matrix over an acc buffer, starting `offset` elements in.
+  void* at(void* data, int64_t offset) const { return static_cast<char*>(data) + offset * acc_size; }
+  // A dense [rows, cols] matrix over an acc buffer, starting `offset` elements in.
   at::Tensor mat(void* data, int64_t rows, int64_t cols, int64_t offset = 0) const {
-    return at::from_blob(static_cast<char*>(data) + offset * acc_size, {rows, cols}, options);
+    return at::from_blob(at(data, offset), {rows, cols}, options);
   }
-  void* ptr(void* data, int64_t offset) const { return static_cast<char*>(data) + offset * acc_size; }
+  // Dense [heads, rows, cols] matrices over an acc buffer.
+  at::Tensor mats(void* data, int64_t heads, int64_t rows, int64_t cols) const {
+    return at::from_blob(data, {heads, rows, cols}, options);
+  }
+  // Rows [first, first + rows) of an operand: of its first head, or of `heads` heads.
+  at::Tensor mat(const Operand& x, int64_t first, int64_t rows, int64_t cols) const {
+    return at::from_blob(x.data + first * x.ld * acc_size, {rows, cols}, {x.ld, 1}, options);
+  }
+  at::Tensor mats(const Operand& x, int64_t heads, int64_t first, int64_t rows, int64_t cols) const {
+    return at::from_blob(x.data + first * x.ld * acc_size, {heads, rows, cols}, {x.head_ld, x.ld, 1},
+                         options);
+  }
+
+  // Rows [row, row + n) of heads h0 .. h0 + heads of sequence b of `src` (or, with
+  // `gather`, its rows row + gather[j]): in place when the products can read them so,
+  // else packed into `buffer`.
+  Operand operand(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t heads,
+                  int64_t row, const int32_t* gather, bool consecutive, int64_t n, int64_t cols,
+                  void* buffer) const {
+    if (pb.direct && (src.col == 1 || cols == 1) && (!gather || consecutive))
+      return {src.at(b, h0, row + (gather && n ? gather[0] : 0)), src.head, src.row};
+    for (int64_t j = 0; j < heads; ++j)
+      cpu_kernels().attn_pack(pb.dtype, src.at(b, h0 + j, row), src.row, src.col, gather, n, cols,
+                              at(buffer, j * n * cols));
+    return {static_cast<char*>(buffer), n * cols, cols};
+  }
+  Operand keys(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t heads, int64_t n,
+               int64_t cols, void* buffer) const {
+    return operand(pb, src, b, h0, heads, pb.k_row0[b], pb.positions(b), pb.keys_consecutive[b],
+                   n, cols, buffer);
+  }
 
   // Fills limit for queries i0 .. i0 + rows of sequence b; returns how many gathered
   // keys the block needs (the largest limit).
@@ -172,71 +236,71 @@ struct Workspace {
     return reach;
   }
 
-  // The limits relative to a key block [k0, k0 + cols).
-  const int32_t* relative_limits(int64_t rows, int64_t k0, int64_t cols) {
+  // The tile of queries i0 .. i0 + rows of (b, h) against gathered keys [k0, k0 + cols).
+  cpu::AttnTile tile(const Problem& pb, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t k0,
+                     int64_t cols) {
     for (int64_t r = 0; r < rows; ++r)
       relative[r] = static_cast<int32_t>(std::clamp<int64_t>(limit[r] - k0, 0, cols));
-    return relative.data();
-  }
-
-  // The keep mask of a tile (null without dropout): the stream's elements at
-  // [b, h, i0 + r, position of key k0 + j].
-  const uint8_t* keep_mask(const Problem& pb, int64_t b, int64_t h, int64_t i0, int64_t rows,
-                           int64_t k0, int64_t cols) {
-    if (pb.p <= 0) return nullptr;
-    const uint64_t offset = static_cast<uint64_t>(((b * pb.heads + h) * pb.pitch_q + i0) * pb.pitch_k);
-    cpu_kernels().attn_dropout_keep(pb.seed, pb.p, offset, pb.pitch_k, rows,
-                                    pb.positions(b) + k0, cols, scratch.data(), keep.data());
-    return keep.data();
-  }
-
-  // Packs the first n gathered keys and values of (b, h).
-  void pack_keys(const Problem& pb, int64_t b, int64_t h, int64_t n) {
-    const auto& kern = cpu_kernels();
-    kern.attn_pack(pb.dtype, pb.k.at(b, h, pb.k_row0[b]), pb.k.row, pb.k.col, pb.positions(b), n,
-                   pb.dk, 1.0, k);
-    kern.attn_pack(pb.dtype, pb.v.at(b, h, pb.k_row0[b]), pb.v.row, pb.v.col, pb.positions(b), n,
-                   pb.dv, 1.0, v);
+    const int32_t* key_pos = pb.positions(b) + k0;
+    const uint8_t* mask = nullptr;
+    if (pb.p > 0) {
+      // The stream's elements [b, h, i0 + r, key_pos[j]].
+      const auto offset = static_cast<uint64_t>(((b * pb.heads + h) * pb.pitch_q + i0) * pb.pitch_k);
+      cpu_kernels().attn_dropout_keep(pb.seed, pb.p, offset, pb.pitch_k, rows, key_pos, cols,
+                                      scratch.data(), keep.data());
+      mask = keep.data();
+    }
+    return {pb.dtype, rows, cols, relative.data(), pb.scale,
+            pb.has_bias ? pb.bias.at(b, h, i0) : nullptr, pb.bias.row, pb.bias.col, key_pos, mask,
+            pb.p};
   }
 };
 
-void forward_query_block(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t i0,
-                         const Rows& out, const Rows& lse) {
+void forward_query_block(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
+                         int64_t i0, const Rows& out, const Rows& lse) {
   const auto& kern = cpu_kernels();
   const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
   const int64_t reach = ws.set_limits(pb, b, i0, rows);
-  ws.pack_keys(pb, b, h, reach);
-  kern.attn_pack(pb.dtype, pb.q.at(b, h, row), pb.q.row, pb.q.col, nullptr, rows, pb.dk, pb.scale,
-                 ws.q);
-  auto m = ws.mat(ws.m, 1, rows), l = ws.mat(ws.l, 1, rows), o = ws.mat(ws.o, rows, pb.dv);
-  m.fill_(-std::numeric_limits<double>::infinity());
-  l.zero_();
-  o.zero_();
-  const auto q = ws.mat(ws.q, rows, pb.dk);
+  const auto q = ws.mats(ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q),
+                         heads, 0, rows, pb.dk);
+  const Operand k = ws.keys(pb, pb.k, b, h0, heads, reach, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, h0, heads, reach, pb.dv, ws.v);
+  auto o = ws.mats(ws.o, heads, rows, pb.dv);
   for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, reach - k0);
-    auto s = ws.mat(ws.s, rows, cols);
-    at::mm_out(s, q, ws.mat(ws.k, cols, pb.dk, k0 * pb.dk).t());
-    if (pb.has_bias)
-      kern.attn_add_bias(pb.dtype, ws.s, rows, cols, pb.bias.at(b, h, i0), pb.bias.row,
-                         pb.bias.col, pb.positions(b) + k0);
-    kern.attn_forward_block(pb.dtype, rows, cols, ws.relative_limits(rows, k0, cols),
-                            ws.keep_mask(pb, b, h, i0, rows, k0, cols), pb.p, ws.s, ws.m, ws.l,
-                            ws.o, pb.dv);
-    o.addmm_(s, ws.mat(ws.v, cols, pb.dv, k0 * pb.dv));
+    auto s = ws.mats(ws.s, heads, rows, cols);
+    at::bmm_out(s, q, ws.mats(k, heads, k0, cols, pb.dk).transpose(1, 2));
+    for (int64_t j = 0; j < heads; ++j) {
+      const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
+      kern.attn_forward_block(&tile, k0 == 0, ws.at(ws.s, j * rows * cols), ws.at(ws.m, j * rows),
+                              ws.at(ws.l, j * rows), ws.at(ws.o, j * rows * pb.dv), pb.dv);
+    }
+    const auto vb = ws.mats(v, heads, k0, cols, pb.dv);
+    if (k0 == 0) at::bmm_out(o, s, vb);
+    else o.baddbmm_(s, vb);
   }
-  kern.attn_forward_finish(pb.dtype, rows, pb.dv, ws.m, ws.l, ws.o, lse.at(b, h, row));
-  kern.attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dv, 1.0, out.at(b, h, row), out.row, out.col);
+  if (reach == 0) {  // no key at all: every row is empty
+    ws.mat(ws.m, 1, heads * rows).fill_(-std::numeric_limits<double>::infinity());
+    ws.mat(ws.l, 1, heads * rows).zero_();
+  }
+  for (int64_t j = 0; j < heads; ++j)
+    kern.attn_forward_finish(pb.dtype, rows, pb.dv, ws.at(ws.m, j * rows), ws.at(ws.l, j * rows),
+                             ws.at(ws.o, j * rows * pb.dv), lse.at(b, h0 + j, row),
+                             out.at(b, h0 + j, row), out.row, out.col);
 }
 
 void forward(const Problem& pb, const Rows& out, const Rows& lse) {
   const int64_t longest = pb.batch ? *std::max_element(pb.q_len.begin(), pb.q_len.end()) : 0;
   const int64_t blocks = (longest + kBlockQ - 1) / kBlockQ;
-  at::parallel_for(0, pb.batch * pb.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    Workspace ws(pb, false);
+  const int64_t group = std::min(kHeadGroup, pb.heads);
+  const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
+  at::parallel_for(0, pb.batch * groups * blocks, 1, [&](int64_t begin, int64_t end) {
+    Workspace ws(pb, false, group);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (pb.heads * blocks), h = t / blocks % pb.heads, i0 = t % blocks * kBlockQ;
-      if (i0 < pb.q_len[b]) forward_query_block(pb, ws, b, h, i0, out, lse);
+      const int64_t b = t / (groups * blocks), h0 = t / blocks % groups * group;
+      const int64_t i0 = t % blocks * kBlockQ;
+      if (i0 < pb.q_len[b])
+        forward_query_block(pb, ws, b, h0, std::min(group, pb.heads - h0), i0, out, lse);
     }
   });
 }
@@ -249,49 +313,47 @@ struct Grads {
 void backward_head(const Problem& pb, Workspace& ws, int64_t b, int64_t h, const Grads& g) {
   const auto& kern = cpu_kernels();
   const int64_t n = pb.keys(b);
-  ws.pack_keys(pb, b, h, n);
+  const Operand k = ws.keys(pb, pb.k, b, h, 1, n, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, h, 1, n, pb.dv, ws.v);
   auto dk = ws.mat(ws.dk, n, pb.dk), dv = ws.mat(ws.dv, n, pb.dv);
   dk.zero_();
   dv.zero_();
   for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) {
     const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
     const int64_t reach = ws.set_limits(pb, b, i0, rows);
-    kern.attn_pack(pb.dtype, pb.q.at(b, h, row), pb.q.row, pb.q.col, nullptr, rows, pb.dk,
-                   pb.scale, ws.q);
-    kern.attn_pack(pb.dtype, g.grad.at(b, h, row), g.grad.row, g.grad.col, nullptr, rows, pb.dv,
-                   1.0, ws.dout);
-    kern.attn_delta(pb.dtype, g.out.at(b, h, row), g.out.row, g.out.col, ws.dout, rows, pb.dv,
-                    ws.delta);
+    const auto q = ws.mat(ws.operand(pb, pb.q, b, h, 1, row, nullptr, true, rows, pb.dk, ws.q), 0,
+                          rows, pb.dk);
+    const Operand dout_rows =
+        ws.operand(pb, g.grad, b, h, 1, row, nullptr, true, rows, pb.dv, ws.dout);
+    const auto dout = ws.mat(dout_rows, 0, rows, pb.dv);
+    kern.attn_delta(pb.dtype, g.out.at(b, h, row), g.out.row, g.out.col, dout_rows.data,
+                    dout_rows.ld, rows, pb.dv, ws.delta);
     const void* lse = g.lse.at(b, h, row);
-    const auto q = ws.mat(ws.q, rows, pb.dk), dout = ws.mat(ws.dout, rows, pb.dv);
     auto dq = ws.mat(ws.o, rows, pb.dk);
-    dq.zero_();
     for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
       const int64_t cols = std::min(kBlockK, reach - k0);
-      const auto kb = ws.mat(ws.k, cols, pb.dk, k0 * pb.dk);
+      const auto kb = ws.mat(k, k0, cols, pb.dk);
       auto s = ws.mat(ws.s, rows, cols), dp = ws.mat(ws.dp, rows, cols);
       at::mm_out(s, q, kb.t());
-      if (pb.has_bias)
-        kern.attn_add_bias(pb.dtype, ws.s, rows, cols, pb.bias.at(b, h, i0), pb.bias.row,
-                           pb.bias.col, pb.positions(b) + k0);
-      at::mm_out(dp, dout, ws.mat(ws.v, cols, pb.dv, k0 * pb.dv).t());
-      kern.attn_backward_block(pb.dtype, rows, cols, ws.relative_limits(rows, k0, cols),
-                               ws.keep_mask(pb, b, h, i0, rows, k0, cols), pb.p, lse, ws.delta,
-                               ws.s, ws.dp);
+      at::mm_out(dp, dout, ws.mat(v, k0, cols, pb.dv).t());
+      const cpu::AttnTile tile = ws.tile(pb, b, h, i0, rows, k0, cols);
+      kern.attn_backward_block(&tile, ws.s, ws.dp, lse, ws.delta);
       // s now holds the weights that multiplied V, dp holds dS.
       ws.mat(ws.dv, cols, pb.dv, k0 * pb.dv).addmm_(s.t(), dout);
       ws.mat(ws.dk, cols, pb.dk, k0 * pb.dk).addmm_(dp.t(), q);
-      dq.addmm_(dp, kb);
+      if (k0 == 0) at::mm_out(dq, dp, kb);
+      else dq.addmm_(dp, kb);
       if (g.dbias)
-        kern.attn_bias_grad(pb.dtype, ws.dp, rows, cols, pb.positions(b) + k0,
-                            g.dbias->at(b, h, i0), g.dbias->row, g.dbias->col);
+        kern.attn_bias_grad(&tile, ws.dp, g.dbias->at(b, h, i0), g.dbias->row, g.dbias->col);
     }
+    if (reach == 0) dq.zero_();
+    // The products used Q and K unscaled: the scale enters dQ and dK here.
     kern.attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, pb.scale, g.dq.at(b, h, row), g.dq.row,
                      g.dq.col);
   }
   // Padding keys get zero gradients.
   const int64_t key_row = pb.k_row0[b];
-  kern.attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, 1.0,
+  kern.attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, pb.scale,
                    g.dk.at(b, h, key_row), g.dk.row, g.dk.col);
   kern.attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, 1.0,
                    g.dv.at(b, h, key_row), g.dv.row, g.dv.col);
@@ -304,7 +366,7 @@ void backward(const Problem& pb, const Grads& g) {
   const bool all_b = g.dbias && g.dbias->batch == 0, all_h = g.dbias && g.dbias->head == 0;
   const int64_t tb = all_b ? 1 : pb.batch, th = all_h ? 1 : pb.heads;
   at::parallel_for(0, tb * th, 1, [&](int64_t begin, int64_t end) {
-    Workspace ws(pb, true);
+    Workspace ws(pb, true, 1);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bo = t / th, ho = t % th;
       for (int64_t b = all_b ? 0 : bo; b < (all_b ? pb.batch : bo + 1); ++b)
@@ -366,6 +428,7 @@ Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   pb.q = padded_rows(q);
   pb.k = padded_rows(k);
   pb.v = padded_rows(v);
+  pb.direct = q.scalar_type() == pb.acc;
   at::Tensor mask;
   if (key_padding_mask && key_padding_mask->defined()) {
     mask = *key_padding_mask;
@@ -435,6 +498,7 @@ Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   pb.q = packed_rows(q);
   pb.k = packed_rows(k);
   pb.v = packed_rows(v);
+  pb.direct = q.scalar_type() == pb.acc;
   pb.gather_keys(at::Tensor());
   return pb;
 }

@@ -2,14 +2,15 @@
 // host (csrc/attention.cpp) runs with ATen.
 //
 // Algorithm: FlashAttention-2 on one core. The host walks a block of queries over
-// blocks of keys; for each tile of scores S = (scale * Q) K^T it calls
-//   attn_add_bias       S += bias, read at the keys' original positions
-//   attn_dropout_keep   the tile's keep mask from the Philox stream (p > 0 only)
-//   attn_forward_block  online softmax: running row max m and sum l, rescaling of the
-//                       output accumulator, S <- exp(S - m) [* keep / (1 - p)]
-// then O += S V, and after the last tile attn_forward_finish (O /= l, log-sum-exp).
-// Backward recomputes P = exp(S - lse) tile by tile and forms dS = P * (dP - delta)
-// in attn_backward_block; nothing of size [seq_q, seq_k] is ever stored.
+// blocks of keys; for each tile of products S = Q K^T (an AttnTile, attention.h)
+//   attn_dropout_keep   draws the tile's keep mask from the Philox stream (p > 0 only)
+//   attn_forward_block  scales, adds the bias and masks in the pass that finds the row
+//                       max, then runs the online softmax: running row max m and sum l,
+//                       rescaling of the output accumulator, S <- exp(S - m) [* keep / (1 - p)]
+// then the host adds S V to the accumulator, and after the last tile
+// attn_forward_finish stores O / l and the log-sum-exp. Backward recomputes
+// P = exp(S - lse) tile by tile and forms dS = P * (dP - delta) in attn_backward_block;
+// nothing of size [seq_q, seq_k] is ever stored.
 //
 // Memory traffic: each step streams one [block_q, block_k] tile that a matrix
 // product has just written, so it stays in L2 (128 x 256 floats = 128 KiB). What
@@ -17,12 +18,13 @@
 // sequences, the dispatch cost of the products around it.
 //
 // Scores, statistics and accumulators are in the accumulation type (float64 for
-// kF64, float32 otherwise); attn_pack and attn_unpack convert from and to the
-// tensors' own element type and strides. Loops are written so that GCC and Clang
-// vectorise them: sums and maxima use kLanes independent partials.
+// kF64, float32 otherwise); attn_pack, attn_forward_finish and attn_unpack convert
+// from and to the tensors' own element type and strides. Loops are written so that
+// GCC and Clang vectorise them: sums use kLanes independent partials.
 #include <algorithm>
 #include <limits>
 
+#include "attention.h"
 #include "math.h"
 
 namespace fusedlm::cpu::FUSEDLM_ISA {
@@ -70,16 +72,23 @@ A row_max(const A* x, int64_t n) {
   return from_order_key(out);
 }
 
+// The sum of kLanes partials, as a tree: log2(kLanes) vector adds instead of a chain of
+// kLanes dependent scalar ones.
+template <typename A>
+A reduce(A* part) {
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int u = 0; u < w; ++u) part[u] += part[u + w];
+  return part[0];
+}
+
 template <typename A>
 A row_sum(const A* x, int64_t n) {
   A part[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
     for (int u = 0; u < kLanes; ++u) part[u] += x[j + u];
-  A out = 0;
-  for (; j < n; ++j) out += x[j];
-  for (int u = 0; u < kLanes; ++u) out += part[u];
-  return out;
+  for (int u = 0; j + u < n; ++u) part[u] += x[j + u];
+  return reduce(part);
 }
 
 template <typename A>
@@ -88,22 +97,44 @@ A row_dot(const A* x, const A* y, int64_t n) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
     for (int u = 0; u < kLanes; ++u) part[u] += x[j + u] * y[j + u];
-  A out = 0;
-  for (; j < n; ++j) out += x[j] * y[j];
-  for (int u = 0; u < kLanes; ++u) out += part[u];
-  return out;
+  for (int u = 0; j + u < n; ++u) part[u] += x[j + u] * y[j + u];
+  return reduce(part);
+}
+
+// x[j] <- exp(x[j] - shift) for j < n; returns their sum. The tail goes through one more
+// full chunk padded with exp(-inf) = 0, so every exp runs in vector registers.
+template <typename A>
+A exp_sum(A* x, int64_t n, A shift) {
+  A part[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int u = 0; u < kLanes; ++u) {
+      const A e = exp_(x[j + u] - shift);
+      x[j + u] = e;
+      part[u] += e;
+    }
+  if (j < n) {
+    A tail[kLanes];
+    for (int u = 0; u < kLanes; ++u) tail[u] = j + u < n ? x[j + u] - shift : -kInf<A>;
+    for (int u = 0; u < kLanes; ++u) {
+      tail[u] = exp_(tail[u]);
+      part[u] += tail[u];
+    }
+    for (int u = 0; j + u < n; ++u) x[j + u] = tail[u];
+  }
+  return reduce(part);
 }
 
 template <typename T>
 void pack(const T* src, int64_t row_stride, int64_t col_stride, const int32_t* rows, int64_t n,
-          int64_t cols, acc_t<T> scale, acc_t<T>* dst) {
+          int64_t cols, acc_t<T>* dst) {
   for (int64_t r = 0; r < n; ++r) {
     const T* s = src + (rows ? int64_t(rows[r]) : r) * row_stride;
     acc_t<T>* d = dst + r * cols;
     if (col_stride == 1) {
-      for (int64_t c = 0; c < cols; ++c) d[c] = load(s[c]) * scale;
+      for (int64_t c = 0; c < cols; ++c) d[c] = load(s[c]);
     } else {
-      for (int64_t c = 0; c < cols; ++c) d[c] = load(s[c * col_stride]) * scale;
+      for (int64_t c = 0; c < cols; ++c) d[c] = load(s[c * col_stride]);
     }
   }
 }
@@ -127,65 +158,100 @@ void unpack(const acc_t<T>* src, const int32_t* from, int64_t n, int64_t cols, a
   }
 }
 
-template <typename T>
-void add_bias(acc_t<T>* s, int64_t rows, int64_t cols, const T* bias, int64_t row_stride,
-              int64_t col_stride, const int32_t* key_pos) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* b = bias + r * row_stride;
-    acc_t<T>* sr = s + r * cols;
-    for (int64_t j = 0; j < cols; ++j) sr[j] += load(b[int64_t(key_pos[j]) * col_stride]);
+// s <- scale * s + bias over the allowed columns [0, lim) of row r; returns their max
+// when kMax (one pass: the row is in L1 either way, but the loads are not repeated).
+template <typename T, bool kMax>
+acc_t<T> scores_row(const AttnTile& t, int64_t r, acc_t<T>* s, int64_t lim) {
+  using A = acc_t<T>;
+  const A scale = A(t.scale);
+  auto best = order_key(-kInf<A>);
+  if (t.bias) {
+    const T* b = static_cast<const T*>(t.bias) + r * t.bias_row;
+    const int32_t* pos = t.key_pos;
+    const int64_t bc = t.bias_col;
+    for (int64_t j = 0; j < lim; ++j) {
+      const A v = s[j] * scale + load(b[pos[j] * bc]);
+      s[j] = v;
+      if (kMax) {
+        const auto key = order_key(v);
+        best = key > best ? key : best;
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < lim; ++j) {
+      const A v = s[j] * scale;
+      s[j] = v;
+      if (kMax) {
+        const auto key = order_key(v);
+        best = key > best ? key : best;
+      }
+    }
   }
+  return from_order_key(best);
 }
 
-template <typename A>
-void forward_block(int64_t rows, int64_t cols, const int32_t* limit, const uint8_t* keep,
-                   double p, A* s, A* m, A* l, A* o, int64_t o_cols) {
-  const A keep_scale = A(1) / (A(1) - A(p));
-  for (int64_t r = 0; r < rows; ++r) {
-    A* sr = s + r * cols;
-    const int64_t lim = limit[r];
-    const A m_new = std::max(m[r], row_max(sr, lim));
+template <typename T>
+void forward_block(const AttnTile& t, bool first, acc_t<T>* s, acc_t<T>* m, acc_t<T>* l,
+                   acc_t<T>* o, int64_t o_cols) {
+  using A = acc_t<T>;
+  const A keep_scale = A(1) / (A(1) - A(t.p));
+  for (int64_t r = 0; r < t.rows; ++r) {
+    A* sr = s + r * t.cols;
+    const int64_t lim = t.limit[r];
+    const A m_old = first ? -kInf<A> : m[r];
+    const A m_new = std::max(m_old, scores_row<T, true>(t, r, sr, lim));
     // A row with no finite score yet keeps every probability at exp(-inf) = 0.
     const A shift = m_new == -kInf<A> ? A(0) : m_new;
-    const A alpha = exp_(m[r] - shift);  // 0 on the first block, where m = -inf
-    for (int64_t j = 0; j < lim; ++j) sr[j] = exp_(sr[j] - shift);
     // The normaliser counts every allowed key; dropout only scales what reaches V.
-    l[r] = l[r] * alpha + row_sum(sr, lim);
+    const A sum = exp_sum(sr, lim, shift);
+    const A alpha = exp_(m_old - shift);  // rescales the earlier blocks' sums
+    l[r] = (first ? A(0) : l[r] * alpha) + sum;
     m[r] = m_new;
-    if (keep) {
-      const uint8_t* kr = keep + r * cols;
+    if (t.keep) {
+      const uint8_t* kr = t.keep + r * t.cols;
       for (int64_t j = 0; j < lim; ++j) sr[j] = kr[j] ? sr[j] * keep_scale : A(0);
     }
-    for (int64_t j = lim; j < cols; ++j) sr[j] = A(0);
-    A* orow = o + r * o_cols;
-    for (int64_t c = 0; c < o_cols; ++c) orow[c] *= alpha;
+    for (int64_t j = lim; j < t.cols; ++j) sr[j] = A(0);
+    if (!first) {
+      A* orow = o + r * o_cols;
+      for (int64_t c = 0; c < o_cols; ++c) orow[c] *= alpha;
+    }
   }
 }
 
-template <typename A>
-void forward_finish(int64_t rows, int64_t o_cols, const A* m, const A* l, A* o, A* lse) {
+template <typename T>
+void forward_finish(int64_t rows, int64_t o_cols, const acc_t<T>* m, const acc_t<T>* l,
+                    const acc_t<T>* o, acc_t<T>* lse, T* out, int64_t row_stride,
+                    int64_t col_stride) {
+  using A = acc_t<T>;
   for (int64_t r = 0; r < rows; ++r) {
-    A* orow = o + r * o_cols;
-    // A row that attends to nothing outputs zeros; lse = +inf makes backward's
-    // exp(s - lse) zero for it.
+    const A* orow = o + r * o_cols;
+    T* dst = out + r * row_stride;
+    // A row that attends to nothing outputs zeros (whatever its accumulator holds); its
+    // lse = +inf makes backward's exp(s - lse) zero.
     const bool empty = !(l[r] > A(0));
     const A inv = empty ? A(0) : A(1) / l[r];
-    for (int64_t c = 0; c < o_cols; ++c) orow[c] = empty ? A(0) : orow[c] * inv;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c < o_cols; ++c) store(dst[c], empty ? A(0) : orow[c] * inv);
+    } else {
+      for (int64_t c = 0; c < o_cols; ++c) store(dst[c * col_stride], empty ? A(0) : orow[c] * inv);
+    }
     lse[r] = empty ? kInf<A> : m[r] + std::log(l[r]);
   }
 }
 
 template <typename T>
 void delta_rows(const T* o, int64_t row_stride, int64_t col_stride, const acc_t<T>* dout,
-                int64_t rows, int64_t cols, acc_t<T>* delta) {
+                int64_t dout_row_stride, int64_t rows, int64_t cols, acc_t<T>* delta) {
   using A = acc_t<T>;
-  A orow[512];  // widened row of O, in chunks
+  constexpr int64_t kChunk = 256;
+  A orow[kChunk];  // a widened piece of a row of O
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = o + r * row_stride;
-    const A* g = dout + r * cols;
+    const A* g = dout + r * dout_row_stride;
     A sum = 0;
-    for (int64_t c0 = 0; c0 < cols; c0 += 512) {
-      const int64_t n = std::min<int64_t>(512, cols - c0);
+    for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, cols - c0);
       for (int64_t c = 0; c < n; ++c) orow[c] = load(src[(c0 + c) * col_stride]);
       sum += row_dot(orow, g + c0, n);
     }
@@ -193,21 +259,23 @@ void delta_rows(const T* o, int64_t row_stride, int64_t col_stride, const acc_t<
   }
 }
 
-template <typename A, bool kDropout>
-void backward_rows(int64_t rows, int64_t cols, const int32_t* limit, const uint8_t* keep,
-                   double p, const A* lse, const A* delta, A* s, A* dp) {
-  const A keep_scale = A(1) / (A(1) - A(p));
-  for (int64_t r = 0; r < rows; ++r) {
-    A* sr = s + r * cols;
-    A* dr = dp + r * cols;
-    const int64_t lim = limit[r];
+template <typename T, bool kDropout>
+void backward_rows(const AttnTile& t, acc_t<T>* s, acc_t<T>* dp, const acc_t<T>* lse,
+                   const acc_t<T>* delta) {
+  using A = acc_t<T>;
+  const A keep_scale = A(1) / (A(1) - A(t.p));
+  for (int64_t r = 0; r < t.rows; ++r) {
+    A* sr = s + r * t.cols;
+    A* dr = dp + r * t.cols;
+    const int64_t lim = t.limit[r];
+    scores_row<T, false>(t, r, sr, lim);
     const A lse_r = lse[r], delta_r = delta[r];
     if (kDropout) {
-      const uint8_t* kr = keep + r * cols;
+      const uint8_t* kr = t.keep + r * t.cols;
       for (int64_t j = 0; j < lim; ++j) {
         const A prob = exp_(sr[j] - lse_r);
         const A z = kr[j] ? keep_scale : A(0);
-        sr[j] = prob * z;                   // what multiplied V: gives dV
+        sr[j] = prob * z;                      // what multiplied V: gives dV
         dr[j] = prob * (dr[j] * z - delta_r);  // dS, through the dropout
       }
     } else {
@@ -217,7 +285,7 @@ void backward_rows(int64_t rows, int64_t cols, const int32_t* limit, const uint8
         dr[j] = prob * (dr[j] - delta_r);
       }
     }
-    for (int64_t j = lim; j < cols; ++j) {
+    for (int64_t j = lim; j < t.cols; ++j) {
       sr[j] = A(0);
       dr[j] = A(0);
     }
@@ -225,35 +293,27 @@ void backward_rows(int64_t rows, int64_t cols, const int32_t* limit, const uint8
 }
 
 template <typename A>
-void bias_grad(const A* ds, int64_t rows, int64_t cols, const int32_t* key_pos, A* dbias,
-               int64_t row_stride, int64_t col_stride) {
+void bias_grad(const AttnTile& t, const A* ds, A* dbias, int64_t row_stride, int64_t col_stride) {
   // row_stride or col_stride is 0 where the bias is broadcast: those terms sum into
   // one element, in row-then-column order.
-  for (int64_t r = 0; r < rows; ++r) {
-    const A* dr = ds + r * cols;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const A* dr = ds + r * t.cols;
     A* out = dbias + r * row_stride;
     if (col_stride == 0) {
-      out[0] += row_sum(dr, cols);
+      out[0] += row_sum(dr, t.cols);
     } else {
-      for (int64_t j = 0; j < cols; ++j) out[int64_t(key_pos[j]) * col_stride] += dr[j];
+      for (int64_t j = 0; j < t.cols; ++j) out[int64_t(t.key_pos[j]) * col_stride] += dr[j];
     }
   }
-}
-
-// Calls f with a typed null pointer for the accumulation type of `dtype`.
-template <typename F>
-inline void dispatch_acc(DType dtype, F&& f) {
-  if (dtype == DType::kF64) f(static_cast<double*>(nullptr));
-  else f(static_cast<float*>(nullptr));
 }
 
 }  // namespace
 
 void attn_pack(DType dtype, const void* src, int64_t row_stride, int64_t col_stride,
-               const int32_t* rows, int64_t n, int64_t cols, double scale, void* dst) {
+               const int32_t* rows, int64_t n, int64_t cols, void* dst) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    pack(static_cast<const T*>(src), row_stride, col_stride, rows, n, cols, acc_t<T>(scale),
+    pack(static_cast<const T*>(src), row_stride, col_stride, rows, n, cols,
          static_cast<acc_t<T>*>(dst));
   });
 }
@@ -264,15 +324,6 @@ void attn_unpack(DType dtype, const void* src, const int32_t* from, int64_t n, i
     using T = std::remove_pointer_t<decltype(tag)>;
     unpack(static_cast<const acc_t<T>*>(src), from, n, cols, acc_t<T>(scale), static_cast<T*>(dst),
            row_stride, col_stride);
-  });
-}
-
-void attn_add_bias(DType dtype, void* s, int64_t rows, int64_t cols, const void* bias,
-                   int64_t row_stride, int64_t col_stride, const int32_t* key_pos) {
-  dispatch_dtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    add_bias(static_cast<acc_t<T>*>(s), rows, cols, static_cast<const T*>(bias), row_stride,
-             col_stride, key_pos);
   });
 }
 
@@ -294,51 +345,55 @@ void attn_dropout_keep(uint64_t seed, double p, uint64_t offset, int64_t row_pit
   }
 }
 
-void attn_forward_block(DType dtype, int64_t rows, int64_t cols, const int32_t* limit,
-                        const uint8_t* keep, double p, void* s, void* m, void* l, void* o,
+void attn_forward_block(const AttnTile* tile, bool first, void* s, void* m, void* l, void* o,
                         int64_t o_cols) {
-  dispatch_acc(dtype, [&](auto* tag) {
-    using A = std::remove_pointer_t<decltype(tag)>;
-    forward_block(rows, cols, limit, keep, p, static_cast<A*>(s), static_cast<A*>(m),
-                  static_cast<A*>(l), static_cast<A*>(o), o_cols);
+  dispatch_dtype(tile->dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = acc_t<T>;
+    forward_block<T>(*tile, first, static_cast<A*>(s), static_cast<A*>(m), static_cast<A*>(l),
+                     static_cast<A*>(o), o_cols);
   });
 }
 
 void attn_forward_finish(DType dtype, int64_t rows, int64_t o_cols, const void* m, const void* l,
-                         void* o, void* lse) {
-  dispatch_acc(dtype, [&](auto* tag) {
-    using A = std::remove_pointer_t<decltype(tag)>;
-    forward_finish(rows, o_cols, static_cast<const A*>(m), static_cast<const A*>(l),
-                   static_cast<A*>(o), static_cast<A*>(lse));
+                         const void* o, void* lse, void* out, int64_t out_row_stride,
+                         int64_t out_col_stride) {
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = acc_t<T>;
+    forward_finish<T>(rows, o_cols, static_cast<const A*>(m), static_cast<const A*>(l),
+                      static_cast<const A*>(o), static_cast<A*>(lse), static_cast<T*>(out),
+                      out_row_stride, out_col_stride);
   });
 }
 
 void attn_delta(DType dtype, const void* o, int64_t row_stride, int64_t col_stride,
-                const void* dout, int64_t rows, int64_t cols, void* delta) {
+                const void* dout, int64_t dout_row_stride, int64_t rows, int64_t cols,
+                void* delta) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     delta_rows(static_cast<const T*>(o), row_stride, col_stride,
-               static_cast<const acc_t<T>*>(dout), rows, cols, static_cast<acc_t<T>*>(delta));
+               static_cast<const acc_t<T>*>(dout), dout_row_stride, rows, cols,
+               static_cast<acc_t<T>*>(delta));
   });
 }
 
-void attn_backward_block(DType dtype, int64_t rows, int64_t cols, const int32_t* limit,
-                         const uint8_t* keep, double p, const void* lse, const void* delta,
-                         void* s, void* dp) {
-  dispatch_acc(dtype, [&](auto* tag) {
-    using A = std::remove_pointer_t<decltype(tag)>;
-    auto run = keep ? backward_rows<A, true> : backward_rows<A, false>;
-    run(rows, cols, limit, keep, p, static_cast<const A*>(lse), static_cast<const A*>(delta),
-        static_cast<A*>(s), static_cast<A*>(dp));
+void attn_backward_block(const AttnTile* tile, void* s, void* dp, const void* lse,
+                         const void* delta) {
+  dispatch_dtype(tile->dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = acc_t<T>;
+    auto run = tile->keep ? backward_rows<T, true> : backward_rows<T, false>;
+    run(*tile, static_cast<A*>(s), static_cast<A*>(dp), static_cast<const A*>(lse),
+        static_cast<const A*>(delta));
   });
 }
 
-void attn_bias_grad(DType dtype, const void* ds, int64_t rows, int64_t cols,
-                    const int32_t* key_pos, void* dbias, int64_t row_stride, int64_t col_stride) {
-  dispatch_acc(dtype, [&](auto* tag) {
-    using A = std::remove_pointer_t<decltype(tag)>;
-    bias_grad(static_cast<const A*>(ds), rows, cols, key_pos, static_cast<A*>(dbias), row_stride,
-              col_stride);
+void attn_bias_grad(const AttnTile* tile, const void* ds, void* dbias, int64_t row_stride,
+                    int64_t col_stride) {
+  dispatch_dtype(tile->dtype, [&](auto* tag) {
+    using A = acc_t<std::remove_pointer_t<decltype(tag)>>;
+    bias_grad(*tile, static_cast<const A*>(ds), static_cast<A*>(dbias), row_stride, col_stride);
   });
 }
 
