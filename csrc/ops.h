@@ -43,4 +43,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
     const at::Tensor& seed);
 
+// Softmax cross-entropy over the last dimension of logits. Returns (loss, grad): loss
+// per reduction ("none": labels' shape), in float32 (float64 for float64 logits); grad,
+// a new tensor shaped like logits, is d(loss)/d(logits) for grad_output 1 when with_grad,
+// else empty.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
+                                                         const at::Tensor& labels,
+                                                         int64_t ignore_index,
+                                                         double label_smoothing,
+                                                         const std::string& reduction,
+                                                         bool with_grad);
+// d(logits): saved_grad scaled by grad (one value, or one per row for reduction "none").
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
+                                  const std::string& reduction);
+
+// cross_entropy(hidden @ weight^T + bias, labels), projecting only the rows whose label is
+// not ignore_index, chunk_rows of them at a time. Returns (loss, dhidden, dweight, dbias):
+// for reduction "mean"/"sum" the gradients asked for by need_* (for grad_output 1), the
+// others empty; for "none" every gradient is empty (the backward computes them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
+    bool need_dbias);
+// (dhidden, dweight, dbias): the forward's gradients scaled by grad for "mean"/"sum"; for
+// "none", recomputed chunk by chunk with each row scaled by its grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& dhidden,
+    const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
+    double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
+    bool need_dweight, bool need_dbias);
+
 }  // namespace fusedlm

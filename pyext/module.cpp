@@ -23,4 +23,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("bias_gelu_backward", &fusedlm::bias_gelu_backward);
   m.def("gelu_ffn_forward", &fusedlm::gelu_ffn_forward);
   m.def("gelu_ffn_backward", &fusedlm::gelu_ffn_backward);
+
+  m.def("cross_entropy_forward", &fusedlm::cross_entropy_forward);
+  m.def("cross_entropy_backward", &fusedlm::cross_entropy_backward);
+  m.def("masked_lm_loss_forward", &fusedlm::masked_lm_loss_forward);
+  m.def("masked_lm_loss_backward", &fusedlm::masked_lm_loss_backward);
 }

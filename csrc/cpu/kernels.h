@@ -34,6 +34,24 @@ struct KernelTable {
   void (*bias_gelu_backward)(DType, const void* dy, const void* x, const void* bias, void* dx,
                              void* dbias_partial, int64_t rows, int64_t cols, Gelu,
                              const uint8_t* keep, double p);
+
+  // Softmax cross-entropy over the rows of row-major [rows, classes] logits, with the
+  // gradient in the same pass. Row r with labels[r] != ignore_index gets
+  //   loss[r] = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j])    (eps: label_smoothing)
+  //   grad[r, j] = s_r * (softmax_j - eps / classes - (1 - eps) * [j == y]),
+  //   s_r = grad_scale * row_scale[r] (row_scale may be null: 1);
+  // a row whose label is ignore_index gets loss 0 and a zero gradient row. Labels must be
+  // in [0, classes) otherwise. grad may be null (loss only) or equal logits (in place).
+  // When col_sum is not null it receives the column sums of grad over these rows.
+  // loss, col_sum and row_scale are in the accumulation type (float64 for kF64, else float32).
+  void (*cross_entropy_forward)(DType, const void* logits, const int64_t* labels, void* loss,
+                                void* grad, void* col_sum, int64_t rows, int64_t classes,
+                                int64_t ignore_index, double label_smoothing, double grad_scale,
+                                const void* row_scale);
+  // dst[r, c] = src[r, c] * scale[r * scale_stride], scale in the accumulation type
+  // (scale_stride 0: one scale for every row). The backward of cross_entropy.
+  void (*cross_entropy_scale_grad)(DType, const void* src, void* dst, int64_t rows,
+                                   int64_t cols, const void* scale, int64_t scale_stride);
 };
 
 #define FUSEDLM_DECLARE_TABLE(isa) const KernelTable& kernel_table_##isa();

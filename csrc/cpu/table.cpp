@@ -8,6 +8,9 @@ void bias_gelu_forward(DType, const void*, const void*, void*, int64_t, int64_t,
                        const uint8_t*, double);
 void bias_gelu_backward(DType, const void*, const void*, const void*, void*, void*, int64_t,
                         int64_t, Gelu, const uint8_t*, double);
+void cross_entropy_forward(DType, const void*, const int64_t*, void*, void*, void*, int64_t,
+                           int64_t, int64_t, double, double, const void*);
+void cross_entropy_scale_grad(DType, const void*, void*, int64_t, int64_t, const void*, int64_t);
 }  // namespace FUSEDLM_ISA
 
 #define FUSEDLM_STR2(x) #x
@@ -22,6 +25,8 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::dropout_mask,
       k::bias_gelu_forward,
       k::bias_gelu_backward,
+      k::cross_entropy_forward,
+      k::cross_entropy_scale_grad,
   };
   return table;
 }

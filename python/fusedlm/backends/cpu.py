@@ -10,6 +10,8 @@ BACKEND = register(
         {
             "bias_gelu": Kernel(_C.bias_gelu_forward, _C.bias_gelu_backward),
             "gelu_ffn": Kernel(_C.gelu_ffn_forward, _C.gelu_ffn_backward),
+            "cross_entropy": Kernel(_C.cross_entropy_forward, _C.cross_entropy_backward),
+            "masked_lm_loss": Kernel(_C.masked_lm_loss_forward, _C.masked_lm_loss_backward),
         },
     )
 )

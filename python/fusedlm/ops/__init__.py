@@ -8,5 +8,6 @@ are zeros; dropout draws its seed from torch's generator.
 """
 from . import reference
 from .gelu import bias_gelu, gelu_ffn
+from .cross_entropy import cross_entropy, masked_lm_loss
 
-__all__ = ["reference", "bias_gelu", "gelu_ffn"]
+__all__ = ["reference", "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss"]
