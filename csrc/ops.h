@@ -74,5 +74,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
     double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
     bool need_dweight, bool need_dbias);
+// Attention over q/k/v [batch, heads, seq, head_dim] (any strides). key_padding_mask is
+// bool [batch, seq_k], True = padding; attn_bias is broadcastable to [batch, heads, seq_q,
+// seq_k]. Returns (out, lse): lse [batch, heads, seq_q] is the rows' log-sum-exp in the
+// accumulation type (+inf for rows that attend to nothing), kept for backward.
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
+    bool causal, double dropout_p, double scale, const at::Tensor& seed);
+// (dq, dk, dv, dbias); dbias, in attn_bias's shape, is undefined unless bias_grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
+    const at::Tensor& seed, bool bias_grad);
+
+// Attention over packed sequences, q [total_q, heads, head_dim], k/v [total_k, heads, head_dim];
+// sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]. Returns (out, lse [heads, total_q]).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed);
+// (dq, dk, dv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed);
+
+// (packed [tokens, ...], indices int64 [tokens] into batch * seq, cu_seqlens int32
+// [batch + 1], longest sequence) of the non-padding tokens of hidden [batch, seq, ...].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(
+    const at::Tensor& hidden, const at::Tensor& key_padding_mask);
+// [batch, seqlen, ...]: packed's rows at `indices`, zeros elsewhere (also unpad's backward).
+at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int64_t batch,
+                       int64_t seqlen);
+// pad's backward: the rows of grad [batch, seqlen, ...] at `indices`.
+at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices);
 
 }  // namespace fusedlm

@@ -28,4 +28,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("cross_entropy_backward", &fusedlm::cross_entropy_backward);
   m.def("masked_lm_loss_forward", &fusedlm::masked_lm_loss_forward);
   m.def("masked_lm_loss_backward", &fusedlm::masked_lm_loss_backward);
+  m.def("attention_forward", &fusedlm::attention_forward);
+  m.def("attention_backward", &fusedlm::attention_backward);
+  m.def("attention_varlen_forward", &fusedlm::attention_varlen_forward);
+  m.def("attention_varlen_backward", &fusedlm::attention_varlen_backward);
+  m.def("unpad_forward", &fusedlm::unpad_forward);
+  m.def("pad_forward", &fusedlm::pad_forward);
+  m.def("pad_backward", &fusedlm::pad_backward);
 }
