@@ -22,6 +22,12 @@ def labels_for(shape, classes, device, ignore_index=-100, ignored=0.3):
     return labels.masked_fill(drop, ignore_index).to(device)
 
 
+def upstream_grad(loss, reduction):
+    """grad_output for a backward: 1 for "mean" (the backward then hands out the saved
+    gradients unscaled), random for "sum" and "none" (it scales them)."""
+    return torch.ones_like(loss) if reduction == "mean" else torch.rand_like(loss) + 0.5
+
+
 def loss_tolerance(reduction, rows):
     # A sum over rows adds the rounding of that many float32 terms.
     return 1.0 if reduction == "none" else max(1.0, rows / 50)
@@ -42,7 +48,7 @@ def test_cross_entropy_matches_reference(backend, dtype, reduction, label_smooth
     loss = fusedlm.ops.cross_entropy(logits, labels, ignore_index=ignore_index,
                                      label_smoothing=label_smoothing, reduction=reduction, backend=backend)
     assert torch.equal(logits.detach(), before), "the forward wrote into the caller's logits"
-    grad = torch.rand_like(loss) + 0.5
+    grad = upstream_grad(loss, reduction)
     loss.backward(grad)
     assert torch.equal(logits.detach(), before), "the backward wrote into the caller's logits"
 
@@ -182,14 +188,26 @@ def test_cross_entropy_is_deterministic_across_thread_counts():
         assert torch.equal(a, b)
 
 
-def test_cross_entropy_double_backward_through_retained_graph():
-    # The backward scales a copy of the saved gradient: a second pass over the graph is exact.
+def test_cross_entropy_backward_through_retained_graph():
+    # A scaled backward scales a copy of the saved gradient, and .grad accumulation copies an
+    # unscaled one: passing over the graph again gives the same gradients.
     logits = fresh((7, 30), torch.float32, "cpu")
     labels = labels_for((7,), 30, "cpu")
     loss = fusedlm.ops.cross_entropy(logits, labels, reduction="sum", backend="cpu")
     (first,) = torch.autograd.grad(loss * 2, logits, retain_graph=True)
-    (second,) = torch.autograd.grad(loss * 3, logits)
+    (second,) = torch.autograd.grad(loss * 3, logits, retain_graph=True)
     torch.testing.assert_close(second, first * 1.5)
+    loss.backward(retain_graph=True)
+    once = logits.grad.clone()
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(logits.grad, 2 * once)
+    torch.testing.assert_close(once, first / 2)
+    # An unscaled gradient handed out while the graph is kept aliases the saved one: changing
+    # it in place makes a later backward raise rather than use it.
+    (unscaled,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    unscaled.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
 
 
 def test_cross_entropy_compiles_without_graph_breaks():
@@ -268,7 +286,7 @@ def test_masked_lm_loss_matches_reference(backend, dtype, reduction, label_smoot
     hidden, weight, bias, labels = inputs
     kwargs = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     loss = fusedlm.ops.masked_lm_loss(*inputs, **kwargs, backend=backend)
-    grad = torch.rand_like(loss) + 0.5
+    grad = upstream_grad(loss, reduction)
     loss.backward(grad)
 
     ref_inputs = as_reference(hidden, weight, bias)
@@ -355,9 +373,13 @@ def test_masked_lm_loss_retained_graph_and_no_grad(small_chunks):
     hidden, weight, bias, labels = inputs
     loss = fusedlm.ops.masked_lm_loss(*inputs, label_smoothing=0.1, backend="cpu")
     first = torch.autograd.grad(loss * 2, (hidden, weight, bias), retain_graph=True)
-    second = torch.autograd.grad(loss * 3, (hidden, weight, bias))
+    second = torch.autograd.grad(loss * 3, (hidden, weight, bias), retain_graph=True)
     for a, b in zip(first, second):
         torch.testing.assert_close(b, a * 1.5)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for t, a in zip((hidden, weight, bias), first):
+        torch.testing.assert_close(t.grad, a)
     with torch.no_grad():
         loss_only = fusedlm.ops.masked_lm_loss(*inputs, label_smoothing=0.1, backend="cpu")
     torch.testing.assert_close(loss_only, loss.detach(), rtol=0, atol=1e-6)

@@ -130,15 +130,42 @@ def _(grad, saved_grad, reduction, backend):
     return saved_grad.new_empty(saved_grad.shape)
 
 
+def _non_differentiable(ctx, *outputs):
+    """Marks the gradient outputs as such. Without set_materialize_grads(False), autograd
+    would hand the backward a zero tensor for each of them: a transient copy of every
+    gradient buffer. The backward then also sees None for an unused loss."""
+    ctx.mark_non_differentiable(*outputs)
+    ctx.set_materialize_grads(False)
+
+
 def _cross_entropy_setup(ctx, inputs, output):
     ctx.reduction, ctx.backend = inputs[4], inputs[6]
     ctx.save_for_backward(output[1])
-    ctx.mark_non_differentiable(output[1])
+    _non_differentiable(ctx, output[1])
+
+
+def _unit_grad(grad: Tensor, reduction: str) -> bool:
+    """Whether a backward may hand out its saved gradients unscaled: grad_output is exactly 1
+    (loss.backward()), in eager mode, on the CPU (reading it elsewhere would synchronise).
+
+    The saved gradients then become the inputs' gradients without a copy, the largest
+    saving of peak memory these ops have. It is safe: without retain_graph, autograd has
+    released the saved tensors before the gradients are accumulated, so nothing else holds
+    them; with retain_graph, .grad accumulation copies them, and an in-place change of a
+    returned gradient bumps its version, so a second backward raises instead of using it.
+    """
+    return (reduction != "none" and not torch.compiler.is_compiling() and grad.device.type == "cpu"
+            and grad.item() == 1.0)
 
 
 def _cross_entropy_grad(ctx, grad, _grad_of_grad):
+    if grad is None:
+        return (None,) * 7
     (saved_grad,) = ctx.saved_tensors
-    dlogits = torch.ops.fusedlm.cross_entropy_backward(grad, saved_grad, ctx.reduction, ctx.backend)
+    if _unit_grad(grad, ctx.reduction):
+        dlogits = saved_grad
+    else:
+        dlogits = torch.ops.fusedlm.cross_entropy_backward(grad, saved_grad, ctx.reduction, ctx.backend)
     return dlogits, None, None, None, None, None, None
 
 
@@ -231,14 +258,19 @@ def _masked_lm_loss_setup(ctx, inputs, output):
     ctx.options = options  # ignore_index, label_smoothing, reduction, chunk_rows
     ctx.needs = needs
     ctx.save_for_backward(hidden, weight, bias, labels, *output[1:])
-    ctx.mark_non_differentiable(*output[1:])
+    _non_differentiable(ctx, *output[1:])
 
 
 def _masked_lm_loss_grad(ctx, grad, *_grad_of_grads):
+    if grad is None:
+        return (None,) * 10
     hidden, weight, bias, labels, dhidden, dweight, dbias = ctx.saved_tensors
-    dh, dw, db = torch.ops.fusedlm.masked_lm_loss_backward(
-        grad, hidden, weight, bias, labels, dhidden, dweight, dbias, *ctx.options, ctx.needs,
-        ctx.backend)
+    if _unit_grad(grad, ctx.options[2]):
+        dh, dw, db = dhidden, dweight, dbias
+    else:
+        dh, dw, db = torch.ops.fusedlm.masked_lm_loss_backward(
+            grad, hidden, weight, bias, labels, dhidden, dweight, dbias, *ctx.options, ctx.needs,
+            ctx.backend)
     needs = ctx.needs
     return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] else None,
             None, None, None, None, None, None, None)
