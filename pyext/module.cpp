@@ -23,4 +23,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("bias_gelu_backward", &fusedlm::bias_gelu_backward);
   m.def("gelu_ffn_forward", &fusedlm::gelu_ffn_forward);
   m.def("gelu_ffn_backward", &fusedlm::gelu_ffn_backward);
+  m.def("add_layer_norm_forward", &fusedlm::add_layer_norm_forward);
+  m.def("add_layer_norm_backward", &fusedlm::add_layer_norm_backward);
 }

@@ -8,6 +8,12 @@ void bias_gelu_forward(DType, const void*, const void*, void*, int64_t, int64_t,
                        const uint8_t*, double);
 void bias_gelu_backward(DType, const void*, const void*, const void*, void*, void*, int64_t,
                         int64_t, Gelu, const uint8_t*, double);
+void add_layer_norm_forward(DType, const void*, const void*, const void*, const void*, void*,
+                            void*, void*, void*, int64_t, int64_t, double, const uint8_t*,
+                            double);
+void add_layer_norm_backward(DType, const void*, const void*, const void*, const void*,
+                             const void*, const void*, void*, void*, void*, void*, int64_t,
+                             int64_t, const uint8_t*, double);
 }  // namespace FUSEDLM_ISA
 
 #define FUSEDLM_STR2(x) #x
@@ -22,6 +28,8 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::dropout_mask,
       k::bias_gelu_forward,
       k::bias_gelu_backward,
+      k::add_layer_norm_forward,
+      k::add_layer_norm_backward,
   };
   return table;
 }
