@@ -10,6 +10,7 @@ BACKEND = register(
         {
             "bias_gelu": Kernel(_C.bias_gelu_forward, _C.bias_gelu_backward),
             "gelu_ffn": Kernel(_C.gelu_ffn_forward, _C.gelu_ffn_backward),
+            "add_layer_norm": Kernel(_C.add_layer_norm_forward, _C.add_layer_norm_backward),
         },
     )
 )

@@ -8,5 +8,6 @@ are zeros; dropout draws its seed from torch's generator.
 """
 from . import reference
 from .gelu import bias_gelu, gelu_ffn
+from .layer_norm import add_layer_norm
 
-__all__ = ["reference", "bias_gelu", "gelu_ffn"]
+__all__ = ["reference", "bias_gelu", "gelu_ffn", "add_layer_norm"]
