@@ -111,5 +111,22 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
                        int64_t seqlen);
 // pad's backward: the rows of grad [batch, seqlen, ...] at `indices`.
 at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices);
+// summed = dropout(x) + residual and out = layer_norm(summed) over the last dimension;
+// residual, weight and bias may be absent. Returns (out, summed, mean, rstd), the
+// latter two [rows] in float32 (float64 for float64 inputs): the statistics of summed
+// as returned, saved for the backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    double dropout_p, const at::Tensor& seed);
+// (dsummed, dx, dweight, dbias). dsummed is the gradient of summed (grad_summed, which may be
+// absent, plus what flows back through the norm): the residual's gradient, and x's too
+// without dropout, when dx is undefined. Under dropout dx = dsummed through the mask, and
+// dsummed is defined only when has_residual. dweight and dbias are undefined when absent.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_summed,
+    const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
+    const at::Tensor& seed);
 
 }  // namespace fusedlm

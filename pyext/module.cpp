@@ -35,4 +35,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("unpad_forward", &fusedlm::unpad_forward);
   m.def("pad_forward", &fusedlm::pad_forward);
   m.def("pad_backward", &fusedlm::pad_backward);
+  m.def("add_layer_norm_forward", &fusedlm::add_layer_norm_forward);
+  m.def("add_layer_norm_backward", &fusedlm::add_layer_norm_backward);
 }

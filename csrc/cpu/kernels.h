@@ -91,6 +91,24 @@ struct KernelTable {
   void (*attn_bias_grad)(DType, const void* ds, int64_t rows, int64_t cols,
                          const int32_t* key_pos, void* dbias, int64_t row_stride,
                          int64_t col_stride);
+  // summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
+  // rows x cols, row-major; residual, weight, bias and keep may be null. out is normalised
+  // from summed before rounding; mean and rstd receive, in the accumulation type, the
+  // statistics of each row of summed as stored (what the backward reads back).
+  void (*add_layer_norm_forward)(DType, const void* x, const void* residual, const void* weight,
+                                 const void* bias, void* out, void* summed, void* mean,
+                                 void* rstd, int64_t rows, int64_t cols, double eps,
+                                 const uint8_t* keep, double p);
+  // dsummed = the gradient of summed from grad_out through the norm plus grad_summed (which
+  // may be null), and dx = dsummed [* keep / (1 - p)]. Without keep only dsummed is written;
+  // with it dx is, and dsummed too unless null. weight may be null. When not null,
+  // dweight_partial and dbias_partial receive the column sums of grad_out * xhat and of
+  // grad_out over these rows (the first stage of those gradients), in the accumulation type.
+  void (*add_layer_norm_backward)(DType, const void* grad_out, const void* grad_summed,
+                                  const void* summed, const void* mean, const void* rstd,
+                                  const void* weight, void* dsummed, void* dx,
+                                  void* dweight_partial, void* dbias_partial, int64_t rows,
+                                  int64_t cols, const uint8_t* keep, double p);
 };
 
 #define FUSEDLM_DECLARE_TABLE(isa) const KernelTable& kernel_table_##isa();

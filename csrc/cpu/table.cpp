@@ -26,6 +26,12 @@ void attn_backward_block(DType, int64_t, int64_t, const int32_t*, const uint8_t*
                          const void*, const void*, void*, void*);
 void attn_bias_grad(DType, const void*, int64_t, int64_t, const int32_t*, void*, int64_t,
                     int64_t);
+void add_layer_norm_forward(DType, const void*, const void*, const void*, const void*, void*,
+                            void*, void*, void*, int64_t, int64_t, double, const uint8_t*,
+                            double);
+void add_layer_norm_backward(DType, const void*, const void*, const void*, const void*,
+                             const void*, const void*, void*, void*, void*, void*, int64_t,
+                             int64_t, const uint8_t*, double);
 }  // namespace FUSEDLM_ISA
 
 #define FUSEDLM_STR2(x) #x
@@ -51,6 +57,8 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::attn_delta,
       k::attn_backward_block,
       k::attn_bias_grad,
+      k::add_layer_norm_forward,
+      k::add_layer_norm_backward,
   };
   return table;
 }

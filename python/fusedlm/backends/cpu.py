@@ -17,6 +17,7 @@ BACKEND = register(
             # unpad's backward is the pad op.
             "unpad": Kernel(_C.unpad_forward),
             "pad": Kernel(_C.pad_forward, _C.pad_backward),
+            "add_layer_norm": Kernel(_C.add_layer_norm_forward, _C.add_layer_norm_backward),
         },
     )
 )
