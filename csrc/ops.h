@@ -43,6 +43,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
     const at::Tensor& seed);
 
+// Softmax cross-entropy over the last dimension of logits. Returns (loss, grad): loss
+// per reduction ("none": labels' shape), in float32 (float64 for float64 logits); grad,
+// a new tensor shaped like logits, is d(loss)/d(logits) for grad_output 1 when with_grad,
+// else empty.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
+                                                         const at::Tensor& labels,
+                                                         int64_t ignore_index,
+                                                         double label_smoothing,
+                                                         const std::string& reduction,
+                                                         bool with_grad);
+// d(logits): saved_grad scaled by grad (one value, or one per row for reduction "none").
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
+                                  const std::string& reduction);
+
+// cross_entropy(hidden @ weight^T + bias, labels), projecting only the rows whose label is
+// not ignore_index, chunk_rows of them at a time. Returns (loss, dhidden, dweight, dbias):
+// for reduction "mean"/"sum" the gradients asked for by need_* (for grad_output 1), the
+// others empty; for "none" every gradient is empty (the backward computes them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
+    bool need_dbias);
+// (dhidden, dweight, dbias): the forward's gradients scaled by grad for "mean"/"sum"; for
+// "none", recomputed chunk by chunk with each row scaled by its grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& dhidden,
+    const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
+    double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
+    bool need_dweight, bool need_dbias);
 // Attention over q/k/v [batch, heads, seq, head_dim] (any strides). key_padding_mask is
 // bool [batch, seq_k], True = padding; attn_bias is broadcastable to [batch, heads, seq_q,
 // seq_k]. Returns (out, lse): lse [batch, heads, seq_q] is the rows' log-sum-exp in the
@@ -80,5 +111,22 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
                        int64_t seqlen);
 // pad's backward: the rows of grad [batch, seqlen, ...] at `indices`.
 at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices);
+// summed = dropout(x) + residual and out = layer_norm(summed) over the last dimension;
+// residual, weight and bias may be absent. Returns (out, summed, mean, rstd), the
+// latter two [rows] in float32 (float64 for float64 inputs): the statistics of summed
+// as returned, saved for the backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    double dropout_p, const at::Tensor& seed);
+// (dsummed, dx, dweight, dbias). dsummed is the gradient of summed (grad_summed, which may be
+// absent, plus what flows back through the norm): the residual's gradient, and x's too
+// without dropout, when dx is undefined. Under dropout dx = dsummed through the mask, and
+// dsummed is defined only when has_residual. dweight and dbias are undefined when absent.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_summed,
+    const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
+    const at::Tensor& seed);
 
 }  // namespace fusedlm

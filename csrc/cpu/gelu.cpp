@@ -3,6 +3,8 @@
 // Forward reads x and bias and writes y: 2 bytes moved per element in bf16, the
 // least an elementwise op can do. Backward reads dy and x, writes dx, and folds
 // the first stage of the bias-gradient reduction into the same pass.
+#include <memory>
+
 #include "math.h"
 
 namespace fusedlm::cpu::FUSEDLM_ISA {
@@ -30,46 +32,62 @@ inline A gelu_grad(A z, Gelu kind) {
   return s + z * A(2) * s * (A(1) - s) * du;
 }
 
-// The kind test is hoisted out of the element loop so each loop vectorises.
-template <typename T, Gelu kind>
-void forward_rows(const T* x, const T* bias, T* y, int64_t rows, int64_t cols,
+// The inner loops have no branches (GELU kind and dropout are template
+// parameters, the bias is always an array) so that they vectorise.
+template <typename T, Gelu kind, bool dropout>
+void forward_rows(const T* x, const acc_t<T>* bias, T* y, int64_t rows, int64_t cols,
                   const uint8_t* keep, double p) {
   using A = acc_t<T>;
   const A scale = A(1) / (A(1) - A(p));
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
-    const uint8_t* kr = keep ? keep + r * cols : nullptr;
+    const uint8_t* kr = keep + (dropout ? r * cols : 0);
     for (int64_t c = 0; c < cols; ++c) {
-      A z = load(xr[c]) + (bias ? load(bias[c]) : A(0));
-      A g = gelu<A>(z, kind);
-      if (kr) g = kr[c] ? g * scale : A(0);
+      A g = gelu<A>(load(xr[c]) + bias[c], kind);
+      if (dropout) g *= A(kr[c]) * scale;  // keep is 0 or 1: a multiply, not a branch
       store(yr[c], g);
     }
   }
 }
 
-template <typename T, Gelu kind>
-void backward_rows(const T* dy, const T* x, const T* bias, T* dx, acc_t<T>* dbias_partial,
+template <typename T, Gelu kind, bool dropout>
+void backward_rows(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T>* dbias,
                    int64_t rows, int64_t cols, const uint8_t* keep, double p) {
   using A = acc_t<T>;
   const A scale = A(1) / (A(1) - A(p));
-  if (dbias_partial)
-    for (int64_t c = 0; c < cols; ++c) dbias_partial[c] = A(0);
+  for (int64_t c = 0; c < cols; ++c) dbias[c] = A(0);
   for (int64_t r = 0; r < rows; ++r) {
     const T* dyr = dy + r * cols;
     const T* xr = x + r * cols;
     T* dxr = dx + r * cols;
-    const uint8_t* kr = keep ? keep + r * cols : nullptr;
+    const uint8_t* kr = keep + (dropout ? r * cols : 0);
     for (int64_t c = 0; c < cols; ++c) {
       A g = load(dyr[c]);
-      if (kr) g = kr[c] ? g * scale : A(0);
-      A z = load(xr[c]) + (bias ? load(bias[c]) : A(0));
-      A d = g * gelu_grad<A>(z, kind);
+      if (dropout) g *= A(kr[c]) * scale;  // keep is 0 or 1: a multiply, not a branch
+      A d = g * gelu_grad<A>(load(xr[c]) + bias[c], kind);
       store(dxr[c], d);
-      if (dbias_partial) dbias_partial[c] += d;
+      dbias[c] += d;
     }
   }
+}
+
+// The bias widened to the accumulation type, or zeros when there is none.
+template <typename T>
+std::unique_ptr<acc_t<T>[]> widen_bias(const T* bias, int64_t cols) {
+  std::unique_ptr<acc_t<T>[]> out(new acc_t<T>[cols]);
+  for (int64_t c = 0; c < cols; ++c) out[c] = bias ? load(bias[c]) : acc_t<T>(0);
+  return out;
+}
+
+template <typename T, bool dropout>
+auto forward_for(Gelu kind) {
+  return kind == Gelu::kErf ? forward_rows<T, Gelu::kErf, dropout> : forward_rows<T, Gelu::kTanh, dropout>;
+}
+
+template <typename T, bool dropout>
+auto backward_for(Gelu kind) {
+  return kind == Gelu::kErf ? backward_rows<T, Gelu::kErf, dropout> : backward_rows<T, Gelu::kTanh, dropout>;
 }
 
 }  // namespace
@@ -78,9 +96,9 @@ void bias_gelu_forward(DType dtype, const void* x, const void* bias, void* y, in
                        int64_t cols, Gelu kind, const uint8_t* keep, double p) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    auto run = kind == Gelu::kErf ? forward_rows<T, Gelu::kErf> : forward_rows<T, Gelu::kTanh>;
-    run(static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), rows, cols,
-        keep, p);
+    auto b = widen_bias(static_cast<const T*>(bias), cols);
+    auto run = keep ? forward_for<T, true>(kind) : forward_for<T, false>(kind);
+    run(static_cast<const T*>(x), b.get(), static_cast<T*>(y), rows, cols, keep, p);
   });
 }
 
@@ -89,9 +107,13 @@ void bias_gelu_backward(DType dtype, const void* dy, const void* x, const void* 
                         const uint8_t* keep, double p) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    auto run = kind == Gelu::kErf ? backward_rows<T, Gelu::kErf> : backward_rows<T, Gelu::kTanh>;
-    run(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(bias),
-        static_cast<T*>(dx), static_cast<acc_t<T>*>(dbias_partial), rows, cols, keep, p);
+    auto b = widen_bias(static_cast<const T*>(bias), cols);
+    // Without a bias the column sums are still computed (into scratch): one loop shape.
+    std::unique_ptr<acc_t<T>[]> scratch(dbias_partial ? nullptr : new acc_t<T>[cols]);
+    auto* db = dbias_partial ? static_cast<acc_t<T>*>(dbias_partial) : scratch.get();
+    auto run = keep ? backward_for<T, true>(kind) : backward_for<T, false>(kind);
+    run(static_cast<const T*>(dy), static_cast<const T*>(x), b.get(), static_cast<T*>(dx), db,
+        rows, cols, keep, p);
   });
 }
 

@@ -35,6 +35,23 @@ struct KernelTable {
                              void* dbias_partial, int64_t rows, int64_t cols, Gelu,
                              const uint8_t* keep, double p);
 
+  // Softmax cross-entropy over the rows of row-major [rows, classes] logits, with the
+  // gradient in the same pass. Row r with labels[r] != ignore_index gets
+  //   loss[r] = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j])    (eps: label_smoothing)
+  //   grad[r, j] = s_r * (softmax_j - eps / classes - (1 - eps) * [j == y]),
+  //   s_r = grad_scale * row_scale[r] (row_scale may be null: 1);
+  // a row whose label is ignore_index gets loss 0 and a zero gradient row. Labels must be
+  // in [0, classes) otherwise. grad may be null (loss only) or equal logits (in place).
+  // When col_sum is not null it receives the column sums of grad over these rows.
+  // loss, col_sum and row_scale are in the accumulation type (float64 for kF64, else float32).
+  void (*cross_entropy_forward)(DType, const void* logits, const int64_t* labels, void* loss,
+                                void* grad, void* col_sum, int64_t rows, int64_t classes,
+                                int64_t ignore_index, double label_smoothing, double grad_scale,
+                                const void* row_scale);
+  // dst[r, c] = src[r, c] * scale[r * scale_stride], scale in the accumulation type
+  // (scale_stride 0: one scale for every row). The backward of cross_entropy.
+  void (*cross_entropy_scale_grad)(DType, const void* src, void* dst, int64_t rows,
+                                   int64_t cols, const void* scale, int64_t scale_stride);
   // Attention (csrc/cpu/attention.cpp); a tile is described by an AttnTile
   // (csrc/cpu/attention.h). "acc" buffers are in the accumulation type of the DType.
   //
@@ -73,6 +90,24 @@ struct KernelTable {
   // stride of 0 sums over that dimension (a broadcast bias).
   void (*attn_bias_grad)(const struct AttnTile* tile, const void* ds, void* dbias,
                          int64_t row_stride, int64_t col_stride);
+  // summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
+  // rows x cols, row-major; residual, weight, bias and keep may be null. out is normalised
+  // from summed before rounding; mean and rstd receive, in the accumulation type, the
+  // statistics of each row of summed as stored (what the backward reads back).
+  void (*add_layer_norm_forward)(DType, const void* x, const void* residual, const void* weight,
+                                 const void* bias, void* out, void* summed, void* mean,
+                                 void* rstd, int64_t rows, int64_t cols, double eps,
+                                 const uint8_t* keep, double p);
+  // dsummed = the gradient of summed from grad_out through the norm plus grad_summed (which
+  // may be null), and dx = dsummed [* keep / (1 - p)]. Without keep only dsummed is written;
+  // with it dx is, and dsummed too unless null. weight may be null. When not null,
+  // dweight_partial and dbias_partial receive the column sums of grad_out * xhat and of
+  // grad_out over these rows (the first stage of those gradients), in the accumulation type.
+  void (*add_layer_norm_backward)(DType, const void* grad_out, const void* grad_summed,
+                                  const void* summed, const void* mean, const void* rstd,
+                                  const void* weight, void* dsummed, void* dx,
+                                  void* dweight_partial, void* dbias_partial, int64_t rows,
+                                  int64_t cols, const uint8_t* keep, double p);
 };
 
 #define FUSEDLM_DECLARE_TABLE(isa) const KernelTable& kernel_table_##isa();

@@ -8,6 +8,9 @@ void bias_gelu_forward(DType, const void*, const void*, void*, int64_t, int64_t,
                        const uint8_t*, double);
 void bias_gelu_backward(DType, const void*, const void*, const void*, void*, void*, int64_t,
                         int64_t, Gelu, const uint8_t*, double);
+void cross_entropy_forward(DType, const void*, const int64_t*, void*, void*, void*, int64_t,
+                           int64_t, int64_t, double, double, const void*);
+void cross_entropy_scale_grad(DType, const void*, void*, int64_t, int64_t, const void*, int64_t);
 void attn_pack(DType, const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, void*);
 void attn_unpack(DType, const void*, const int32_t*, int64_t, int64_t, double, void*, int64_t,
                  int64_t);
@@ -20,6 +23,12 @@ void attn_delta(DType, const void*, int64_t, int64_t, const void*, int64_t, int6
                 void*);
 void attn_backward_block(const AttnTile*, void*, void*, const void*, const void*);
 void attn_bias_grad(const AttnTile*, const void*, void*, int64_t, int64_t);
+void add_layer_norm_forward(DType, const void*, const void*, const void*, const void*, void*,
+                            void*, void*, void*, int64_t, int64_t, double, const uint8_t*,
+                            double);
+void add_layer_norm_backward(DType, const void*, const void*, const void*, const void*,
+                             const void*, const void*, void*, void*, void*, void*, int64_t,
+                             int64_t, const uint8_t*, double);
 }  // namespace FUSEDLM_ISA
 
 #define FUSEDLM_STR2(x) #x
@@ -34,6 +43,8 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::dropout_mask,
       k::bias_gelu_forward,
       k::bias_gelu_backward,
+      k::cross_entropy_forward,
+      k::cross_entropy_scale_grad,
       k::attn_pack,
       k::attn_unpack,
       k::attn_dropout_keep,
@@ -42,6 +53,8 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::attn_delta,
       k::attn_backward_block,
       k::attn_bias_grad,
+      k::add_layer_norm_forward,
+      k::add_layer_norm_backward,
   };
   return table;
 }

@@ -1,0 +1,37 @@
+# make demo   set up, build fusedlm, and print the CPU op benchmark table
+# make test   set up, build fusedlm, and run the test suite
+#
+# Each creates .venv, installs what fusedlm needs into it, and compiles fusedlm.
+# A PyTorch that the Python running make already sees (e.g. a CUDA build) is
+# kept; otherwise TORCH (the CPU build of torch 2.13.0) is installed.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+SOURCES := $(shell find csrc pyext python kernels -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) -not -name '_build_info.py') setup.py sources.txt
+RESULTS := build/benchmarks
+
+.PHONY: demo test bench clean
+
+$(VENV)/.deps: requirements-dev.txt
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.fusedlm: $(VENV)/.deps $(SOURCES)
+	MAX_JOBS=$${MAX_JOBS:-2} $(PY) -m pip install -q --no-build-isolation --no-deps .
+	touch $@
+
+test: $(VENV)/.fusedlm
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.fusedlm
+	mkdir -p $(RESULTS)
+	$(PY) -m pytest benchmarks -q --benchmark-json=$(RESULTS)/cpu.json --benchmark-min-rounds=5
+	$(PY) benchmarks/report.py $(RESULTS)/cpu.json
+
+demo: bench
+
+clean:
+	rm -rf $(VENV) build python/fusedlm/_C*.so python/fusedlm/_build_info.py

@@ -1,0 +1,129 @@
+"""add_layer_norm: the residual add (with dropout on the added branch) fused with
+the LayerNorm after it, forward and backward.
+
+It returns both the normalised output and the sum: in post-LN stacks (BERT) the
+output feeds the next layer, in pre-LN stacks (GPT) the sum is the residual
+stream and receives its own gradient, which the backward adds in. Only the sum
+and a mean and rstd per row are saved for backward; the dropout mask is
+regenerated there from its seed.
+"""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import choose, kernel, planner
+from . import _validate as check
+from . import reference
+from ._dropout import next_seed
+
+
+def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """Custom ops cannot return None: an absent gradient travels as an empty tensor."""
+    return t if t is not None else like.new_empty(0)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@planner("add_layer_norm")
+def plan_add_layer_norm(x, residual, weight, bias, eps=1e-5, *, dropout_p=0.0, backend=None):
+    check.tensor("x", x, min_ndim=1)
+    check.tensor("residual", residual, optional=True)
+    check.tensor("weight", weight, ndim=1, optional=True)
+    check.tensor("bias", bias, ndim=1, optional=True)
+    hidden = x.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    check.shape("residual", residual, tuple(x.shape))
+    check.shape("weight", weight, (hidden,))
+    check.shape("bias", bias, (hidden,))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    check.probability("dropout_p", dropout_p)
+    check.same_dtype(x=x, residual=residual, weight=weight, bias=bias)
+    device = check.same_device(x=x, residual=residual, weight=weight, bias=bias)
+    return choose("add_layer_norm", device, backend, dtype=x.dtype, dropout=dropout_p > 0)
+
+
+def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
+                   bias: Optional[Tensor], eps: float = 1e-5, *, dropout_p: float = 0.0,
+                   backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """(layer_norm(summed) * weight + bias, summed) with summed = dropout(x) + residual.
+
+    The norm is over the last dimension; residual, weight and bias may be None
+    (residual=None is a plain LayerNorm of dropout(x)).
+    """
+    choice = plan_add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p,
+                                 backend=backend)
+    if choice.backend == "reference":
+        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p)
+    seed = next_seed(dropout_p)
+    out, summed, _, _ = torch.ops.fusedlm.add_layer_norm(
+        x, residual, weight, bias, float(eps), float(dropout_p), seed, choice.backend)
+    return out, summed
+
+
+@torch.library.custom_op("fusedlm::add_layer_norm", mutates_args=())
+def _add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
+                    bias: Optional[Tensor], eps: float, dropout_p: float, seed: Tensor,
+                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return kernel(backend, "add_layer_norm").forward(x, residual, weight, bias, eps, dropout_p, seed)
+
+
+@_add_layer_norm.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, seed, backend):
+    rows = x.numel() // x.shape[-1]
+    stats = _stats_dtype(x.dtype)
+    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((rows,), dtype=stats),
+            x.new_empty((rows,), dtype=stats))
+
+
+@torch.library.custom_op("fusedlm::add_layer_norm_backward", mutates_args=())
+def _add_layer_norm_backward(grad_out: Tensor, grad_summed: Optional[Tensor], summed: Tensor,
+                             mean: Tensor, rstd: Tensor, weight: Optional[Tensor], has_bias: bool,
+                             has_residual: bool, dropout_p: float, seed: Tensor,
+                             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dsummed, dx, dweight, dbias = kernel(backend, "add_layer_norm").backward(
+        grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, dropout_p, seed)
+    return _empty(dsummed, summed), _empty(dx, summed), _empty(dweight, summed), _empty(dbias, summed)
+
+
+@_add_layer_norm_backward.register_fake
+def _(grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, dropout_p, seed,
+      backend):
+    def maybe(present, shape):
+        return summed.new_empty(shape if present else (0,))
+    dropout = dropout_p > 0
+    hidden = (summed.shape[-1],)
+    return (maybe(not dropout or has_residual, summed.shape), maybe(dropout, summed.shape),
+            maybe(weight is not None, hidden), maybe(has_bias, hidden))
+
+
+def _add_layer_norm_setup(ctx, inputs, output):
+    x, residual, weight, bias, _eps, ctx.dropout_p, seed, ctx.backend = inputs
+    _out, summed, mean, rstd = output
+    ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
+    ctx.save_for_backward(summed, mean, rstd, weight, seed)
+    ctx.mark_non_differentiable(mean, rstd)
+    # An output nobody used has no gradient: None, rather than a tensor of zeros
+    # the backward would have to read (post-LN stacks never use summed's).
+    ctx.set_materialize_grads(False)
+
+
+def _add_layer_norm_grad(ctx, grad_out, grad_summed, _grad_mean, _grad_rstd):
+    summed, mean, rstd, weight, seed = ctx.saved_tensors
+    if grad_out is None:  # only summed was used: nothing flows back through the norm
+        grad_out = torch.zeros_like(summed)
+    dsummed, dx, dweight, dbias = torch.ops.fusedlm.add_layer_norm_backward(
+        grad_out, grad_summed, summed, mean, rstd, weight, ctx.has_bias, ctx.has_residual,
+        ctx.dropout_p, seed, ctx.backend)
+    # Without dropout x's gradient is summed's: one tensor serves both inputs.
+    return (dx if ctx.dropout_p > 0 else dsummed, dsummed if ctx.has_residual else None,
+            dweight if weight is not None else None, dbias if ctx.has_bias else None,
+            None, None, None, None)
+
+
+_add_layer_norm.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)

@@ -1,0 +1,79 @@
+"""Backend registry and dispatch: automatic choice, overrides, and clear errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusedlm
+from fusedlm.backends import BACKEND_NAMES
+
+
+def test_backends_reports_every_backend():
+    status = fusedlm.backends()
+    assert set(status) == set(BACKEND_NAMES)
+    assert status["reference"] is True and status["cpu"] is True
+    for name in ("triton", "cuda"):
+        assert status[name] is True or isinstance(status[name], str) and status[name]
+
+
+def test_cpu_tensors_go_to_the_cpu_backend():
+    x = torch.randn(4, 8)
+    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> cpu:")
+
+
+def test_set_backend_and_environment_override(monkeypatch):
+    x = torch.randn(4, 8)
+    try:
+        fusedlm.set_backend("reference")
+        assert "reference" in fusedlm.explain("bias_gelu", x, None)
+        assert fusedlm.get_backend() == "reference"
+    finally:
+        fusedlm.set_backend(None)
+    monkeypatch.setenv("FUSEDLM_BACKEND", "reference")
+    assert "FUSEDLM_BACKEND" in fusedlm.explain("bias_gelu", x, None)
+    # The call's own backend= wins over both.
+    assert "backend= argument" in fusedlm.explain("bias_gelu", x, None, backend="cpu")
+
+
+def test_named_backend_that_cannot_run_raises():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="cuda"):
+        fusedlm.ops.bias_gelu(x, None, backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        fusedlm.ops.bias_gelu(x, None, backend="fast")
+    with pytest.raises(ValueError, match="backend"):
+        fusedlm.set_backend("fast")
+
+
+def test_reference_backend_runs_everywhere():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.testing.assert_close(fusedlm.ops.bias_gelu(x, None, backend="reference"),
+                               torch.nn.functional.gelu(x))
+
+
+def test_explain_rejects_unknown_ops():
+    with pytest.raises(ValueError, match="op"):
+        fusedlm.explain("softmax", torch.randn(2))
+
+
+def test_instruction_set_can_be_lowered_by_environment():
+    code = "import fusedlm; print(fusedlm._C.cpu_capability())"
+    env = dict(os.environ, FUSEDLM_CPU_CAPABILITY="baseline")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "baseline"
+
+
+def test_mismatched_torch_build_asks_for_a_rebuild(tmp_path):
+    # A copy of the package whose build record names another torch version must refuse to import.
+    import shutil
+
+    package = tmp_path / "fusedlm"
+    shutil.copytree(os.path.dirname(fusedlm.__file__), package)
+    (package / "_build_info.py").write_text("torch_version = '0.0.0'\ncuda_version = None\ncuda_arches = ''\n")
+    code = "import fusedlm"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "compiled against torch 0.0.0" in out.stderr and "Rebuild" in out.stderr

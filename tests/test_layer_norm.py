@@ -1,0 +1,293 @@
+"""add_layer_norm against the reference, on every backend that has it."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fusedlm
+from fusedlm.ops import reference
+from fusedlm.ops._dropout import cpu_keep_mask, next_seed
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GRAD_NAMES = ("dx", "dresidual", "dweight", "dbias")
+
+
+def _inputs(shape, dtype, device="cpu", residual=True, weight=True, bias=True, scale=1.0):
+    hidden = shape[-1]
+    x = fresh(shape, dtype, device, scale=scale)
+    r = fresh(shape, dtype, device, scale=scale) if residual else None
+    w = fresh((hidden,), dtype, device) if weight else None
+    b = fresh((hidden,), dtype, device) if bias else None
+    return x, r, w, b
+
+
+def _grads(outputs, inputs, upstream):
+    """Gradients of the inputs present (None for absent ones) for upstream gradients of
+    (out, summed); a None upstream gradient leaves that output out of the loss."""
+    present = [t for t in inputs if t is not None]
+    used = [(o, g) for o, g in zip(outputs, upstream) if g is not None]
+    # Without out in the loss, weight and bias get zeros.
+    grads = iter(torch.autograd.grad([o for o, _ in used], present, [g for _, g in used],
+                                     materialize_grads=True))
+    return [None if t is None else next(grads) for t in inputs]
+
+
+def _upstream(like, which):
+    """Fresh upstream gradients for (out, summed): "both", "out" (post-LN) or "summed"."""
+    return tuple(torch.randn_like(like) if which in ("both", name) else None
+                 for name in ("out", "summed"))
+
+
+def _compare(inputs, backend="cpu", *, eps=1e-5, which="both", out_scale=1.0, grad_scale=1.0,
+             dropout_p=0.0, keep=None):
+    """Runs the op and the float64 reference on the same inputs and compares outputs and
+    gradients; under dropout `keep` is the mask the op's seed gives."""
+    out, summed = fusedlm.ops.add_layer_norm(*inputs, eps, dropout_p=dropout_p, backend=backend)
+    upstream = _upstream(out, which)
+    got = _grads((out, summed), inputs, upstream)
+    ref_inputs = as_reference(*inputs)
+    e_out, e_summed = reference.add_layer_norm(*ref_inputs, eps, dropout_p=dropout_p,
+                                               dropout_mask=keep)
+    expected = _grads((e_out, e_summed), ref_inputs,
+                      [None if g is None else g.double() for g in upstream])
+    dtype = inputs[0].dtype
+    assert out.dtype == summed.dtype == dtype
+    assert out.shape == summed.shape == inputs[0].shape
+    assert_close(out, e_out, scale=out_scale, name="out")
+    assert_close(summed, e_summed, name="summed")
+    for name, g, e in zip(GRAD_NAMES, got, expected):
+        if e is not None:
+            assert g.dtype == dtype and g.shape == e.shape, name
+            # The parameter gradients sum over every row: allow for that many roundings.
+            scale = grad_scale * (10 if name in ("dweight", "dbias") else 1)
+            assert_close(g, e, dtype=dtype, scale=scale, name=name)
+    return out, summed, got
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("absent", ["", "residual", "weight", "bias", "weight+bias"])
+def test_add_layer_norm_matches_reference(backend, dtype, absent):
+    inputs = _inputs((3, 37, 130), dtype, backend_device(backend), residual="residual" not in absent,
+                     weight="weight" not in absent, bias="bias" not in absent)
+    _compare(inputs, backend)
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+@pytest.mark.parametrize("which", ["out", "summed"])
+def test_add_layer_norm_one_output_used(backend, which):
+    # Post-LN stacks use only out, pre-LN ones sometimes only summed (the last
+    # block's norm output unused): the other output has no upstream gradient.
+    inputs = _inputs((2, 19, 96), torch.float32, backend_device(backend))
+    _compare(inputs, backend, which=which)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("absent", ["", "residual", "weight+bias"])
+def test_add_layer_norm_gradcheck(dropout_p, absent):
+    inputs = _inputs((3, 2, 7), torch.float64, residual="residual" not in absent,
+                     weight="weight" not in absent, bias="bias" not in absent)
+    present = [t for t in inputs if t is not None]
+
+    def fn(*tensors):
+        it = iter(tensors)
+        args = [None if t is None else next(it) for t in inputs]
+        torch.manual_seed(99)  # every evaluation draws the same dropout seed
+        return fusedlm.ops.add_layer_norm(*args, 1e-5, dropout_p=dropout_p, backend="cpu")
+
+    assert torch.autograd.gradcheck(fn, tuple(present))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_layer_norm_every_instruction_set(cpu_isa, dtype):
+    # Odd widths exercise the vector loops' remainders; 1000 > 32 lanes with a tail.
+    for hidden in (1, 7, 33, 768, 1000):
+        inputs = _inputs((5, hidden), dtype, scale=2.0)
+        try:
+            _compare(inputs)
+        except AssertionError as e:
+            raise AssertionError(f"{cpu_isa}, hidden {hidden}: {e}") from e
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 150), cols=st.integers(1, 300), scale=st.floats(0.01, 100.0),
+       shift=st.floats(-50.0, 50.0), residual=st.booleans(), weight=st.booleans(),
+       bias=st.booleans(), eps=st.sampled_from([1e-5, 1e-12, 0.1]))
+def test_add_layer_norm_random_shapes(rows, cols, scale, shift, residual, weight, bias, eps):
+    x, r, w, b = _inputs((rows, cols), torch.float32, residual=residual, weight=weight, bias=bias,
+                         scale=scale)
+    # A row mean far from zero relative to its spread tests the variance's stability.
+    with torch.no_grad():
+        x += shift * scale
+    # Inputs are float32: xhat's error grows with |mean| / std; 10x covers shift 50.
+    _compare((x, r, w, b), eps=eps, out_scale=10, grad_scale=10)
+
+
+def test_add_layer_norm_compiles_without_graph_breaks():
+    inputs = _inputs((4, 9, 64), torch.float32)
+
+    def block(x, r, w, b):
+        out, summed = fusedlm.ops.add_layer_norm(x, r, w, b, backend="cpu")
+        return out * 2 + summed
+
+    compiled = torch.compile(block, fullgraph=True)
+    got = compiled(*inputs)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    ref_inputs = as_reference(*inputs)
+    e_out, e_summed = reference.add_layer_norm(*ref_inputs)
+    expected = e_out * 2 + e_summed
+    e_grads = torch.autograd.grad(expected, ref_inputs, grad.double())
+    assert_close(got, expected)
+    for name, g, e in zip(GRAD_NAMES, got_grads, e_grads):
+        assert_close(g, e, scale=10, name=name)
+
+
+def test_add_layer_norm_compiles_post_ln():
+    # Only out is used: the compiled backward gets no (or a zero) gradient for summed.
+    inputs = _inputs((4, 9, 64), torch.float32)
+    compiled = torch.compile(lambda *a: fusedlm.ops.add_layer_norm(*a, backend="cpu")[0],
+                             fullgraph=True)
+    got = compiled(*inputs)
+    got.sum().backward()
+    ref_inputs = as_reference(*inputs)
+    expected = reference.add_layer_norm(*ref_inputs)[0]
+    expected.sum().backward()
+    assert_close(got, expected)
+    for name, t, r in zip(GRAD_NAMES, inputs, ref_inputs):
+        assert_close(t.grad, r.grad, scale=10, name=name)
+
+
+# --- dropout -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("absent", ["", "residual"])
+def test_add_layer_norm_dropout_replays_its_mask(absent):
+    inputs = _inputs((2, 13, 48), torch.float64, residual=absent != "residual")
+    p = 0.3
+    torch.manual_seed(1234)
+    seed = next_seed(p)
+    keep = cpu_keep_mask(seed, inputs[0].shape, p)  # element order: x row-major
+    torch.manual_seed(1234)
+    out, summed, _ = _compare(inputs, dropout_p=p, keep=keep)
+    assert not keep.all() and keep.any()
+    # The same seed repeats the run; another seed does not.
+    torch.manual_seed(1234)
+    again = fusedlm.ops.add_layer_norm(*inputs, dropout_p=p, backend="cpu")
+    assert torch.equal(again[0], out) and torch.equal(again[1], summed)
+    other = fusedlm.ops.add_layer_norm(*inputs, dropout_p=p, backend="cpu")
+    assert not torch.equal(other[1], summed)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_add_layer_norm_dropout_keeps_and_scales(p):
+    # Without a residual summed is the dropped x: zeros, or exactly x / (1 - p),
+    # and x's gradient from summed is the upstream gradient through the same mask.
+    x = fresh((512, 64), torch.float64, "cpu")
+    out, summed = fusedlm.ops.add_layer_norm(x, None, None, None, dropout_p=p, backend="cpu")
+    grad = torch.randn_like(summed)
+    (dx,) = torch.autograd.grad(summed, x, grad)
+    kept = summed != 0
+    n = kept.numel()
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    torch.testing.assert_close(summed[kept], x[kept] / (1 - p))
+    torch.testing.assert_close(dx[kept], grad[kept] / (1 - p))
+    assert torch.equal(dx[~kept], torch.zeros_like(dx[~kept]))
+
+
+# --- edge cases ----------------------------------------------------------------------------------
+
+def test_add_layer_norm_one_row_and_empty_batch():
+    _compare(_inputs((1, 33), torch.float32))
+    for shape in ((0, 16), (2, 0, 16)):
+        x, r, w, b = _inputs(shape, torch.float32)
+        out, summed = fusedlm.ops.add_layer_norm(x, r, w, b, backend="cpu")
+        assert out.shape == summed.shape == shape
+        dw, db = torch.autograd.grad((out * 1).sum() + summed.sum(), (w, b))
+        assert torch.equal(dw, torch.zeros(16)) and torch.equal(db, torch.zeros(16))
+
+
+def test_add_layer_norm_non_contiguous_inputs():
+    x = fresh((40, 24), torch.float32, "cpu").t()
+    r = fresh((24, 80), torch.float32, "cpu")[:, ::2]
+    w = fresh((80,), torch.float32, "cpu")[::2]
+    b = fresh((40,), torch.float32, "cpu")
+    assert not (x.is_contiguous() or r.is_contiguous() or w.is_contiguous())
+    _compare((x, r, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_layer_norm_large_values(dtype):
+    # Sums up to ~4e4 (below float16's 65504): their squares overflow float16.
+    # Statistics in float32 keep everything finite.
+    x = fresh((6, 200), dtype, "cpu", scale=5e3)
+    r = (fresh((6, 200), torch.float32, "cpu", requires_grad=False) * 1e3 + 2e4).to(dtype)
+    r.requires_grad_()
+    w = fresh((200,), dtype, "cpu")
+    b = fresh((200,), dtype, "cpu")
+    out, summed, grads = _compare((x, r, w, b), out_scale=2, grad_scale=2)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_add_layer_norm_constant_rows(dtype):
+    # Variance 0: out is the bias, and the gradient is rstd = 1 / sqrt(eps) times the centred g.
+    rows = torch.randn(5, 1, dtype=torch.float64)
+    x = (rows * 3).expand(5, 768).to(dtype).requires_grad_()
+    r = (torch.randn(5, 1, dtype=torch.float64)).expand(5, 768).to(dtype).requires_grad_()
+    w = fresh((768,), dtype, "cpu")
+    b = fresh((768,), dtype, "cpu")
+    out, summed, _ = _compare((x, r, w, b), eps=1e-5)
+    assert_close(out, b.detach().double().expand(5, 768), name="out = bias")
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_add_layer_norm_is_deterministic(dropout_p):
+    # 300 rows: several reduction blocks. Bit-identical across runs and thread counts.
+    inputs = _inputs((300, 96), torch.float32)
+    upstream = (torch.randn(300, 96), torch.randn(300, 96))
+
+    def run(threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(5)
+            outs = fusedlm.ops.add_layer_norm(*inputs, dropout_p=dropout_p, backend="cpu")
+            return [*outs, *_grads(outs, inputs, upstream)]
+        finally:
+            torch.set_num_threads(before)
+
+    first = run(2)
+    for again in (run(2), run(1)):
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_add_layer_norm_rejects_bad_input():
+    x, r, w, b = _inputs((4, 8), torch.float32)
+    op = fusedlm.ops.add_layer_norm
+    with pytest.raises(ValueError, match="residual"):
+        op(x, torch.randn(4, 7), w, b)
+    with pytest.raises(TypeError, match="residual"):
+        op(x, r.half(), w, b)
+    with pytest.raises(TypeError, match="residual"):
+        op(x, [1.0] * 8, w, b)
+    with pytest.raises(ValueError, match="weight"):
+        op(x, r, torch.randn(7), b)
+    with pytest.raises(ValueError, match="weight"):
+        op(x, r, torch.randn(1, 8), b)
+    with pytest.raises(TypeError, match="bias"):
+        op(x, r, w, torch.randn(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bias"):
+        op(x, r, w, torch.randn(8, device="meta"))
+    with pytest.raises(TypeError, match="x"):
+        op(torch.ones(4, 8, dtype=torch.int64), None, None, None)
+    with pytest.raises(ValueError, match="x"):
+        op(torch.tensor(1.0), None, None, None)
+    with pytest.raises(ValueError, match="x"):
+        op(torch.randn(4, 0), None, None, None)
+    with pytest.raises(ValueError, match="eps"):
+        op(x, r, w, b, -1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        op(x, r, w, b, float("nan"))
+    with pytest.raises(ValueError, match="dropout_p"):
+        op(x, r, w, b, dropout_p=1.0)
