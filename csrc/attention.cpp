@@ -9,8 +9,8 @@
 // inputs in place (any row stride); other layouts and dtypes are first packed into
 // dense float32 buffers, one read of each input.
 //
-// Backward: one task per (sequence, head), which owns dK and dV, so their sums need no
-// reduction across threads. Per query block it recomputes P = exp(S - lse) tile by
+// Backward: one task per (sequence, group of heads), which owns their dK and dV, so
+// those sums need no reduction across threads. Per query block it recomputes P = exp(S - lse) tile by
 // tile and accumulates dV += P^T dO, dK += dS^T Q and dQ += dS K.
 //
 // Padding keys never enter a tile: the valid keys of each sequence are gathered when
@@ -168,10 +168,11 @@ struct Workspace {
     const int64_t n = pb.max_keys(), tile = kBlockQ * kBlockK;
     // Each buffer's size in elements, carved from one allocation in this order.
     const int64_t sizes[] = {group * kBlockQ * pb.dk, group * n * pb.dk, group * n * pb.dv,
-                             group * tile, backward ? tile : 0,
+                             group * tile, backward ? group * tile : 0,
                              group * kBlockQ * std::max(pb.dk, pb.dv),
-                             backward ? kBlockQ * pb.dv : 0, backward ? n * pb.dk : 0,
-                             backward ? n * pb.dv : 0, group * kBlockQ, group * kBlockQ, kBlockQ};
+                             backward ? group * kBlockQ * pb.dv : 0,
+                             backward ? group * n * pb.dk : 0, backward ? group * n * pb.dv : 0,
+                             group * kBlockQ, group * kBlockQ, group * kBlockQ};
     void** slots[] = {&q, &k, &v, &s, &dp, &o, &dout, &dk, &dv, &m, &l, &delta};
     storage = thread_buffer(std::accumulate(std::begin(sizes), std::end(sizes), int64_t(0)), options);
     acc_size = static_cast<int64_t>(storage.element_size());
@@ -310,68 +311,95 @@ struct Grads {
   const Rows* dbias;  // null without a bias gradient; strides 0 where it is broadcast
 };
 
-void backward_head(const Problem& pb, Workspace& ws, int64_t b, int64_t h, const Grads& g) {
+void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
+                    const Grads& g) {
   const auto& kern = cpu_kernels();
   const int64_t n = pb.keys(b);
-  const Operand k = ws.keys(pb, pb.k, b, h, 1, n, pb.dk, ws.k);
-  const Operand v = ws.keys(pb, pb.v, b, h, 1, n, pb.dv, ws.v);
-  auto dk = ws.mat(ws.dk, n, pb.dk), dv = ws.mat(ws.dv, n, pb.dv);
-  dk.zero_();
-  dv.zero_();
+  const Operand k = ws.keys(pb, pb.k, b, h0, heads, n, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, h0, heads, n, pb.dv, ws.v);
+  // dK and dV accumulate over query blocks; a key block's first product overwrites them
+  // (no zero-fill), so `filled` tracks how many of their rows hold a value.
+  const Operand dk_acc{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
+  const Operand dv_acc{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
+  int64_t filled = 0;
+  auto zero_rows = [&](int64_t from, int64_t to) {
+    if (to <= from) return;
+    ws.mats(dk_acc, heads, from, to - from, pb.dk).zero_();
+    ws.mats(dv_acc, heads, from, to - from, pb.dv).zero_();
+  };
   for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) {
     const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
     const int64_t reach = ws.set_limits(pb, b, i0, rows);
-    const auto q = ws.mat(ws.operand(pb, pb.q, b, h, 1, row, nullptr, true, rows, pb.dk, ws.q), 0,
-                          rows, pb.dk);
+    const auto q = ws.mats(ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q),
+                           heads, 0, rows, pb.dk);
     const Operand dout_rows =
-        ws.operand(pb, g.grad, b, h, 1, row, nullptr, true, rows, pb.dv, ws.dout);
-    const auto dout = ws.mat(dout_rows, 0, rows, pb.dv);
-    kern.attn_delta(pb.dtype, g.out.at(b, h, row), g.out.row, g.out.col, dout_rows.data,
-                    dout_rows.ld, rows, pb.dv, ws.delta);
-    const void* lse = g.lse.at(b, h, row);
-    auto dq = ws.mat(ws.o, rows, pb.dk);
+        ws.operand(pb, g.grad, b, h0, heads, row, nullptr, true, rows, pb.dv, ws.dout);
+    const auto dout = ws.mats(dout_rows, heads, 0, rows, pb.dv);
+    for (int64_t j = 0; j < heads; ++j)
+      kern.attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
+                      dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
+                      pb.dv, ws.at(ws.delta, j * rows));
+    auto dq = ws.mats(ws.o, heads, rows, pb.dk);
     for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
       const int64_t cols = std::min(kBlockK, reach - k0);
-      const auto kb = ws.mat(k, k0, cols, pb.dk);
-      auto s = ws.mat(ws.s, rows, cols), dp = ws.mat(ws.dp, rows, cols);
-      at::mm_out(s, q, kb.t());
-      at::mm_out(dp, dout, ws.mat(v, k0, cols, pb.dv).t());
-      const cpu::AttnTile tile = ws.tile(pb, b, h, i0, rows, k0, cols);
-      kern.attn_backward_block(&tile, ws.s, ws.dp, lse, ws.delta);
+      const auto kb = ws.mats(k, heads, k0, cols, pb.dk);
+      auto s = ws.mats(ws.s, heads, rows, cols), dp = ws.mats(ws.dp, heads, rows, cols);
+      at::bmm_out(s, q, kb.transpose(1, 2));
+      at::bmm_out(dp, dout, ws.mats(v, heads, k0, cols, pb.dv).transpose(1, 2));
+      for (int64_t j = 0; j < heads; ++j) {
+        const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
+        kern.attn_backward_block(&tile, ws.at(ws.s, j * rows * cols), ws.at(ws.dp, j * rows * cols),
+                                 g.lse.at(b, h0 + j, row), ws.at(ws.delta, j * rows));
+        if (g.dbias)
+          kern.attn_bias_grad(&tile, ws.at(ws.dp, j * rows * cols), g.dbias->at(b, h0 + j, i0),
+                              g.dbias->row, g.dbias->col);
+      }
       // s now holds the weights that multiplied V, dp holds dS.
-      ws.mat(ws.dv, cols, pb.dv, k0 * pb.dv).addmm_(s.t(), dout);
-      ws.mat(ws.dk, cols, pb.dk, k0 * pb.dk).addmm_(dp.t(), q);
-      if (k0 == 0) at::mm_out(dq, dp, kb);
-      else dq.addmm_(dp, kb);
-      if (g.dbias)
-        kern.attn_bias_grad(&tile, ws.dp, g.dbias->at(b, h, i0), g.dbias->row, g.dbias->col);
+      auto dvb = ws.mats(dv_acc, heads, k0, cols, pb.dv), dkb = ws.mats(dk_acc, heads, k0, cols, pb.dk);
+      if (k0 >= filled) {
+        at::bmm_out(dvb, s.transpose(1, 2), dout);
+        at::bmm_out(dkb, dp.transpose(1, 2), q);
+      } else {
+        zero_rows(filled, k0 + cols);
+        dvb.baddbmm_(s.transpose(1, 2), dout);
+        dkb.baddbmm_(dp.transpose(1, 2), q);
+      }
+      if (k0 == 0) at::bmm_out(dq, dp, kb);
+      else dq.baddbmm_(dp, kb);
     }
+    filled = std::max(filled, reach);
     if (reach == 0) dq.zero_();
     // The products used Q and K unscaled: the scale enters dQ and dK here.
-    kern.attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, pb.scale, g.dq.at(b, h, row), g.dq.row,
-                     g.dq.col);
+    for (int64_t j = 0; j < heads; ++j)
+      kern.attn_unpack(pb.dtype, ws.at(ws.o, j * rows * pb.dk), nullptr, rows, pb.dk, pb.scale,
+                       g.dq.at(b, h0 + j, row), g.dq.row, g.dq.col);
   }
+  zero_rows(filled, n);  // keys no query attends to
   // Padding keys get zero gradients.
   const int64_t key_row = pb.k_row0[b];
-  kern.attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, pb.scale,
-                   g.dk.at(b, h, key_row), g.dk.row, g.dk.col);
-  kern.attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, 1.0,
-                   g.dv.at(b, h, key_row), g.dv.row, g.dv.col);
+  for (int64_t j = 0; j < heads; ++j) {
+    kern.attn_unpack(pb.dtype, ws.at(ws.dk, j * n * pb.dk), pb.slots(b), pb.k_len[b], pb.dk,
+                     pb.scale, g.dk.at(b, h0 + j, key_row), g.dk.row, g.dk.col);
+    kern.attn_unpack(pb.dtype, ws.at(ws.dv, j * n * pb.dv), pb.slots(b), pb.k_len[b], pb.dv, 1.0,
+                     g.dv.at(b, h0 + j, key_row), g.dv.row, g.dv.col);
+  }
 }
 
 void backward(const Problem& pb, const Grads& g) {
-  // A task owns the (sequence, head) pairs whose bias gradients add into one slice of
-  // dbias: all sequences when the bias is shared across the batch, all heads when
+  // A task owns the (sequence, head group) pairs whose bias gradients add into one slice
+  // of dbias: all sequences when the bias is shared across the batch, all heads when
   // shared across heads. It visits them in order.
   const bool all_b = g.dbias && g.dbias->batch == 0, all_h = g.dbias && g.dbias->head == 0;
-  const int64_t tb = all_b ? 1 : pb.batch, th = all_h ? 1 : pb.heads;
-  at::parallel_for(0, tb * th, 1, [&](int64_t begin, int64_t end) {
-    Workspace ws(pb, true, 1);
+  const int64_t group = std::min(kHeadGroup, pb.heads);
+  const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
+  const int64_t tb = all_b ? 1 : pb.batch, tg = all_h ? 1 : groups;
+  at::parallel_for(0, tb * tg, 1, [&](int64_t begin, int64_t end) {
+    Workspace ws(pb, true, group);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t bo = t / th, ho = t % th;
+      const int64_t bo = t / tg, go = t % tg;
       for (int64_t b = all_b ? 0 : bo; b < (all_b ? pb.batch : bo + 1); ++b)
-        for (int64_t h = all_h ? 0 : ho; h < (all_h ? pb.heads : ho + 1); ++h)
-          backward_head(pb, ws, b, h, g);
+        for (int64_t gi = all_h ? 0 : go; gi < (all_h ? groups : go + 1); ++gi)
+          backward_heads(pb, ws, b, gi * group, std::min(group, pb.heads - gi * group), g);
     }
   });
 }
