@@ -2,23 +2,24 @@
 // matrix products, with the softmax, masking, dropout and their backward fused in
 // between (the kernels of csrc/cpu/attention.cpp).
 //
-// Forward: one at::parallel_for task per (sequence, head, block of kBlockQ queries).
-// For each block of kBlockK keys: S = Q K^T (at::mm), the fused scale + bias + mask +
-// online-softmax step, O += P V (at::addmm_). It writes O / l and each row's
-// log-sum-exp, the one statistic backward needs. The products read float32/float64
-// inputs in place (any row stride); other layouts and dtypes are first packed into
-// dense float32 buffers, one read of each input.
+// Forward: one at::parallel_for task per (sequence, group of kHeadGroup heads, block of
+// kBlockQ queries). For each block of kBlockK keys: S = Q K^T (at::bmm over the heads),
+// the fused scale + bias + mask + online-softmax step per head, O += P V. It writes
+// O / l and each row's log-sum-exp, the one statistic backward needs.
 //
 // Backward: one task per (sequence, group of heads), which owns their dK and dV, so
-// those sums need no reduction across threads. Per query block it recomputes P = exp(S - lse) tile by
-// tile and accumulates dV += P^T dO, dK += dS^T Q and dQ += dS K.
+// those sums need no reduction across threads. Per query block it recomputes
+// P = exp(S - lse) tile by tile and accumulates dV += P^T dO, dK += dS^T Q, dQ += dS K.
 //
-// Padding keys never enter a tile: the valid keys of each sequence are gathered when
-// K and V are packed, so the work follows the real lengths, and a causal row's allowed
-// keys stay a prefix of the gathered ones (the walk stops at a block's last allowed
-// key, which skips the causal-masked blocks). Only [kBlockQ, kBlockK] tiles are held,
-// never a [seq_q, seq_k] matrix. Every reduction runs in a fixed order inside one
-// task, so results do not depend on the number of threads.
+// The products read float32/float64 inputs in place (any row stride); other dtypes and
+// layouts are first packed into dense float32 buffers, one read of each input.
+// Padding keys never enter a tile: each sequence's valid keys are gathered when K and
+// V are packed (or, when they are consecutive, read in place), so the work follows the
+// real lengths, and a causal row's allowed keys stay a prefix of the gathered ones (the
+// walk stops at a block's last allowed key, which skips the causal-masked blocks). Only
+// [kBlockQ, kBlockK] tiles are held, never a [seq_q, seq_k] matrix. Every reduction
+// runs in a fixed order inside one task, and the split into tasks depends only on the
+// shapes, so results do not depend on the number of threads.
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -32,13 +33,13 @@ namespace fusedlm {
 namespace {
 
 // A tile is [kBlockQ, kBlockK] scores: 128 KiB in float32, resident in L2 with the
-// operands, and large enough that each ATen product (a few microseconds of dispatch)
-// does over a million multiply-adds at head_dim 64.
+// operands, and large enough that each product does over a million multiply-adds at
+// head_dim 64.
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 256;
-// Forward tasks take this many heads of a query block at once, so each ATen call (a few
-// microseconds to dispatch, comparable to a product at seq 128) serves them all through
-// bmm. A constant, so the split of the work does not depend on the machine.
+// Tasks take this many heads at once, so that each ATen call (a few microseconds to
+// dispatch, a fifth of a product at seq 128) serves them all through bmm. A constant,
+// so the split of the work does not depend on the machine.
 constexpr int64_t kHeadGroup = 4;
 
 // Rows of a tensor in units of elements: row `r` of head `h` of sequence `b` starts at

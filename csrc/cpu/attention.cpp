@@ -12,10 +12,9 @@
 // P = exp(S - lse) tile by tile and forms dS = P * (dP - delta) in attn_backward_block;
 // nothing of size [seq_q, seq_k] is ever stored.
 //
-// Memory traffic: each step streams one [block_q, block_k] tile that a matrix
-// product has just written, so it stays in L2 (128 x 256 floats = 128 KiB). What
-// limits it is exp (about twenty vector instructions per score) and, for short
-// sequences, the dispatch cost of the products around it.
+// Memory traffic: each step streams the [block_q, block_k] tile of one head that a
+// matrix product has just written, in L2 (128 x 256 floats = 128 KiB per head). What
+// limits it is exp: about twenty vector instructions per score.
 //
 // Scores, statistics and accumulators are in the accumulation type (float64 for
 // kF64, float32 otherwise); attn_pack, attn_forward_finish and attn_unpack convert
@@ -33,8 +32,8 @@ void dropout_mask(uint64_t seed, uint64_t offset, int64_t n, double p, uint8_t* 
 
 namespace {
 
-// Independent partial sums (or maxima) per reduction: one 64-byte vector of floats.
-// The order of the partials is fixed, so results do not depend on the instruction set.
+// Independent partial sums per reduction: one 64-byte vector of floats. The order of
+// the additions is fixed by the source, not by the vector width.
 constexpr int kLanes = 16;
 
 template <typename A>
@@ -42,7 +41,8 @@ constexpr A kInf = std::numeric_limits<A>::infinity();
 
 // Maxima go through an order-preserving map of the floats' bits to integers: integer
 // max reductions vectorise, while GCC keeps a float max reduction scalar unless it may
-// ignore NaN and signed zeros. A NaN maps above +inf, so it propagates as it should.
+// ignore NaN and signed zeros. (A NaN score, whatever the max, still makes its row NaN
+// through exp.)
 inline int32_t order_key(float x) {
   const int32_t i = static_cast<int32_t>(float_to_bits(x));
   return i ^ ((i >> 31) & 0x7fffffff);
@@ -60,16 +60,6 @@ inline double from_order_key(int64_t k) {
   double x;
   std::memcpy(&x, &i, sizeof x);
   return x;
-}
-
-template <typename A>
-A row_max(const A* x, int64_t n) {
-  auto out = order_key(-kInf<A>);
-  for (int64_t j = 0; j < n; ++j) {
-    const auto key = order_key(x[j]);
-    out = key > out ? key : out;
-  }
-  return from_order_key(out);
 }
 
 // The sum of kLanes partials, as a tree: log2(kLanes) vector adds instead of a chain of
