@@ -336,10 +336,14 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
     const Operand dout_rows =
         ws.operand(pb, g.grad, b, h0, heads, row, nullptr, true, rows, pb.dv, ws.dout);
     const auto dout = ws.mats(dout_rows, heads, 0, rows, pb.dv);
-    for (int64_t j = 0; j < heads; ++j)
-      kern.attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
-                      dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
-                      pb.dv, ws.at(ws.delta, j * rows));
+    // With one key block the tile holds whole rows, and the kernel derives delta from it
+    // (exactly, and without reading O); otherwise delta comes from O before the walk.
+    const bool own_delta = reach <= kBlockK;
+    if (!own_delta)
+      for (int64_t j = 0; j < heads; ++j)
+        kern.attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
+                        dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
+                        pb.dv, ws.at(ws.delta, j * rows));
     auto dq = ws.mats(ws.o, heads, rows, pb.dk);
     for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
       const int64_t cols = std::min(kBlockK, reach - k0);
@@ -350,7 +354,7 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
       for (int64_t j = 0; j < heads; ++j) {
         const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
         kern.attn_backward_block(&tile, ws.at(ws.s, j * rows * cols), ws.at(ws.dp, j * rows * cols),
-                                 g.lse.at(b, h0 + j, row), ws.at(ws.delta, j * rows));
+                                 g.lse.at(b, h0 + j, row), ws.at(ws.delta, j * rows), own_delta);
         if (g.dbias)
           kern.attn_bias_grad(&tile, ws.at(ws.dp, j * rows * cols), g.dbias->at(b, h0 + j, i0),
                               g.dbias->row, g.dbias->col);

@@ -135,9 +135,12 @@ def test_attention_rows_with_every_key_masked_are_zero(backend):
 
 @pytest.mark.parametrize("backend", backends_for("attention"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_attention_large_logits_do_not_overflow(backend, dtype):
+@pytest.mark.parametrize("seq_k", [24, 300])
+def test_attention_large_logits_do_not_overflow(backend, dtype, seq_k):
     # Scores in the hundreds: exp would overflow even float32 without subtracting the row max.
-    q, k, v = (fresh((2, 2, 24, 64), dtype, backend_device(backend), 12.0) for _ in range(3))
+    device = backend_device(backend)
+    q = fresh((2, 2, 24, 64), dtype, device, 12.0)
+    k, v = (fresh((2, 2, seq_k, 64), dtype, device, 12.0) for _ in range(2))
     out = fusedlm.ops.attention(q, k, v, causal=True, backend=backend)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
@@ -145,13 +148,16 @@ def test_attention_large_logits_do_not_overflow(backend, dtype):
     expected = reference.attention(*ref, causal=True)
     ref_grads = torch.autograd.grad(expected, ref, grad.double())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-    # Errors relative to each tensor's largest entry, within a few roundings of the dtype:
-    # the output is rounded once, and backward's rowsum(dO * O) uses that rounded output
-    # (as FlashAttention does), an error that dS carries into dq and dk times |k| and |q|.
+    # Errors relative to each tensor's largest entry, in roundings of the dtype. Rows that
+    # fit one key block take rowsum(dO * O) from the exact probabilities: only the
+    # outputs' own rounding remains. Longer rows take it from the output as stored in
+    # the dtype, as FlashAttention does; with near one-hot probabilities dS is then the
+    # difference of nearly equal terms, and dq, dk carry that rounding times |k|, |q|.
+    bound = 2 if seq_k <= 256 else 40
     eps = torch.finfo(dtype).eps
     for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *ref_grads)):
         error = (a.double() - e).abs().max() / e.abs().max()
-        assert error < 10 * eps, f"{name}: relative error {error:.3g}"
+        assert error < bound * eps, f"{name}: relative error {error:.3g} ({error / eps:.1f} eps)"
 
 
 def test_attention_gradcheck():

@@ -9,8 +9,9 @@
 //                       rescaling of the output accumulator, S <- exp(S - m) [* keep / (1 - p)]
 // then the host adds S V to the accumulator, and after the last tile
 // attn_forward_finish stores O / l and the log-sum-exp. Backward recomputes
-// P = exp(S - lse) tile by tile and forms dS = P * (dP - delta) in attn_backward_block;
-// nothing of size [seq_q, seq_k] is ever stored.
+// P = exp(S - lse) tile by tile and forms dS = P * (dP - delta) in attn_backward_block,
+// with delta = rowsum(dO * O) from attn_delta, or from the tile itself when it holds
+// whole rows; nothing of size [seq_q, seq_k] is ever stored.
 //
 // Memory traffic: each step streams the [block_q, block_k] tile of one head that a
 // matrix product has just written, in L2 (128 x 256 floats = 128 KiB per head). What
@@ -251,30 +252,26 @@ void delta_rows(const T* o, int64_t row_stride, int64_t col_stride, const acc_t<
 
 template <typename T, bool kDropout>
 void backward_rows(const AttnTile& t, acc_t<T>* s, acc_t<T>* dp, const acc_t<T>* lse,
-                   const acc_t<T>* delta) {
+                   acc_t<T>* delta, bool own_delta) {
   using A = acc_t<T>;
   const A keep_scale = A(1) / (A(1) - A(t.p));
   for (int64_t r = 0; r < t.rows; ++r) {
     A* sr = s + r * t.cols;
     A* dr = dp + r * t.cols;
+    const uint8_t* kr = kDropout ? t.keep + r * t.cols : nullptr;
     const int64_t lim = t.limit[r];
     scores_row<T, false>(t, r, sr, lim);
-    const A lse_r = lse[r], delta_r = delta[r];
-    if (kDropout) {
-      const uint8_t* kr = t.keep + r * t.cols;
-      for (int64_t j = 0; j < lim; ++j) {
-        const A prob = exp_(sr[j] - lse_r);
-        const A z = kr[j] ? keep_scale : A(0);
-        sr[j] = prob * z;                      // what multiplied V: gives dV
-        dr[j] = prob * (dr[j] * z - delta_r);  // dS, through the dropout
-      }
-    } else {
-      for (int64_t j = 0; j < lim; ++j) {
-        const A prob = exp_(sr[j] - lse_r);
-        sr[j] = prob;
-        dr[j] = prob * (dr[j] - delta_r);
-      }
-    }
+    const A lse_r = lse[r];
+    for (int64_t j = 0; j < lim; ++j) sr[j] = exp_(sr[j] - lse_r);  // P
+    if (kDropout)  // the gradient reaching P passes through the dropout
+      for (int64_t j = 0; j < lim; ++j) dr[j] = kr[j] ? dr[j] * keep_scale : A(0);
+    // delta = rowsum(dO * O) = rowsum(P * dP). From the tile when it holds all of the
+    // row: exact, where the stored O has been rounded to the output's dtype.
+    if (own_delta) delta[r] = row_dot(sr, dr, lim);
+    const A delta_r = delta[r];
+    for (int64_t j = 0; j < lim; ++j) dr[j] = sr[j] * (dr[j] - delta_r);  // dS
+    if (kDropout)  // what multiplied V, for dV
+      for (int64_t j = 0; j < lim; ++j) sr[j] = kr[j] ? sr[j] * keep_scale : A(0);
     for (int64_t j = lim; j < t.cols; ++j) {
       sr[j] = A(0);
       dr[j] = A(0);
@@ -368,14 +365,14 @@ void attn_delta(DType dtype, const void* o, int64_t row_stride, int64_t col_stri
   });
 }
 
-void attn_backward_block(const AttnTile* tile, void* s, void* dp, const void* lse,
-                         const void* delta) {
+void attn_backward_block(const AttnTile* tile, void* s, void* dp, const void* lse, void* delta,
+                         bool own_delta) {
   dispatch_dtype(tile->dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = acc_t<T>;
     auto run = tile->keep ? backward_rows<T, true> : backward_rows<T, false>;
     run(*tile, static_cast<A*>(s), static_cast<A*>(dp), static_cast<const A*>(lse),
-        static_cast<const A*>(delta));
+        static_cast<A*>(delta), own_delta);
   });
 }
 

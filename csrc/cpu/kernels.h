@@ -84,8 +84,10 @@ struct KernelTable {
                      void* delta);
   // From the tile's product s and dp = dO V^T: s <- P [* keep / (1 - p)] with
   // P = exp(score - lse), dp <- dS = P * (dp [* keep / (1 - p)] - delta); zero where masked.
+  // delta = rowsum(dO * O) is read, or with own_delta (the tile holds every allowed key of
+  // its rows) computed here as rowsum(P * dp [* keep / (1 - p)]) and written.
   void (*attn_backward_block)(const struct AttnTile* tile, void* s, void* dp, const void* lse,
-                              const void* delta);
+                              void* delta, bool own_delta);
   // dbias[r * row_stride + key_pos[j] * col_stride] += ds[r, j] over the tile, in order; a
   // stride of 0 sums over that dimension (a broadcast bias).
   void (*attn_bias_grad)(const struct AttnTile* tile, const void* ds, void* dbias,

@@ -21,7 +21,7 @@ void attn_forward_finish(DType, int64_t, int64_t, const void*, const void*, cons
                          void*, int64_t, int64_t);
 void attn_delta(DType, const void*, int64_t, int64_t, const void*, int64_t, int64_t, int64_t,
                 void*);
-void attn_backward_block(const AttnTile*, void*, void*, const void*, const void*);
+void attn_backward_block(const AttnTile*, void*, void*, const void*, void*, bool);
 void attn_bias_grad(const AttnTile*, const void*, void*, int64_t, int64_t);
 void add_layer_norm_forward(DType, const void*, const void*, const void*, const void*, void*,
                             void*, void*, void*, int64_t, int64_t, double, const uint8_t*,
