@@ -340,12 +340,12 @@ def test_attention_varlen_dropout_replays_its_mask():
 
 # --- attention_varlen ----------------------------------------------------------------------------
 
-def _packed(lengths_q, lengths_k, heads, head_dim, dtype, device="cpu"):
+def _packed(lengths_q, lengths_k, heads, head_dim, dtype, device="cpu", head_dim_v=None):
     cu_q = torch.tensor([0] + lengths_q, device=device).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lengths_k, device=device).cumsum(0).to(torch.int32)
     q = fresh((int(cu_q[-1]), heads, head_dim), dtype, device)
     k = fresh((int(cu_k[-1]), heads, head_dim), dtype, device)
-    v = fresh((int(cu_k[-1]), heads, head_dim), dtype, device)
+    v = fresh((int(cu_k[-1]), heads, head_dim_v or head_dim), dtype, device)
     return q, k, v, cu_q, cu_k
 
 
@@ -355,7 +355,8 @@ def _packed(lengths_q, lengths_k, heads, head_dim, dtype, device="cpu"):
 def test_attention_varlen_matches_reference(backend, dtype, causal):
     # Sequences of their own lengths for q and k, one with no queries, one with no keys.
     lengths_q, lengths_k = [9, 0, 17, 4, 1], [9, 5, 12, 0, 30]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, 24, dtype, backend_device(backend))
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, 24, dtype, backend_device(backend),
+                                  head_dim_v=40)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                        causal=causal, backend=backend)
     grad = torch.randn_like(out)
@@ -408,6 +409,24 @@ def test_attention_varlen_empty():
     assert out.shape == (0, 2, 8)
     out.sum().backward()
     assert q.grad.shape == q.shape
+
+
+def test_attention_varlen_compiles_without_graph_breaks():
+    q, k, v, cu_q, cu_k = _packed([6, 11, 3], [9, 4, 12], 2, 16, torch.float32)
+
+    def attend(q, k, v):
+        return fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 11, 12, causal=True,
+                                            backend="cpu") * 2
+
+    out = torch.compile(attend, fullgraph=True)(q, k, v)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = as_reference(q, k, v)
+    expected = reference.attention_varlen(*ref, cu_q, cu_k, 11, 12, causal=True) * 2
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert_close(out, expected)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, scale=2)
 
 
 def test_unpad_attention_varlen_pad_compiles_without_graph_breaks():

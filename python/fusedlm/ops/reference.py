@@ -62,7 +62,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. dropout_mask, if given, is
     [batch, heads, max_seqlen_q, max_seqlen_k] (each sequence in its top-left corner).
     """
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head_dim may differ from q's
     for i in range(cu_seqlens_q.numel() - 1):
         q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
