@@ -134,6 +134,29 @@ struct Problem {
   }
 };
 
+// MKL (torch's BLAS on x86) runs a product on its own threads unless told otherwise,
+// and torch turns off its dynamic adjustment (mkl_set_dynamic(0)), so a product inside
+// an at::parallel_for task starts a nested team: on a busy machine the oversubscribed
+// threads spin against each other, at times for hundreds of milliseconds. A task's
+// products are small, so it runs them on its own thread. The setting is thread-local
+// and restored after; the weak symbol is null (and this a no-op) without MKL. (It is
+// MKL's C entry point, what mkl_service.h's mkl_set_num_threads_local expands to; the
+// lower-case symbol is the Fortran one, which takes a pointer.)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+class OneBlasThread {
+ public:
+  OneBlasThread() : before_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~OneBlasThread() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(before_);
+  }
+  OneBlasThread(const OneBlasThread&) = delete;
+  OneBlasThread& operator=(const OneBlasThread&) = delete;
+
+ private:
+  int before_;
+};
+
 // A buffer of at least n elements for this thread. Up to kKeptBytes it is kept for the
 // thread's next call: a fresh allocation of that size comes from mmap, and touching its
 // pages again on every call costs more than the attention of a short sequence.
@@ -297,6 +320,7 @@ void forward(const Problem& pb, const Rows& out, const Rows& lse) {
   const int64_t group = std::min(kHeadGroup, pb.heads);
   const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
   at::parallel_for(0, pb.batch * groups * blocks, 1, [&](int64_t begin, int64_t end) {
+    OneBlasThread one_blas_thread;
     Workspace ws(pb, false, group);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / (groups * blocks), h0 = t / blocks % groups * group;
@@ -399,6 +423,7 @@ void backward(const Problem& pb, const Grads& g) {
   const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
   const int64_t tb = all_b ? 1 : pb.batch, tg = all_h ? 1 : groups;
   at::parallel_for(0, tb * tg, 1, [&](int64_t begin, int64_t end) {
+    OneBlasThread one_blas_thread;
     Workspace ws(pb, true, group);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bo = t / tg, go = t % tg;
