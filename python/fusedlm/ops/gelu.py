@@ -148,7 +148,6 @@ def _gelu_ffn_setup(ctx, inputs, output):
     x, w1, b1, w2, b2, ctx.approximate, ctx.dropout_p, seed, ctx.backend = inputs
     ctx.save_for_backward(x, output[1], w1, b1, w2, b2, seed)
     ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)  # the pre-activation never gets a gradient: no zero-filled one
 
 
 def _gelu_ffn_grad(ctx, grad, _grad_pre):
