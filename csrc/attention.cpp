@@ -399,19 +399,16 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
     filled = std::max(filled, reach);
     if (reach == 0) dq.zero_();
     // The products used Q and K unscaled: the scale enters dQ and dK here.
-    for (int64_t j = 0; j < heads; ++j)
-      kern.attn_unpack(pb.dtype, ws.at(ws.o, j * rows * pb.dk), nullptr, rows, pb.dk, pb.scale,
-                       g.dq.at(b, h0 + j, row), g.dq.row, g.dq.col);
+    kern.attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, pb.scale, g.dq.at(b, h0, row), g.dq.row,
+                     g.dq.col, heads, rows * pb.dk, g.dq.head);
   }
   zero_rows(filled, n);  // keys no query attends to
   // Padding keys get zero gradients.
   const int64_t key_row = pb.k_row0[b];
-  for (int64_t j = 0; j < heads; ++j) {
-    kern.attn_unpack(pb.dtype, ws.at(ws.dk, j * n * pb.dk), pb.slots(b), pb.k_len[b], pb.dk,
-                     pb.scale, g.dk.at(b, h0 + j, key_row), g.dk.row, g.dk.col);
-    kern.attn_unpack(pb.dtype, ws.at(ws.dv, j * n * pb.dv), pb.slots(b), pb.k_len[b], pb.dv, 1.0,
-                     g.dv.at(b, h0 + j, key_row), g.dv.row, g.dv.col);
-  }
+  kern.attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, pb.scale,
+                   g.dk.at(b, h0, key_row), g.dk.row, g.dk.col, heads, n * pb.dk, g.dk.head);
+  kern.attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, 1.0, g.dv.at(b, h0, key_row),
+                   g.dv.row, g.dv.col, heads, n * pb.dv, g.dv.head);
 }
 
 void backward(const Problem& pb, const Grads& g) {

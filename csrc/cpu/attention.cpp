@@ -130,21 +130,26 @@ void pack(const T* src, int64_t row_stride, int64_t col_stride, const int32_t* r
   }
 }
 
+// Row by row across the heads: in a [batch, seq, heads, dim] output one row of every
+// head is one contiguous run, which the stores (the first touch of that memory) favour.
 template <typename T>
 void unpack(const acc_t<T>* src, const int32_t* from, int64_t n, int64_t cols, acc_t<T> scale,
-            T* dst, int64_t row_stride, int64_t col_stride) {
+            T* dst, int64_t row_stride, int64_t col_stride, int64_t heads,
+            int64_t src_head_stride, int64_t dst_head_stride) {
   using A = acc_t<T>;
   for (int64_t r = 0; r < n; ++r) {
-    T* d = dst + r * row_stride;
     const int64_t f = from ? from[r] : r;
-    // A row with no source (a padding key) gets zeros: multiplying by 0 would keep NaN/inf.
-    const A* s = f >= 0 ? src + f * cols : nullptr;
-    if (!s) {
-      for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], A(0));
-    } else if (col_stride == 1) {
-      for (int64_t c = 0; c < cols; ++c) store(d[c], s[c] * scale);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], s[c] * scale);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* d = dst + h * dst_head_stride + r * row_stride;
+      // A row with no source (a padding key) gets zeros: multiplying by 0 would keep NaN/inf.
+      const A* s = f >= 0 ? src + h * src_head_stride + f * cols : nullptr;
+      if (!s) {
+        for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], A(0));
+      } else if (col_stride == 1) {
+        for (int64_t c = 0; c < cols; ++c) store(d[c], s[c] * scale);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], s[c] * scale);
+      }
     }
   }
 }
@@ -306,11 +311,12 @@ void attn_pack(DType dtype, const void* src, int64_t row_stride, int64_t col_str
 }
 
 void attn_unpack(DType dtype, const void* src, const int32_t* from, int64_t n, int64_t cols,
-                 double scale, void* dst, int64_t row_stride, int64_t col_stride) {
+                 double scale, void* dst, int64_t row_stride, int64_t col_stride, int64_t heads,
+                 int64_t src_head_stride, int64_t dst_head_stride) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     unpack(static_cast<const acc_t<T>*>(src), from, n, cols, acc_t<T>(scale), static_cast<T*>(dst),
-           row_stride, col_stride);
+           row_stride, col_stride, heads, src_head_stride, dst_head_stride);
   });
 }
 

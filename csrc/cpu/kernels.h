@@ -59,8 +59,10 @@ struct KernelTable {
   void (*attn_pack)(DType, const void* src, int64_t row_stride, int64_t col_stride,
                     const int32_t* rows, int64_t n, int64_t cols, void* dst);
   // dst[r] = scale * src[from[r]] (from null: r) into a strided matrix; zeros where from[r] < 0.
+  // For each of `heads` heads, their src and dst the given head strides (elements) apart.
   void (*attn_unpack)(DType, const void* src, const int32_t* from, int64_t n, int64_t cols,
-                      double scale, void* dst, int64_t row_stride, int64_t col_stride);
+                      double scale, void* dst, int64_t row_stride, int64_t col_stride,
+                      int64_t heads, int64_t src_head_stride, int64_t dst_head_stride);
   // keep[r, j] = element offset + r * row_pitch + key_pos[j] of the dropout stream; scratch
   // holds key_pos[cols - 1] - key_pos[0] + 1 bytes.
   void (*attn_dropout_keep)(uint64_t seed, double p, uint64_t offset, int64_t row_pitch,

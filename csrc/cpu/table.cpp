@@ -13,7 +13,7 @@ void cross_entropy_forward(DType, const void*, const int64_t*, void*, void*, voi
 void cross_entropy_scale_grad(DType, const void*, void*, int64_t, int64_t, const void*, int64_t);
 void attn_pack(DType, const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, void*);
 void attn_unpack(DType, const void*, const int32_t*, int64_t, int64_t, double, void*, int64_t,
-                 int64_t);
+                 int64_t, int64_t, int64_t, int64_t);
 void attn_dropout_keep(uint64_t, double, uint64_t, int64_t, int64_t, const int32_t*, int64_t,
                        uint8_t*, uint8_t*);
 void attn_forward_block(const AttnTile*, bool, void*, void*, void*, void*, int64_t);
