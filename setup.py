@@ -30,8 +30,12 @@ except ImportError as e:  # pragma: no cover - message for users
 
 ROOT = Path(__file__).parent.resolve()
 DEFAULT_CUDA_ARCHES = "8.0;9.0a"
+# at::parallel_for's OpenMP backend is a template in ATen's headers, compiled into the host
+# code: without -fopenmp its `omp parallel` is ignored and every task runs on the calling
+# thread. (Apple's clang has no -fopenmp; there the host code stays single-threaded.)
+OPENMP_FLAGS = ["-fopenmp"] if torch._C.has_openmp and platform.system() != "Darwin" else []
 # Host code takes the C++ standard torch's headers need; the kernels need C++17.
-HOST_FLAGS = ["-O3", "-fvisibility=hidden"]
+HOST_FLAGS = ["-O3", "-fvisibility=hidden", *OPENMP_FLAGS]
 KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
 # Flags of each CPU kernel build. Never -march=native: the wheel must run on any x86-64.
 ISA_FLAGS = {
@@ -101,6 +105,7 @@ def extension(sources, with_cuda):
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": HOST_FLAGS, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
         define_macros=[("FUSEDLM_WITH_CUDA", None)] if with_cuda else [],
+        extra_link_args=OPENMP_FLAGS,
     )
     if with_cuda:
         return cpp_extension.CUDAExtension(**kwargs)
