@@ -134,14 +134,15 @@ struct Problem {
   }
 };
 
-// MKL (torch's BLAS on x86) runs a product on its own threads unless told otherwise,
-// and torch turns off its dynamic adjustment (mkl_set_dynamic(0)), so a product inside
-// an at::parallel_for task starts a nested team: on a busy machine the oversubscribed
-// threads spin against each other, at times for hundreds of milliseconds. A task's
-// products are small, so it runs them on its own thread. The setting is thread-local
-// and restored after; the weak symbol is null (and this a no-op) without MKL. (It is
-// MKL's C entry point, what mkl_service.h's mkl_set_num_threads_local expands to; the
-// lower-case symbol is the Fortran one, which takes a pointer.)
+// A task's products are sized for one core and run on its thread. MKL (torch's BLAS on
+// x86) would otherwise spread each over its own threads wherever a task runs outside a
+// parallel region (a single task, or a call from inside another parallel region; torch
+// turns MKL's dynamic adjustment off): on small products that costs more than it gains,
+// up to hundreds of milliseconds of spinning on a busy machine, and it would make the
+// results depend on the number of threads. The setting is thread-local and restored
+// after; the weak symbol is null (and this a no-op) without MKL. (It is MKL's C entry
+// point, what mkl_service.h's mkl_set_num_threads_local expands to; the lower-case
+// symbol is the Fortran one, which takes a pointer.)
 extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 
 class OneBlasThread {
