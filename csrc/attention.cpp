@@ -215,18 +215,15 @@ struct Workspace {
   }
 
   void* at(void* data, int64_t offset) const { return static_cast<char*>(data) + offset * acc_size; }
-  // A dense [rows, cols] matrix over an acc buffer, starting `offset` elements in.
-  at::Tensor mat(void* data, int64_t rows, int64_t cols, int64_t offset = 0) const {
-    return at::from_blob(at(data, offset), {rows, cols}, options);
+  // A dense [rows, cols] matrix over an acc buffer.
+  at::Tensor mat(void* data, int64_t rows, int64_t cols) const {
+    return at::from_blob(data, {rows, cols}, options);
   }
   // Dense [heads, rows, cols] matrices over an acc buffer.
   at::Tensor mats(void* data, int64_t heads, int64_t rows, int64_t cols) const {
     return at::from_blob(data, {heads, rows, cols}, options);
   }
-  // Rows [first, first + rows) of an operand: of its first head, or of `heads` heads.
-  at::Tensor mat(const Operand& x, int64_t first, int64_t rows, int64_t cols) const {
-    return at::from_blob(x.data + first * x.ld * acc_size, {rows, cols}, {x.ld, 1}, options);
-  }
+  // Rows [first, first + rows) of `heads` heads of an operand.
   at::Tensor mats(const Operand& x, int64_t heads, int64_t first, int64_t rows, int64_t cols) const {
     return at::from_blob(x.data + first * x.ld * acc_size, {heads, rows, cols}, {x.head_ld, x.ld, 1},
                          options);
