@@ -21,8 +21,8 @@
 //
 // GCC vectorises no float reduction without -ffast-math, so row sums keep a
 // fixed number of independent partial sums (lanes): the loop over the lanes
-// becomes vector adds on every instruction set, in an order that does not depend
-// on the instruction set or the thread count.
+// becomes vector adds on every instruction set, and the order of the additions
+// stays fixed (results never depend on the thread count).
 #include <algorithm>
 #include <memory>
 
