@@ -119,8 +119,16 @@ def test_add_layer_norm_random_shapes(rows, cols, scale, shift, residual, weight
     # A row mean far from zero relative to its spread tests the variance's stability.
     with torch.no_grad():
         x += shift * scale
-    # Inputs are float32: xhat's error grows with |mean| / std; 10x covers shift 50.
-    _compare((x, r, w, b), eps=eps, out_scale=10, grad_scale=10)
+    # In float32 the rounding of summed is amplified by rstd: a row's condition
+    # number is max|summed| * rstd, ~3 for centred rows, ~50 at shift 50, and up
+    # to 1e6 for a single element with eps = 1e-12 (where torch's own float32
+    # LayerNorm is as far from the float64 result).
+    tolerance = 10.0
+    if rows:
+        summed = x.detach().double() + (0 if r is None else r.detach().double())
+        rstd = (summed.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
+        tolerance = max(tolerance, (summed.abs() * rstd).max().item() / 5)
+    _compare((x, r, w, b), eps=eps, out_scale=tolerance, grad_scale=tolerance)
 
 
 def test_add_layer_norm_compiles_without_graph_breaks():
