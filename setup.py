@@ -31,7 +31,9 @@ except ImportError as e:  # pragma: no cover - message for users
 ROOT = Path(__file__).parent.resolve()
 DEFAULT_CUDA_ARCHES = "8.0;9.0a"
 # Host code takes the C++ standard torch's headers need; the kernels need C++17.
-HOST_FLAGS = ["-O3", "-fvisibility=hidden"]
+# at::parallel_for is inline code that runs in parallel only where OpenMP is on
+# (as in torch's own build); at run time it uses the libgomp torch has loaded.
+HOST_FLAGS = ["-O3", "-fvisibility=hidden", "-fopenmp"]
 KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
 # Flags of each CPU kernel build. Never -march=native: the wheel must run on any x86-64.
 ISA_FLAGS = {
@@ -101,6 +103,7 @@ def extension(sources, with_cuda):
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": HOST_FLAGS, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
         define_macros=[("FUSEDLM_WITH_CUDA", None)] if with_cuda else [],
+        extra_link_args=["-fopenmp"],
     )
     if with_cuda:
         return cpp_extension.CUDAExtension(**kwargs)
