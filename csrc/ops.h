@@ -43,6 +43,74 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
     const at::Tensor& seed);
 
+// Softmax cross-entropy over the last dimension of logits. Returns (loss, grad): loss
+// per reduction ("none": labels' shape), in float32 (float64 for float64 logits); grad,
+// a new tensor shaped like logits, is d(loss)/d(logits) for grad_output 1 when with_grad,
+// else empty.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
+                                                         const at::Tensor& labels,
+                                                         int64_t ignore_index,
+                                                         double label_smoothing,
+                                                         const std::string& reduction,
+                                                         bool with_grad);
+// d(logits): saved_grad scaled by grad (one value, or one per row for reduction "none").
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
+                                  const std::string& reduction);
+
+// cross_entropy(hidden @ weight^T + bias, labels), projecting only the rows whose label is
+// not ignore_index, chunk_rows of them at a time. Returns (loss, dhidden, dweight, dbias):
+// for reduction "mean"/"sum" the gradients asked for by need_* (for grad_output 1), the
+// others empty; for "none" every gradient is empty (the backward computes them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
+    bool need_dbias);
+// (dhidden, dweight, dbias): the forward's gradients scaled by grad for "mean"/"sum"; for
+// "none", recomputed chunk by chunk with each row scaled by its grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& dhidden,
+    const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
+    double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
+    bool need_dweight, bool need_dbias);
+// Attention over q/k/v [batch, heads, seq, head_dim] (any strides). key_padding_mask is
+// bool [batch, seq_k], True = padding; attn_bias is broadcastable to [batch, heads, seq_q,
+// seq_k]. Returns (out, lse): lse [batch, heads, seq_q] is the rows' log-sum-exp in the
+// accumulation type (+inf for rows that attend to nothing), kept for backward.
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
+    bool causal, double dropout_p, double scale, const at::Tensor& seed);
+// (dq, dk, dv, dbias); dbias, in attn_bias's shape, is undefined unless bias_grad.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
+    const at::Tensor& seed, bool bias_grad);
+
+// Attention over packed sequences, q [total_q, heads, head_dim], k/v [total_k, heads, head_dim];
+// sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]. Returns (out, lse [heads, total_q]).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed);
+// (dq, dk, dv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed);
+
+// (packed [tokens, ...], indices int64 [tokens] into batch * seq, cu_seqlens int32
+// [batch + 1], longest sequence) of the non-padding tokens of hidden [batch, seq, ...].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(
+    const at::Tensor& hidden, const at::Tensor& key_padding_mask);
+// [batch, seqlen, ...]: packed's rows at `indices`, zeros elsewhere (also unpad's backward).
+at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int64_t batch,
+                       int64_t seqlen);
+// pad's backward: the rows of grad [batch, seqlen, ...] at `indices`.
+at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices);
 // summed = dropout(x) + residual and out = layer_norm(summed) over the last dimension;
 // residual, weight and bias may be absent. Returns (out, summed, mean, rstd), the
 // latter two [rows] in float32 (float64 for float64 inputs): the statistics of summed

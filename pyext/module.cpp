@@ -23,6 +23,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("bias_gelu_backward", &fusedlm::bias_gelu_backward);
   m.def("gelu_ffn_forward", &fusedlm::gelu_ffn_forward);
   m.def("gelu_ffn_backward", &fusedlm::gelu_ffn_backward);
+
+  m.def("cross_entropy_forward", &fusedlm::cross_entropy_forward);
+  m.def("cross_entropy_backward", &fusedlm::cross_entropy_backward);
+  m.def("masked_lm_loss_forward", &fusedlm::masked_lm_loss_forward);
+  m.def("masked_lm_loss_backward", &fusedlm::masked_lm_loss_backward);
+  m.def("attention_forward", &fusedlm::attention_forward);
+  m.def("attention_backward", &fusedlm::attention_backward);
+  m.def("attention_varlen_forward", &fusedlm::attention_varlen_forward);
+  m.def("attention_varlen_backward", &fusedlm::attention_varlen_backward);
+  m.def("unpad_forward", &fusedlm::unpad_forward);
+  m.def("pad_forward", &fusedlm::pad_forward);
+  m.def("pad_backward", &fusedlm::pad_backward);
   m.def("add_layer_norm_forward", &fusedlm::add_layer_norm_forward);
   m.def("add_layer_norm_backward", &fusedlm::add_layer_norm_backward);
 }

@@ -35,6 +35,62 @@ struct KernelTable {
                              void* dbias_partial, int64_t rows, int64_t cols, Gelu,
                              const uint8_t* keep, double p);
 
+  // Softmax cross-entropy over the rows of row-major [rows, classes] logits, with the
+  // gradient in the same pass. Row r with labels[r] != ignore_index gets
+  //   loss[r] = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j])    (eps: label_smoothing)
+  //   grad[r, j] = s_r * (softmax_j - eps / classes - (1 - eps) * [j == y]),
+  //   s_r = grad_scale * row_scale[r] (row_scale may be null: 1);
+  // a row whose label is ignore_index gets loss 0 and a zero gradient row. Labels must be
+  // in [0, classes) otherwise. grad may be null (loss only) or equal logits (in place).
+  // When col_sum is not null it receives the column sums of grad over these rows.
+  // loss, col_sum and row_scale are in the accumulation type (float64 for kF64, else float32).
+  void (*cross_entropy_forward)(DType, const void* logits, const int64_t* labels, void* loss,
+                                void* grad, void* col_sum, int64_t rows, int64_t classes,
+                                int64_t ignore_index, double label_smoothing, double grad_scale,
+                                const void* row_scale);
+  // dst[r, c] = src[r, c] * scale[r * scale_stride], scale in the accumulation type
+  // (scale_stride 0: one scale for every row). The backward of cross_entropy.
+  void (*cross_entropy_scale_grad)(DType, const void* src, void* dst, int64_t rows,
+                                   int64_t cols, const void* scale, int64_t scale_stride);
+  // Attention (csrc/cpu/attention.cpp): the steps between the host's matrix products.
+  // "acc" buffers are dense, row-major, in the accumulation type of the DType.
+  //
+  // dst[r] = scale * src[rows[r]] (rows null: r), a dense [n, cols] acc buffer from a strided matrix.
+  void (*attn_pack)(DType, const void* src, int64_t row_stride, int64_t col_stride,
+                    const int32_t* rows, int64_t n, int64_t cols, double scale, void* dst);
+  // dst[r] = scale * src[from[r]] (from null: r) into a strided matrix; zeros where from[r] < 0.
+  void (*attn_unpack)(DType, const void* src, const int32_t* from, int64_t n, int64_t cols,
+                      double scale, void* dst, int64_t row_stride, int64_t col_stride);
+  // s[r, j] += bias[r * row_stride + key_pos[j] * col_stride] over a [rows, cols] acc tile.
+  void (*attn_add_bias)(DType, void* s, int64_t rows, int64_t cols, const void* bias,
+                        int64_t row_stride, int64_t col_stride, const int32_t* key_pos);
+  // keep[r, j] = element offset + r * row_pitch + key_pos[j] of the dropout stream; scratch
+  // holds key_pos[cols - 1] - key_pos[0] + 1 bytes.
+  void (*attn_dropout_keep)(uint64_t seed, double p, uint64_t offset, int64_t row_pitch,
+                            int64_t rows, const int32_t* key_pos, int64_t cols, uint8_t* scratch,
+                            uint8_t* keep);
+  // One key block of the online softmax over scores s [rows, cols]; columns >= limit[r] are
+  // masked. Updates the row max m and sum l, rescales o [rows, o_cols], and leaves in s the
+  // weights of V: exp(s - m) [* keep / (1 - p)], zero where masked.
+  void (*attn_forward_block)(DType, int64_t rows, int64_t cols, const int32_t* limit,
+                             const uint8_t* keep, double p, void* s, void* m, void* l, void* o,
+                             int64_t o_cols);
+  // o /= l and lse = m + log(l); rows with l == 0 get o = 0 and lse = +inf.
+  void (*attn_forward_finish)(DType, int64_t rows, int64_t o_cols, const void* m, const void* l,
+                              void* o, void* lse);
+  // delta[r] = sum over c of o[r, c] * dout[r, c]; o strided in the DType, dout an acc buffer.
+  void (*attn_delta)(DType, const void* o, int64_t row_stride, int64_t col_stride,
+                     const void* dout, int64_t rows, int64_t cols, void* delta);
+  // From scores s and dp = dO V^T over a tile: s <- P [* keep / (1 - p)] with P = exp(s - lse),
+  // dp <- dS = P * (dp [* keep / (1 - p)] - delta); both zero where masked.
+  void (*attn_backward_block)(DType, int64_t rows, int64_t cols, const int32_t* limit,
+                              const uint8_t* keep, double p, const void* lse, const void* delta,
+                              void* s, void* dp);
+  // dbias[r * row_stride + key_pos[j] * col_stride] += ds[r, j], in order; a stride of 0 sums
+  // over that dimension (a broadcast bias).
+  void (*attn_bias_grad)(DType, const void* ds, int64_t rows, int64_t cols,
+                         const int32_t* key_pos, void* dbias, int64_t row_stride,
+                         int64_t col_stride);
   // summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
   // rows x cols, row-major; residual, weight, bias and keep may be null. out is normalised
   // from summed before rounding; mean and rstd receive, in the accumulation type, the

@@ -8,6 +8,24 @@ void bias_gelu_forward(DType, const void*, const void*, void*, int64_t, int64_t,
                        const uint8_t*, double);
 void bias_gelu_backward(DType, const void*, const void*, const void*, void*, void*, int64_t,
                         int64_t, Gelu, const uint8_t*, double);
+void cross_entropy_forward(DType, const void*, const int64_t*, void*, void*, void*, int64_t,
+                           int64_t, int64_t, double, double, const void*);
+void cross_entropy_scale_grad(DType, const void*, void*, int64_t, int64_t, const void*, int64_t);
+void attn_pack(DType, const void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, double,
+               void*);
+void attn_unpack(DType, const void*, const int32_t*, int64_t, int64_t, double, void*, int64_t,
+                 int64_t);
+void attn_add_bias(DType, void*, int64_t, int64_t, const void*, int64_t, int64_t, const int32_t*);
+void attn_dropout_keep(uint64_t, double, uint64_t, int64_t, int64_t, const int32_t*, int64_t,
+                       uint8_t*, uint8_t*);
+void attn_forward_block(DType, int64_t, int64_t, const int32_t*, const uint8_t*, double, void*,
+                        void*, void*, void*, int64_t);
+void attn_forward_finish(DType, int64_t, int64_t, const void*, const void*, void*, void*);
+void attn_delta(DType, const void*, int64_t, int64_t, const void*, int64_t, int64_t, void*);
+void attn_backward_block(DType, int64_t, int64_t, const int32_t*, const uint8_t*, double,
+                         const void*, const void*, void*, void*);
+void attn_bias_grad(DType, const void*, int64_t, int64_t, const int32_t*, void*, int64_t,
+                    int64_t);
 void add_layer_norm_forward(DType, const void*, const void*, const void*, const void*, void*,
                             void*, void*, void*, int64_t, int64_t, double, const uint8_t*,
                             double);
@@ -28,6 +46,17 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::dropout_mask,
       k::bias_gelu_forward,
       k::bias_gelu_backward,
+      k::cross_entropy_forward,
+      k::cross_entropy_scale_grad,
+      k::attn_pack,
+      k::attn_unpack,
+      k::attn_add_bias,
+      k::attn_dropout_keep,
+      k::attn_forward_block,
+      k::attn_forward_finish,
+      k::attn_delta,
+      k::attn_backward_block,
+      k::attn_bias_grad,
       k::add_layer_norm_forward,
       k::add_layer_norm_backward,
   };

@@ -10,6 +10,13 @@ BACKEND = register(
         {
             "bias_gelu": Kernel(_C.bias_gelu_forward, _C.bias_gelu_backward),
             "gelu_ffn": Kernel(_C.gelu_ffn_forward, _C.gelu_ffn_backward),
+            "cross_entropy": Kernel(_C.cross_entropy_forward, _C.cross_entropy_backward),
+            "masked_lm_loss": Kernel(_C.masked_lm_loss_forward, _C.masked_lm_loss_backward),
+            "attention": Kernel(_C.attention_forward, _C.attention_backward),
+            "attention_varlen": Kernel(_C.attention_varlen_forward, _C.attention_varlen_backward),
+            # unpad's backward is the pad op.
+            "unpad": Kernel(_C.unpad_forward),
+            "pad": Kernel(_C.pad_forward, _C.pad_backward),
             "add_layer_norm": Kernel(_C.add_layer_norm_forward, _C.add_layer_norm_backward),
         },
     )

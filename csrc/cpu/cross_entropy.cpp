@@ -1,0 +1,196 @@
+// Softmax cross-entropy fused with its gradient: one sweep over each row of logits
+// gives the row's loss and d(loss)/d(logits).
+//
+// Algorithm, per row of C classes: the classes are streamed in blocks of kBlock. A first
+// read of a block gives its max, and the running max M rises to it (the running sum of
+// exponentials is rescaled once, by exp(M_old - M_new)); a second read, now from L1,
+// writes e_j = exp(x_j - M) to a scratch row while summing it and the logits (label
+// smoothing needs the latter). That is the online log-sum-exp, at one exponential per
+// element. The gradient then comes from the scratch row, softmax_j = e_j * exp(M_b - lse)
+// with M_b the M of e_j's block: a multiply per element, not a second exponential.
+//
+// Memory traffic: the logits are read once from memory and the gradient written once;
+// the gradient may overwrite the logits, since the scratch row (C accumulator values,
+// 120 KiB at C = 30522, L2-resident) holds everything the second pass needs. What
+// limits it: exp_f, about 30 instructions per vector of 16 floats with AVX-512 (GCC 12
+// leaves math.h's exp_f scalar in the AVX2 and baseline builds, ~6x slower there),
+// then the bandwidth of that one read and one write.
+//
+// Sums over the classes run in kLanes independent partial sums combined in a fixed
+// order: their loops are elementwise across lanes, so they vectorise without
+// -ffast-math, and no result depends on the thread count.
+#include <algorithm>
+#include <vector>
+
+#include "math.h"
+
+namespace fusedlm::cpu::FUSEDLM_ISA {
+namespace {
+
+constexpr int64_t kLanes = 16;   // one AVX-512 float vector; two AVX2 ones
+constexpr int64_t kBlock = 2048;  // classes per block: 8 KiB of float32 logits, L1-resident
+
+template <typename A>
+inline A max_(A a, A b) { return b > a ? b : a; }
+
+template <typename A>
+inline A sum_lanes(const A* v) {
+  A s = v[0];
+  for (int64_t k = 1; k < kLanes; ++k) s += v[k];
+  return s;
+}
+
+// A float's bits as an int32 that orders like the float (NaNs beyond +-inf). GCC
+// vectorises an integer max reduction on any instruction set, a float one only
+// with -ffast-math. The max is exact, so the order of that reduction does not matter.
+inline int32_t order_key(float v) {
+  const int32_t i = int32_t(float_to_bits(v));
+  return i ^ ((i >> 31) & 0x7fffffff);
+}
+inline float from_order_key(int32_t k) { return bits_to_float(uint32_t(k ^ ((k >> 31) & 0x7fffffff))); }
+
+// max over x[0, n). A NaN of either sign makes the row's loss NaN through block_exp.
+template <typename T>
+inline float block_max(const T* x, int64_t n) {
+  int32_t m = order_key(-INFINITY);
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t k = order_key(load(x[j]));
+    m = k > m ? k : m;
+  }
+  return from_order_key(m);
+}
+inline double block_max(const double* x, int64_t n) {
+  double m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) m = max_(m, x[j]);
+  return m;
+}
+
+// sum of exp(x_j - m) over x[0, n), also stored to e when kStore; adds each x_j to the
+// per-lane sums sum_x.
+template <bool kStore, typename T, typename A>
+inline A block_exp(const T* x, int64_t n, A m, A* e, A* sum_x) {
+  A s[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t k = 0; k < kLanes; ++k) {
+      const A v = load(x[j + k]), p = exp_(v - m);
+      if (kStore) e[j + k] = p;
+      s[k] += p;
+      sum_x[k] += v;
+    }
+  for (; j < n; ++j) {
+    const A v = load(x[j]), p = exp_(v - m);
+    if (kStore) e[j] = p;
+    s[0] += p;
+    sum_x[0] += v;
+  }
+  return sum_lanes(s);
+}
+
+// g[j] = e[j] * f - off, and col_sum[j] += g[j] when kColSum.
+template <bool kColSum, typename T, typename A>
+inline void block_grad(const A* e, int64_t n, A f, A off, T* g, A* col_sum) {
+  for (int64_t j = 0; j < n; ++j) {
+    A v = e[j] * f - off;
+    store(g[j], v);
+    if (kColSum) col_sum[j] += v;
+  }
+}
+
+template <typename T, bool kGrad, bool kColSum>
+void rows_kernel(const T* logits, const int64_t* labels, acc_t<T>* loss, T* grad,
+                 acc_t<T>* col_sum, int64_t rows, int64_t classes, int64_t ignore_index,
+                 double label_smoothing, double grad_scale, const acc_t<T>* row_scale) {
+  using A = acc_t<T>;
+  const int64_t blocks = (classes + kBlock - 1) / kBlock;
+  const A eps = A(label_smoothing);
+  std::vector<A> scratch(kGrad ? classes : 0);
+  std::vector<A> block_ref(kGrad ? blocks : 0);  // what each block's e_j are relative to
+  if (kColSum)
+    for (int64_t j = 0; j < classes; ++j) col_sum[j] = A(0);
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = logits + r * classes;
+    T* g = kGrad ? grad + r * classes : nullptr;
+    const int64_t y = labels[r];
+    if (y == ignore_index) {
+      loss[r] = A(0);
+      if (kGrad)
+        for (int64_t j = 0; j < classes; ++j) store(g[j], A(0));
+      continue;
+    }
+    const A x_y = load(x[y]);  // read before g, which may be x, is written
+
+    A sum_x[kLanes] = {};
+    A m = -INFINITY, s = A(0);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = b * kBlock, n = std::min(kBlock, classes - at);
+      const A next = max_(m, A(block_max(x + at, n)));
+      // The block's exponentials are relative to the running max, or to 0 while every
+      // logit so far is -inf (exp(-inf - -inf) would be NaN where the terms are 0).
+      const A ref = next == -INFINITY ? A(0) : next;
+      s = (next == m ? s : s * exp_(m - next)) +
+          block_exp<kGrad>(x + at, n, ref, kGrad ? scratch.data() + at : nullptr, sum_x);
+      m = next;
+      if (kGrad) block_ref[b] = ref;
+    }
+    const A lse = m + std::log(s);
+    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j).
+    const A nll = lse - x_y;
+    loss[r] = eps == A(0) ? nll : (A(1) - eps) * nll + eps * (lse - sum_lanes(sum_x) / A(classes));
+    if (!kGrad) continue;
+
+    // d loss / d x_j = scale * (softmax_j - eps / C - (1 - eps) [j == y]).
+    const A scale = A(grad_scale) * (row_scale ? row_scale[r] : A(1));
+    const A off = scale * eps / A(classes);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = b * kBlock, n = std::min(kBlock, classes - at);
+      const A f = exp_(block_ref[b] - lse) * scale;
+      block_grad<kColSum>(scratch.data() + at, n, f, off, g + at, kColSum ? col_sum + at : nullptr);
+    }
+    // The label's own term, recomputed so its value is rounded once.
+    const A on = scale * (A(1) - eps);
+    store(g[y], scratch[y] * (exp_(block_ref[y / kBlock] - lse) * scale) - off - on);
+    if (kColSum) col_sum[y] -= on;
+  }
+}
+
+template <typename T>
+void scale_rows(const T* src, T* dst, int64_t rows, int64_t cols, const acc_t<T>* scale,
+                int64_t scale_stride) {
+  using A = acc_t<T>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const A s = scale[r * scale_stride];
+    const T* in = src + r * cols;
+    T* out = dst + r * cols;
+    for (int64_t c = 0; c < cols; ++c) store(out[c], load(in[c]) * s);
+  }
+}
+
+}  // namespace
+
+void cross_entropy_forward(DType dtype, const void* logits, const int64_t* labels, void* loss,
+                           void* grad, void* col_sum, int64_t rows, int64_t classes,
+                           int64_t ignore_index, double label_smoothing, double grad_scale,
+                           const void* row_scale) {
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using A = acc_t<T>;
+    auto run = !grad ? rows_kernel<T, false, false>
+                     : (col_sum ? rows_kernel<T, true, true> : rows_kernel<T, true, false>);
+    run(static_cast<const T*>(logits), labels, static_cast<A*>(loss), static_cast<T*>(grad),
+        static_cast<A*>(col_sum), rows, classes, ignore_index, label_smoothing, grad_scale,
+        static_cast<const A*>(row_scale));
+  });
+}
+
+void cross_entropy_scale_grad(DType dtype, const void* src, void* dst, int64_t rows, int64_t cols,
+                              const void* scale, int64_t scale_stride) {
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    scale_rows(static_cast<const T*>(src), static_cast<T*>(dst), rows, cols,
+               static_cast<const acc_t<T>*>(scale), scale_stride);
+  });
+}
+
+}  // namespace fusedlm::cpu::FUSEDLM_ISA

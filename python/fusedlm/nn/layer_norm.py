@@ -1,0 +1,30 @@
+"""LayerNorm: a drop-in for torch.nn.LayerNorm that can also fuse the residual add."""
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch.nn.LayerNorm (same arguments, parameters and state_dict), on fusedlm's add_layer_norm.
+
+    ``forward(x)`` returns the normalised x, as torch's does. ``forward(x, residual)``
+    returns ``(layer_norm(x + residual), x + residual)`` in one pass over memory: the
+    sum is what a pre-LN stack carries on as its residual stream.
+    """
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Union[Tensor, tuple]:
+        # Normalising over several trailing dims is normalising their flattened product.
+        width = math.prod(self.normalized_shape)
+        shape = x.shape
+        flat = x.reshape(*shape[: x.dim() - len(self.normalized_shape)], width)
+        flat_residual = None if residual is None else residual.reshape(flat.shape)
+        weight = None if self.weight is None else self.weight.reshape(width)
+        bias = None if self.bias is None else self.bias.reshape(width)
+        out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps)
+        if residual is None:
+            return out.view(shape)
+        return out.view(shape), summed.view(shape)

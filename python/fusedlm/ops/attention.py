@@ -1,0 +1,315 @@
+"""attention and attention_varlen: fused softmax(q k^T * scale + bias) v, FlashAttention style.
+
+Forward keeps only the output and each row's log-sum-exp (float32; float64 for
+float64 inputs); backward recomputes the probabilities from them. Dropout draws a
+seed from torch's generator, and backward regenerates the mask from that seed.
+
+Outputs and gradients are laid out in memory like the inputs they belong to (the
+output of a transposed [batch, seq, heads, head_dim] view is itself one), so the
+usual reshape back to [batch, seq, hidden] needs no copy.
+"""
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import choose, kernel, planner
+from . import _validate as check
+from . import reference
+from ._dropout import next_seed
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _like(ref: Tensor, shape, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A new tensor of ``shape`` whose dimensions lie in memory in the order of ref's
+    strides: the rule the cpu backend allocates its outputs by (csrc/attention.cpp)."""
+    order = sorted(range(ref.dim()), key=lambda d: -ref.stride(d))
+    return torch.empty_permuted(shape, order, dtype=dtype or ref.dtype, device=ref.device)
+
+
+def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """Custom ops cannot return None: an absent gradient travels as an empty tensor."""
+    return t if t is not None else like.new_empty(0)
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _resolve_scale(scale, head_dim) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def _check_head_dims(q: Tensor, v: Tensor) -> None:
+    if q.shape[-1] == 0:
+        raise ValueError(f"q must have a head_dim of at least 1, got shape {tuple(q.shape)}")
+    if v.shape[-1] == 0:
+        raise ValueError(f"v must have a head_dim of at least 1, got shape {tuple(v.shape)}")
+
+
+def _check_bias(attn_bias: Optional[Tensor], full: tuple) -> None:
+    if attn_bias is None:
+        return
+    aligned = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
+    if attn_bias.dim() > 4 or any(a != 1 and a != f for a, f in zip(aligned, full)):
+        raise ValueError(f"attn_bias must be broadcastable to [batch, heads, seq_q, seq_k] = "
+                         f"{tuple(full)}, got shape {tuple(attn_bias.shape)}")
+
+
+def check_index_data(device: torch.device, backend: str) -> bool:
+    """Whether to check the data of index tensors (cu_seqlens, indices) here, in Python.
+    The cpu backend checks them in C++, inside the op. Other backends: always for CPU
+    tensors; on a GPU the check copies to the host, so only under FUSEDLM_DEBUG=1. Never
+    while torch.compile traces (the values are not known then)."""
+    if backend == "cpu" or torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu" or os.environ.get("FUSEDLM_DEBUG") == "1"
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
+    cu = cu.cpu().long()
+    lengths = cu[1:] - cu[:-1]
+    if cu[0].item() != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0].item()}")
+    if (lengths < 0).any():
+        raise ValueError(f"{name} must be non-decreasing")
+    if cu[-1].item() != total:
+        raise ValueError(f"{name} must end at the number of tokens, {total}, got {cu[-1].item()}")
+    if lengths.numel() and lengths.max().item() > max_seqlen:
+        raise ValueError(f"{name} has a sequence of {lengths.max().item()} tokens, more than "
+                         f"{max_name} = {max_seqlen}")
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+@planner("attention")
+def plan_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, dropout_p=0.0,
+                   scale=None, backend=None):
+    check.tensor("q", q, ndim=4)
+    check.tensor("k", k, ndim=4)
+    check.tensor("v", v, ndim=4)
+    check.tensor("key_padding_mask", key_padding_mask, ndim=2, dtypes=(torch.bool,), optional=True)
+    check.tensor("attn_bias", attn_bias, optional=True)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    check.shape("k", k, (batch, heads, seq_k, head_dim))
+    check.shape("v", v, (batch, heads, seq_k, v.shape[3]))
+    check.shape("key_padding_mask", key_padding_mask, (batch, seq_k))
+    _check_head_dims(q, v)
+    _check_bias(attn_bias, (batch, heads, seq_q, seq_k))
+    _check_flag("causal", causal)
+    check.probability("dropout_p", dropout_p)
+    _resolve_scale(scale, head_dim)
+    check.same_dtype(q=q, k=k, v=v, attn_bias=attn_bias)
+    device = check.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_bias=attn_bias)
+    return choose("attention", device, backend, dtype=q.dtype, head_dim=head_dim, causal=causal,
+                  dropout=dropout_p > 0, bias=attn_bias is not None,
+                  mask=key_padding_mask is not None)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+              key_padding_mask: Optional[Tensor] = None, attn_bias: Optional[Tensor] = None,
+              dropout_p: float = 0.0, scale: Optional[float] = None,
+              backend: Optional[str] = None) -> Tensor:
+    """softmax(q k^T * scale + attn_bias) v over q/k/v [batch, heads, seq, head_dim].
+
+    Like ``F.scaled_dot_product_attention``: k/v may have another seq than q, and any
+    strides (e.g. transposed views of [batch, seq, heads, head_dim]). key_padding_mask
+    is bool [batch, seq_k], True = padding. attn_bias is an additive float bias
+    broadcastable to [batch, heads, seq_q, seq_k] (never expanded in memory); when it
+    requires grad its gradient is summed to its shape. causal aligns to the bottom
+    right when seq_q != seq_k. Rows with every key masked are zeros. scale defaults
+    to 1 / sqrt(head_dim).
+    """
+    choice = plan_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                            attn_bias=attn_bias, dropout_p=dropout_p, scale=scale, backend=backend)
+    if choice.backend == "reference":
+        return reference.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                                   attn_bias=attn_bias, dropout_p=dropout_p, scale=scale)
+    seed = next_seed(dropout_p)
+    out, _ = torch.ops.fusedlm.attention(q, k, v, key_padding_mask, attn_bias, causal,
+                                         float(dropout_p), _resolve_scale(scale, q.shape[-1]),
+                                         seed, choice.backend)
+    return out
+
+
+@torch.library.custom_op("fusedlm::attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+               attn_bias: Optional[Tensor], causal: bool, dropout_p: float, scale: float,
+               seed: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    return kernel(backend, "attention").forward(q, k, v, key_padding_mask, attn_bias, causal,
+                                                dropout_p, scale, seed)
+
+
+@_attention.register_fake
+def _(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed, backend):
+    batch, heads, seq_q, _ = q.shape
+    return (_like(q, (batch, heads, seq_q, v.shape[3])),
+            q.new_empty((batch, heads, seq_q), dtype=_acc(q.dtype)))
+
+
+@torch.library.custom_op("fusedlm::attention_backward", mutates_args=())
+def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        key_padding_mask: Optional[Tensor], attn_bias: Optional[Tensor],
+                        causal: bool, dropout_p: float, scale: float, seed: Tensor,
+                        bias_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dbias = kernel(backend, "attention").backward(
+        grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p, scale, seed,
+        bias_grad)
+    return dq, dk, dv, _empty(dbias, q)
+
+
+@_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p, scale, seed,
+      bias_grad, backend):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)
+    return _like(q, q.shape), _like(k, k.shape), _like(v, v.shape), dbias
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask, bias, ctx.causal, ctx.dropout_p, ctx.scale, seed, ctx.backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grad(ctx, grad, _grad_lse):
+    q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dbias = torch.ops.fusedlm.attention_backward(
+        grad, q, k, v, out, lse, mask, bias, ctx.causal, ctx.dropout_p, ctx.scale, seed,
+        bias_grad, ctx.backend)
+    return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None
+
+
+_attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+# --- attention_varlen ----------------------------------------------------------------------------
+
+def _check_max_seqlen(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+
+
+@planner("attention_varlen")
+def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                          causal=False, dropout_p=0.0, scale=None, backend=None):
+    check.tensor("q", q, ndim=3)
+    check.tensor("k", k, ndim=3)
+    check.tensor("v", v, ndim=3)
+    check.tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
+    check.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,))
+    total_q, heads, head_dim = q.shape
+    total_k = k.shape[0]
+    check.shape("k", k, (total_k, heads, head_dim))
+    check.shape("v", v, (v.shape[0], heads, v.shape[2]))
+    # k and v unpadded by separate unpad calls have token counts that torch.compile cannot
+    # compare while tracing: this check then runs when the graph does.
+    torch._check_with(ValueError, v.shape[0] == total_k, lambda: "v must have as many tokens as k")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
+    check.shape("cu_seqlens_k", cu_seqlens_k, tuple(cu_seqlens_q.shape))
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_head_dims(q, v)
+    _check_flag("causal", causal)
+    check.probability("dropout_p", dropout_p)
+    _resolve_scale(scale, head_dim)
+    check.same_dtype(q=q, k=k, v=v)
+    device = check.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    choice = choose("attention_varlen", device, backend, dtype=q.dtype, head_dim=head_dim,
+                    causal=causal, dropout=dropout_p > 0)
+    if check_index_data(device, choice.backend):
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")
+    return choice
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     dropout_p: float = 0.0, scale: Optional[float] = None,
+                     backend: Optional[str] = None) -> Tensor:
+    """Attention over packed sequences: q [total_q, heads, head_dim], k/v [total_k, heads, head_dim].
+
+    Sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] (int32 [batch + 1]); causal
+    aligns each sequence to its bottom right. max_seqlen_q/k bound the lengths and lay
+    out the dropout stream as [batch, heads, max_seqlen_q, max_seqlen_k]. They may be
+    the unbacked ints that unpad returns under torch.compile.
+    """
+    choice = plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal=causal, dropout_p=dropout_p, scale=scale, backend=backend)
+    if choice.backend == "reference":
+        return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, causal=causal, dropout_p=dropout_p,
+                                          scale=scale)
+    seed = next_seed(dropout_p)
+    out, _ = torch.ops.fusedlm.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(dropout_p),
+        _resolve_scale(scale, q.shape[-1]), seed, choice.backend)
+    return out
+
+
+@torch.library.custom_op("fusedlm::attention_varlen", mutates_args=())
+def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
+                      scale: float, seed: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    return kernel(backend, "attention_varlen").forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
+        seed)
+
+
+@_attention_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
+      seed, backend):
+    total_q, heads, _ = q.shape
+    return (_like(q, (total_q, heads, v.shape[2])),
+            q.new_empty((heads, total_q), dtype=_acc(q.dtype)))
+
+
+@torch.library.custom_op("fusedlm::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                               lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                               dropout_p: float, scale: float, seed: Tensor,
+                               backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return kernel(backend, "attention_varlen").backward(
+        grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        dropout_p, scale, seed)
+
+
+@_attention_varlen_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      dropout_p, scale, seed, backend):
+    return _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.dropout_p, ctx.scale,
+     seed, ctx.backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_varlen_grad(ctx, grad, _grad_lse):
+    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fusedlm.attention_varlen_backward(
+        grad, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
+        ctx.dropout_p, ctx.scale, seed, ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_attention_varlen.register_autograd(_attention_varlen_grad, setup_context=_attention_varlen_setup)

@@ -1,0 +1,279 @@
+"""cross_entropy and masked_lm_loss: softmax cross-entropy fused with its gradient,
+and the masked-LM head (vocabulary projection + cross-entropy) on labelled rows only.
+
+cross_entropy computes d(loss)/d(logits) in the same pass as the loss, into a new
+buffer (nothing the caller holds is written); the backward only scales it by
+grad_output. When no gradient is needed (no_grad, or logits that do not require
+grad) the forward computes the loss alone.
+
+masked_lm_loss never projects rows whose label is ignore_index. The labelled rows are
+gathered inside the op (so torch.compile sees static shapes) and projected
+``LOGITS_CHUNK_BYTES`` of logits at a time; each chunk's logits are overwritten by
+their gradient, which is folded into d_hidden, d_weight and d_bias before the next
+chunk, so the backward only scales those by grad_output. With reduction="none" the
+grad_output weighs each row, which sums over rows cannot take afterwards: the forward
+then computes the losses only and the backward redoes the chunks with each row's
+gradient scaled by its grad_output (a second projection rather than stored logits).
+"""
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import choose, kernel, planner
+from . import _validate as check
+from . import reference
+
+REDUCTIONS = ("mean", "sum", "none")
+# masked_lm_loss projects this many bytes of logits at a time (at least one row): large
+# enough for efficient matrix products, small next to full-vocabulary logits.
+LOGITS_CHUNK_BYTES = 32 * 2**20
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty(like: Tensor) -> Tensor:
+    """Custom ops cannot return None: a gradient not computed travels as an empty tensor."""
+    return like.new_empty(0)
+
+
+def _check_labels(labels: Tensor, batch_shape, classes: int, ignore_index) -> None:
+    """labels: int64 of batch_shape, each a class index or ignore_index.
+
+    The range check reads the labels: on CPU tensors always; on GPU tensors only with
+    FUSEDLM_DEBUG=1, as it costs a device-to-host copy. Under torch.compile tracing the
+    values are unknown; the CPU kernels check them again when they run.
+    """
+    check.tensor("labels", labels, dtypes=(torch.int64,))
+    check.shape("labels", labels, batch_shape)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if torch.compiler.is_compiling() or labels.device.type == "meta":
+        return
+    if labels.device.type != "cpu" and os.environ.get("FUSEDLM_DEBUG") != "1":
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= classes))
+    if bad.any():
+        first = labels[bad].flatten()[0].item()
+        raise ValueError(
+            f"labels must be class indices in [0, {classes}) or ignore_index ({ignore_index}), got {first}"
+        )
+
+
+def _check_options(label_smoothing, reduction) -> None:
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    check.choice("reduction", reduction, REDUCTIONS)
+
+
+def _wants_grad(*tensors: Optional[Tensor]) -> list[bool]:
+    enabled = torch.is_grad_enabled()
+    return [enabled and t is not None and t.requires_grad for t in tensors]
+
+
+# --- cross_entropy -------------------------------------------------------------------------------
+
+@planner("cross_entropy")
+def plan_cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                       backend=None):
+    check.tensor("logits", logits, min_ndim=1)
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits must have at least one class in its last dimension, got shape {tuple(logits.shape)}")
+    _check_options(label_smoothing, reduction)
+    device = check.same_device(logits=logits, labels=labels if isinstance(labels, Tensor) else None)
+    _check_labels(labels, logits.shape[:-1], logits.shape[-1], ignore_index)
+    return choose("cross_entropy", device, backend, dtype=logits.dtype)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, reduction: str = "mean",
+                  backend: Optional[str] = None) -> Tensor:
+    """F.cross_entropy over the last dimension of logits [..., classes] with int64 labels [...].
+
+    The loss is float32 (float64 for float64 logits); a mean over no labelled rows is 0.
+    """
+    choice = plan_cross_entropy(logits, labels, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing, reduction=reduction, backend=backend)
+    if choice.backend == "reference":
+        return reference.cross_entropy(logits, labels, ignore_index=ignore_index,
+                                       label_smoothing=label_smoothing, reduction=reduction)
+    (with_grad,) = _wants_grad(logits)
+    loss, _ = torch.ops.fusedlm.cross_entropy(logits, labels, ignore_index, float(label_smoothing),
+                                              reduction, with_grad, choice.backend)
+    return loss
+
+
+@torch.library.custom_op("fusedlm::cross_entropy", mutates_args=())
+def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+                   reduction: str, with_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
+    return kernel(backend, "cross_entropy").forward(logits, labels, ignore_index, label_smoothing,
+                                                    reduction, with_grad)
+
+
+@_cross_entropy.register_fake
+def _(logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend):
+    shape = labels.shape if reduction == "none" else ()
+    loss = logits.new_empty(shape, dtype=_acc_dtype(logits.dtype))
+    return loss, logits.new_empty(logits.shape) if with_grad else _empty(logits)
+
+
+@torch.library.custom_op("fusedlm::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward(grad: Tensor, saved_grad: Tensor, reduction: str, backend: str) -> Tensor:
+    return kernel(backend, "cross_entropy").backward(grad, saved_grad, reduction)
+
+
+@_cross_entropy_backward.register_fake
+def _(grad, saved_grad, reduction, backend):
+    return saved_grad.new_empty(saved_grad.shape)
+
+
+def _non_differentiable(ctx, *outputs):
+    """Marks the gradient outputs as such. Without set_materialize_grads(False), autograd
+    would hand the backward a zero tensor for each of them: a transient copy of every
+    gradient buffer. The backward then also sees None for an unused loss."""
+    ctx.mark_non_differentiable(*outputs)
+    ctx.set_materialize_grads(False)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.reduction, ctx.backend = inputs[4], inputs[6]
+    ctx.save_for_backward(output[1])
+    _non_differentiable(ctx, output[1])
+
+
+def _unit_grad(grad: Tensor, reduction: str) -> bool:
+    """Whether a backward may hand out its saved gradients unscaled: grad_output is exactly 1
+    (loss.backward()), in eager mode, on the CPU (reading it elsewhere would synchronise).
+
+    The saved gradients then become the inputs' gradients without a copy, the largest
+    saving of peak memory these ops have. It is safe: without retain_graph, autograd has
+    released the saved tensors before the gradients are accumulated, so nothing else holds
+    them; with retain_graph, .grad accumulation copies them, and an in-place change of a
+    returned gradient bumps its version, so a second backward raises instead of using it.
+    """
+    return (reduction != "none" and not torch.compiler.is_compiling() and grad.device.type == "cpu"
+            and grad.item() == 1.0)
+
+
+def _cross_entropy_grad(ctx, grad, _grad_of_grad):
+    if grad is None:
+        return (None,) * 7
+    (saved_grad,) = ctx.saved_tensors
+    if _unit_grad(grad, ctx.reduction):
+        dlogits = saved_grad
+    else:
+        dlogits = torch.ops.fusedlm.cross_entropy_backward(grad, saved_grad, ctx.reduction, ctx.backend)
+    return dlogits, None, None, None, None, None, None
+
+
+_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+# --- masked_lm_loss ------------------------------------------------------------------------------
+
+@planner("masked_lm_loss")
+def plan_masked_lm_loss(hidden, weight, bias, labels, *, ignore_index=-100, label_smoothing=0.0,
+                        reduction="mean", backend=None):
+    check.tensor("hidden", hidden, min_ndim=1)
+    check.tensor("weight", weight, ndim=2)
+    check.tensor("bias", bias, ndim=1, optional=True)
+    vocab, width = weight.shape
+    if vocab == 0:
+        raise ValueError(f"weight must have at least one row (the vocabulary), got shape {tuple(weight.shape)}")
+    check.shape("weight", weight, (vocab, hidden.shape[-1]))
+    check.shape("bias", bias, (vocab,))
+    check.same_dtype(hidden=hidden, weight=weight, bias=bias)
+    _check_options(label_smoothing, reduction)
+    device = check.same_device(hidden=hidden, weight=weight, bias=bias,
+                               labels=labels if isinstance(labels, Tensor) else None)
+    _check_labels(labels, hidden.shape[:-1], vocab, ignore_index)
+    return choose("masked_lm_loss", device, backend, dtype=hidden.dtype)
+
+
+def masked_lm_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
+                   ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+                   backend: Optional[str] = None) -> Tensor:
+    """cross_entropy(hidden @ weight^T + bias, labels), projecting only the labelled rows.
+
+    hidden [..., H], weight [vocab, H] (nn.Linear's layout), bias [vocab] or None, labels
+    int64 [...]. The loss is float32 (float64 for float64 inputs).
+    """
+    choice = plan_masked_lm_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
+                                 label_smoothing=label_smoothing, reduction=reduction, backend=backend)
+    if choice.backend == "reference":
+        return reference.masked_lm_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
+                                        label_smoothing=label_smoothing, reduction=reduction)
+    chunk_rows = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * hidden.element_size()))
+    loss, *_ = torch.ops.fusedlm.masked_lm_loss(hidden, weight, bias, labels, ignore_index,
+                                                float(label_smoothing), reduction, chunk_rows,
+                                                _wants_grad(hidden, weight, bias), choice.backend)
+    return loss
+
+
+@torch.library.custom_op("fusedlm::masked_lm_loss", mutates_args=())
+def _masked_lm_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    ignore_index: int, label_smoothing: float, reduction: str, chunk_rows: int,
+                    needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return kernel(backend, "masked_lm_loss").forward(hidden, weight, bias, labels, ignore_index,
+                                                     label_smoothing, reduction, chunk_rows, *needs)
+
+
+def _forward_grads_like(hidden, weight, bias, needs, computed):
+    """Fake gradients: real shapes where computed and asked for, else empty."""
+    def like(t, need):
+        return t.new_empty(t.shape) if computed and need and t is not None else _empty(weight)
+    return like(hidden, needs[0]), like(weight, needs[1]), like(bias, needs[2])
+
+
+@_masked_lm_loss.register_fake
+def _(hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_rows, needs,
+      backend):
+    shape = labels.shape if reduction == "none" else ()
+    loss = hidden.new_empty(shape, dtype=_acc_dtype(hidden.dtype))
+    return (loss, *_forward_grads_like(hidden, weight, bias, needs, reduction != "none"))
+
+
+@torch.library.custom_op("fusedlm::masked_lm_loss_backward", mutates_args=())
+def _masked_lm_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                             labels: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor,
+                             ignore_index: int, label_smoothing: float, reduction: str,
+                             chunk_rows: int, needs: list[bool],
+                             backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return kernel(backend, "masked_lm_loss").backward(
+        grad, hidden, weight, bias, labels, dhidden, dweight, dbias, ignore_index, label_smoothing,
+        reduction, chunk_rows, *needs)
+
+
+@_masked_lm_loss_backward.register_fake
+def _(grad, hidden, weight, bias, labels, dhidden, dweight, dbias, ignore_index, label_smoothing,
+      reduction, chunk_rows, needs, backend):
+    return _forward_grads_like(hidden, weight, bias, needs, True)
+
+
+def _masked_lm_loss_setup(ctx, inputs, output):
+    hidden, weight, bias, labels, *options, needs, ctx.backend = inputs
+    ctx.options = options  # ignore_index, label_smoothing, reduction, chunk_rows
+    ctx.needs = needs
+    ctx.save_for_backward(hidden, weight, bias, labels, *output[1:])
+    _non_differentiable(ctx, *output[1:])
+
+
+def _masked_lm_loss_grad(ctx, grad, *_grad_of_grads):
+    if grad is None:
+        return (None,) * 10
+    hidden, weight, bias, labels, dhidden, dweight, dbias = ctx.saved_tensors
+    if _unit_grad(grad, ctx.options[2]):
+        dh, dw, db = dhidden, dweight, dbias
+    else:
+        dh, dw, db = torch.ops.fusedlm.masked_lm_loss_backward(
+            grad, hidden, weight, bias, labels, dhidden, dweight, dbias, *ctx.options, ctx.needs,
+            ctx.backend)
+    needs = ctx.needs
+    return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] else None,
+            None, None, None, None, None, None, None)
+
+
+_masked_lm_loss.register_autograd(_masked_lm_loss_grad, setup_context=_masked_lm_loss_setup)

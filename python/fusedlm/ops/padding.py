@@ -1,0 +1,150 @@
+"""unpad and pad: between padded [batch, seq, ...] tensors and the packed [tokens, ...]
+layout of attention_varlen, both differentiable (each is the other's backward).
+
+unpad's outputs have data-dependent sizes, so it is one registered op: under
+torch.compile its token count and ``max_seqlen`` are unbacked SymInts (in eager,
+``max_seqlen`` is a Python int). They flow into attention_varlen and pad without a
+graph break; branching on them in Python inside a compiled region raises torch's
+data-dependent error, as for any unbacked size.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import choose, kernel, planner
+from . import _validate as check
+from . import reference
+from .attention import check_index_data
+
+
+def _check_size(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+
+
+def _check_indices(indices: Tensor, slots: int) -> None:
+    if indices.numel() == 0:
+        return
+    if indices.min().item() < 0 or indices.max().item() >= slots:
+        raise ValueError(f"indices must lie in [0, batch * seqlen = {slots})")
+    if torch.unique(indices).numel() != indices.numel():
+        raise ValueError("indices must not repeat a position")
+
+
+# --- unpad ---------------------------------------------------------------------------------------
+
+@planner("unpad")
+def plan_unpad(hidden, key_padding_mask, *, backend=None):
+    check.tensor("hidden", hidden, min_ndim=2, dtypes=None)
+    check.tensor("key_padding_mask", key_padding_mask, ndim=2, dtypes=(torch.bool,))
+    check.shape("key_padding_mask", key_padding_mask, tuple(hidden.shape[:2]))
+    device = check.same_device(hidden=hidden, key_padding_mask=key_padding_mask)
+    return choose("unpad", device, backend, dtype=hidden.dtype)
+
+
+def unpad(hidden: Tensor, key_padding_mask: Tensor, *, backend: Optional[str] = None):
+    """(packed [tokens, ...], indices, cu_seqlens, max_seqlen) of the non-padding tokens of
+    hidden [batch, seq, ...]; key_padding_mask is bool [batch, seq], True = padding.
+
+    indices (int64) are the tokens' positions in hidden.flatten(0, 1); cu_seqlens is int32
+    [batch + 1]; max_seqlen is the longest sequence: a Python int in eager, an unbacked
+    SymInt under torch.compile.
+    """
+    choice = plan_unpad(hidden, key_padding_mask, backend=backend)
+    if choice.backend == "reference":
+        return reference.unpad(hidden, key_padding_mask)
+    packed, indices, cu_seqlens, max_seqlen = torch.ops.fusedlm.unpad(hidden, key_padding_mask,
+                                                                      choice.backend)
+    return packed, indices, cu_seqlens, max_seqlen
+
+
+@torch.library.custom_op("fusedlm::unpad", mutates_args=())
+def _unpad(hidden: Tensor, key_padding_mask: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor, int]:
+    return kernel(backend, "unpad").forward(hidden, key_padding_mask)
+
+
+@_unpad.register_fake
+def _(hidden, key_padding_mask, backend):
+    ctx = torch.library.get_ctx()
+    tokens = ctx.new_dynamic_size()
+    max_seqlen = ctx.new_dynamic_size()
+    return (hidden.new_empty((tokens, *hidden.shape[2:])),
+            hidden.new_empty((tokens,), dtype=torch.int64),
+            hidden.new_empty((hidden.shape[0] + 1,), dtype=torch.int32),
+            max_seqlen)
+
+
+def _unpad_setup(ctx, inputs, output):
+    hidden, _, ctx.backend = inputs
+    ctx.batch, ctx.seqlen = hidden.shape[:2]
+    ctx.save_for_backward(output[1])
+
+
+def _unpad_grad(ctx, grad, _grad_indices, _grad_cu_seqlens, _grad_max_seqlen):
+    (indices,) = ctx.saved_tensors
+    return torch.ops.fusedlm.pad(grad, indices, ctx.batch, ctx.seqlen, ctx.backend), None, None
+
+
+_unpad.register_autograd(_unpad_grad, setup_context=_unpad_setup)
+
+
+# --- pad -----------------------------------------------------------------------------------------
+
+@planner("pad")
+def plan_pad(packed, indices, batch, seqlen, *, backend=None):
+    check.tensor("packed", packed, min_ndim=1, dtypes=None)
+    check.tensor("indices", indices, ndim=1, dtypes=(torch.int64,))
+    check.shape("indices", indices, (packed.shape[0],))
+    _check_size("batch", batch)
+    _check_size("seqlen", seqlen)
+    device = check.same_device(packed=packed, indices=indices)
+    choice = choose("pad", device, backend, dtype=packed.dtype)
+    if check_index_data(device, choice.backend):
+        _check_indices(indices, batch * seqlen)
+    return choice
+
+
+def pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, *,
+        backend: Optional[str] = None) -> Tensor:
+    """The inverse of unpad: [batch, seqlen, ...] with packed's rows at ``indices`` (positions
+    in the flattened batch * seqlen) and zeros elsewhere."""
+    choice = plan_pad(packed, indices, batch, seqlen, backend=backend)
+    if choice.backend == "reference":
+        return reference.pad(packed, indices, batch, seqlen)
+    return torch.ops.fusedlm.pad(packed, indices, batch, seqlen, choice.backend)
+
+
+@torch.library.custom_op("fusedlm::pad", mutates_args=())
+def _pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, backend: str) -> Tensor:
+    return kernel(backend, "pad").forward(packed, indices, batch, seqlen)
+
+
+@_pad.register_fake
+def _(packed, indices, batch, seqlen, backend):
+    return packed.new_empty((batch, seqlen, *packed.shape[1:]))
+
+
+@torch.library.custom_op("fusedlm::pad_backward", mutates_args=())
+def _pad_backward(grad: Tensor, indices: Tensor, backend: str) -> Tensor:
+    return kernel(backend, "pad").backward(grad, indices)
+
+
+@_pad_backward.register_fake
+def _(grad, indices, backend):
+    return grad.new_empty((indices.shape[0], *grad.shape[2:]))
+
+
+def _pad_setup(ctx, inputs, output):
+    _, indices, _, _, ctx.backend = inputs
+    ctx.save_for_backward(indices)
+
+
+def _pad_grad(ctx, grad):
+    (indices,) = ctx.saved_tensors
+    return torch.ops.fusedlm.pad_backward(grad, indices, ctx.backend), None, None, None, None
+
+
+_pad.register_autograd(_pad_grad, setup_context=_pad_setup)

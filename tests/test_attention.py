@@ -1,0 +1,483 @@
+"""attention and attention_varlen against the reference, on every backend that has them."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fusedlm
+from fusedlm.ops import reference
+from fusedlm.ops._dropout import cpu_keep_mask, next_seed
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _padding_mask(batch, seq, device, *, empty_row=False):
+    """Random key padding (True = padding), not only at the end of each row."""
+    mask = torch.rand(batch, seq, device=device) < 0.3
+    lengths = torch.randint(1, seq + 1, (batch,), device=device)
+    mask |= torch.arange(seq, device=device)[None, :] >= lengths[:, None]
+    if empty_row:
+        mask[0] = True
+    return mask
+
+
+def _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, device, *, layout="bhsd", head_dim_v=None,
+            scale=1.0):
+    """Leaf tensors and the [batch, heads, seq, dim] views of them the op takes.
+
+    layout "bshd" makes leaves [batch, seq, heads, dim] and passes transposed views, the
+    layout attention gets inside a transformer block."""
+    shapes = [(seq_q, head_dim), (seq_k, head_dim), (seq_k, head_dim_v or head_dim)]
+    if layout == "bshd":
+        leaves = [fresh((batch, s, heads, d), dtype, device, scale) for s, d in shapes]
+    else:
+        leaves = [fresh((batch, heads, s, d), dtype, device, scale) for s, d in shapes]
+    return leaves, _views(leaves, layout)
+
+
+def _views(leaves, layout):
+    return [t.transpose(1, 2) if layout == "bshd" else t for t in leaves]
+
+
+def _check_against_reference(backend, leaves, layout, *, bias=None, out_scale=1.0, grad_scale=1.0,
+                             **kwargs):
+    """Runs attention and the float64 reference on the same inputs; compares the output and
+    the gradients of every leaf (and of the bias when it requires grad)."""
+    q, k, v = _views(leaves, layout)
+    out = fusedlm.ops.attention(q, k, v, attn_bias=bias, backend=backend, **kwargs)
+    grad = torch.randn_like(out)
+    wrt = leaves + ([bias] if bias is not None and bias.requires_grad else [])
+    grads = torch.autograd.grad(out, wrt, grad)
+
+    ref_wrt = as_reference(*wrt)
+    ref_bias = ref_wrt[3] if len(wrt) == 4 else (None if bias is None else bias.double())
+    expected = reference.attention(*_views(ref_wrt[:3], layout), attn_bias=ref_bias, **kwargs)
+    ref_grads = torch.autograd.grad(expected, ref_wrt, grad.double())
+
+    assert out.dtype == q.dtype and out.shape == expected.shape
+    assert_close(out, expected, scale=out_scale, name="out")
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert g.dtype == q.dtype and g.shape == r.shape
+        assert_close(g, r, dtype=q.dtype, scale=grad_scale, name=name)
+    return out, grads
+
+
+CASES = {
+    # name: (batch, heads, seq_q, seq_k, head_dim, options)
+    "plain": (2, 3, 37, 37, 32, {}),
+    "causal": (2, 2, 33, 33, 16, {"causal": True}),
+    "causal_fewer_queries": (2, 2, 13, 29, 16, {"causal": True}),
+    "causal_more_queries": (2, 2, 29, 13, 16, {"causal": True}),  # the first rows see no key
+    "padding": (3, 2, 31, 40, 24, {"mask": True}),
+    "padding_causal": (3, 2, 40, 40, 24, {"mask": True, "causal": True}),
+    "bias_full": (2, 2, 19, 23, 16, {"bias": (2, 2, 19, 23)}),
+    "bias_per_head": (2, 3, 19, 23, 16, {"bias": (3, 1, 23), "mask": True}),
+    "bias_per_key": (2, 3, 19, 23, 16, {"bias": (2, 1, 1, 23), "causal": True}),
+    "bias_shared": (2, 3, 19, 23, 16, {"bias": (19, 23)}),
+    "bias_per_query": (2, 3, 19, 23, 16, {"bias": (1, 3, 19, 1)}),
+    "head_dim_40": (2, 2, 21, 21, 40, {"mask": True}),
+    "head_dim_80": (1, 2, 21, 26, 80, {"causal": True}),
+    "value_dim_differs": (2, 2, 17, 20, 24, {"head_dim_v": 40}),
+    "one_token": (2, 2, 1, 1, 16, {}),
+    "one_query": (2, 2, 1, 20, 16, {"causal": True, "mask": True}),
+    "bshd_layout": (2, 3, 25, 25, 16, {"layout": "bshd", "mask": True, "causal": True}),
+    # Several query and key blocks: the online softmax rescales across key blocks.
+    "many_blocks": (1, 2, 300, 530, 16, {"bias": (1, 2, 1, 530)}),
+    "many_blocks_padding": (2, 1, 140, 600, 16, {"mask": True, "causal": True}),
+    "scale": (2, 2, 12, 12, 16, {"scale": 0.37}),
+}
+
+
+@pytest.mark.parametrize("backend", backends_for("attention"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_matches_reference(backend, dtype, case):
+    device = backend_device(backend)
+    batch, heads, seq_q, seq_k, head_dim, opts = CASES[case]
+    opts = dict(opts)
+    layout = opts.pop("layout", "bhsd")
+    leaves, _ = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, device, layout=layout,
+                        head_dim_v=opts.pop("head_dim_v", None))
+    if opts.pop("mask", False):
+        opts["key_padding_mask"] = _padding_mask(batch, seq_k, device)
+    bias_shape = opts.pop("bias", None)
+    bias = fresh(bias_shape, dtype, device) if bias_shape else None
+    # Half precision: the output's rounding, plus the rounded output feeding backward's
+    # rowsum(dO * O); a bias gradient sums over its broadcast dimensions.
+    grad_scale = 2 if dtype == torch.float32 else 3
+    if bias_shape and math.prod(bias_shape) < batch * heads * seq_q * seq_k:
+        grad_scale *= 4
+    _check_against_reference(backend, leaves, layout, bias=bias, grad_scale=grad_scale, **opts)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention"))
+def test_attention_rows_with_every_key_masked_are_zero(backend):
+    device = backend_device(backend)
+    leaves, (q, k, v) = _inputs(3, 2, 9, 6, 16, torch.float32, device)
+    mask = _padding_mask(3, 6, device, empty_row=True)
+    for causal in (False, True):  # causal with 9 queries over 6 keys: the first 3 rows see nothing
+        out, grads = _check_against_reference(backend, leaves, "bhsd", key_padding_mask=mask,
+                                              causal=causal, grad_scale=2)
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.equal(grads[0][0], torch.zeros_like(grads[0][0]))
+        assert torch.equal(grads[1][0], torch.zeros_like(grads[1][0]))
+        if causal:
+            assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    # Padding keys get zero gradients.
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, backend=backend)
+    dk, dv = torch.autograd.grad(out.sum(), (k, v))
+    assert (dk[mask[:, None, :, None].expand_as(dk)] == 0).all()
+    assert (dv[mask[:, None, :, None].expand_as(dv)] == 0).all()
+
+
+@pytest.mark.parametrize("backend", backends_for("attention"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_large_logits_do_not_overflow(backend, dtype):
+    # Scores in the hundreds: exp would overflow even float32 without subtracting the row max.
+    q, k, v = (fresh((2, 2, 24, 64), dtype, backend_device(backend), 12.0) for _ in range(3))
+    out = fusedlm.ops.attention(q, k, v, causal=True, backend=backend)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = as_reference(q, k, v)
+    expected = reference.attention(*ref, causal=True)
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    # Errors relative to each tensor's largest entry, within a few roundings of the dtype:
+    # the output is rounded once, and backward's rowsum(dO * O) uses that rounded output
+    # (as FlashAttention does), an error that dS carries into dq and dk times |k| and |q|.
+    eps = torch.finfo(dtype).eps
+    for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *ref_grads)):
+        error = (a.double() - e).abs().max() / e.abs().max()
+        assert error < 10 * eps, f"{name}: relative error {error:.3g}"
+
+
+def test_attention_gradcheck():
+    q, k, v = (fresh((2, 2, s, 5), torch.float64, "cpu") for s in (4, 6, 6))
+    bias = fresh((2, 1, 6), torch.float64, "cpu")
+    mask = torch.tensor([[False, False, True, False, False, False],
+                         [False, False, False, False, True, True]])
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, b: fusedlm.ops.attention(q, k, v, causal=causal, key_padding_mask=mask,
+                                                     attn_bias=b, backend="cpu"),
+            (q, k, v, bias))
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), seq_q=st.integers(1, 40),
+       seq_k=st.integers(1, 40), head_dim=st.integers(1, 48), causal=st.booleans(),
+       masked=st.booleans(), bias_dims=st.sampled_from([None, (0, 1, 2, 3), (1, 3), (3,), (0, 2)]),
+       layout=st.sampled_from(["bhsd", "bshd"]))
+def test_attention_random_shapes(batch, heads, seq_q, seq_k, head_dim, causal, masked, bias_dims,
+                                 layout):
+    leaves, _ = _inputs(batch, heads, seq_q, seq_k, head_dim, torch.float32, "cpu", layout=layout)
+    mask = _padding_mask(batch, seq_k, "cpu") if masked else None
+    bias = None
+    if bias_dims is not None:  # a bias over some of [batch, heads, seq_q, seq_k], size 1 elsewhere
+        full = (batch, heads, seq_q, seq_k)
+        bias = fresh(tuple(full[d] if d in bias_dims else 1 for d in range(4)), torch.float32, "cpu")
+    _check_against_reference("cpu", leaves, layout, bias=bias, causal=causal, key_padding_mask=mask,
+                             grad_scale=10)
+
+
+def test_attention_every_instruction_set(cpu_isa):
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        leaves, _ = _inputs(2, 2, 21, 35, 20, dtype, "cpu", layout="bshd")
+        bias = fresh((2, 1, 21, 35), dtype, "cpu")
+        _check_against_reference("cpu", leaves, "bshd", bias=bias, causal=True,
+                                 key_padding_mask=_padding_mask(2, 35, "cpu"), grad_scale=12)
+
+
+def test_attention_outputs_follow_the_input_layout():
+    # The output of [batch, seq, heads, dim] views is laid out [batch, seq, heads, dim] too,
+    # so merging the heads back is a view; gradients keep their inputs' layout.
+    leaves, (q, k, v) = _inputs(2, 3, 8, 8, 16, torch.float32, "cpu", layout="bshd")
+    out = fusedlm.ops.attention(q, k, v, backend="cpu")
+    assert out.transpose(1, 2).is_contiguous()
+    out.sum().backward()
+    assert all(t.grad.is_contiguous() for t in leaves)
+
+
+def test_attention_empty_batch():
+    leaves, (q, k, v) = _inputs(0, 2, 5, 7, 16, torch.float32, "cpu")
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=torch.zeros(0, 7, dtype=torch.bool),
+                                causal=True, backend="cpu")
+    assert out.shape == (0, 2, 5, 16)
+    out.sum().backward()
+    assert all(t.grad.shape == t.shape for t in leaves)
+    # No keys at all: every row is empty, so zeros.
+    q, k, v = (torch.randn(1, 2, s, 8) for s in (3, 0, 0))
+    assert torch.equal(fusedlm.ops.attention(q, k, v, backend="cpu"), torch.zeros(1, 2, 3, 8))
+
+
+def test_attention_gradients_do_not_depend_on_thread_count():
+    # dK, dV and a bias shared across the batch are reductions: each must come out bit for bit
+    # the same whatever the number of threads.
+    leaves, (q, k, v) = _inputs(4, 3, 150, 140, 16, torch.float32, "cpu")
+    bias = fresh((3, 150, 140), torch.float32, "cpu")
+    mask = _padding_mask(4, 140, "cpu")
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                        backend="cpu")
+            results.append(torch.autograd.grad(out, leaves + [bias], torch.ones_like(out)))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_attention_compiles_without_graph_breaks():
+    leaves, _ = _inputs(2, 2, 12, 16, 16, torch.float32, "cpu", layout="bshd")
+    bias = fresh((2, 1, 16), torch.float32, "cpu")
+    mask = _padding_mask(2, 16, "cpu")
+
+    def block(q, k, v, bias):
+        out = fusedlm.ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    key_padding_mask=mask, attn_bias=bias, causal=True, backend="cpu")
+        return out.transpose(1, 2).flatten(2) * 2
+
+    out = torch.compile(block, fullgraph=True)(*leaves, bias)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves + [bias], grad)
+    ref = as_reference(*leaves, bias)
+    expected = reference.attention(*(t.transpose(1, 2) for t in ref[:3]), key_padding_mask=mask,
+                                   attn_bias=ref[3], causal=True).transpose(1, 2).flatten(2) * 2
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert_close(out, expected)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, scale=5)
+
+
+# --- dropout -------------------------------------------------------------------------------------
+
+def _replay_seed(p, seed=4321):
+    """The seed the next fusedlm call will draw after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    drawn = next_seed(p)
+    torch.manual_seed(seed)
+    return drawn
+
+
+def test_attention_dropout_replays_its_mask():
+    p = 0.3
+    batch, heads, seq_q, seq_k = 2, 3, 20, 27
+    leaves, _ = _inputs(batch, heads, seq_q, seq_k, 16, torch.float64, "cpu", layout="bshd")
+    bias = fresh((heads, 1, seq_k), torch.float64, "cpu")
+    # Padding not only at the end: kept keys are gathered, and must meet their own stream elements.
+    mask = _padding_mask(batch, seq_k, "cpu")
+    seed = _replay_seed(p)
+    keep = cpu_keep_mask(seed, (batch, heads, seq_q, seq_k), p)
+    q, k, v = _views(leaves, "bshd")
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                dropout_p=p, backend="cpu")
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves + [bias], grad)
+    ref = as_reference(*leaves, bias)
+    expected = reference.attention(*_views(ref[:3], "bshd"), key_padding_mask=mask, attn_bias=ref[3],
+                                   causal=True, dropout_p=p, dropout_mask=keep)
+    ref_grads = torch.autograd.grad(expected, ref, grad)
+    assert_close(out, expected, name="out")
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert_close(g, r, name=name)
+    # The same seed repeats the output; the next seed does not.
+    torch.manual_seed(4321)
+    again = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                  dropout_p=p, backend="cpu")
+    assert torch.equal(again, out)
+    other = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                  dropout_p=p, backend="cpu")
+    assert not torch.equal(other, out)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_attention_dropout_keeps_one_minus_p_and_scales_by_its_inverse(p):
+    # With v = identity over the keys the output is the probability matrix itself, so each
+    # entry is either dropped (0) or the undropped probability times 1 / (1 - p).
+    batch, heads, seq = 4, 4, 64
+    q, k = (fresh((batch, heads, seq, 16), torch.float64, "cpu", requires_grad=False) for _ in range(2))
+    v = torch.eye(seq, dtype=torch.float64).expand(batch, heads, seq, seq)
+    probs = fusedlm.ops.attention(q, k, v, backend="cpu")
+    out = fusedlm.ops.attention(q, k, v, dropout_p=p, backend="cpu")
+    kept = out != 0
+    torch.testing.assert_close(out[kept], probs[kept] / (1 - p))
+    n = kept.numel()
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+
+
+def test_attention_varlen_dropout_replays_its_mask():
+    p = 0.25
+    lengths_q, lengths_k = [5, 0, 11], [7, 3, 9]
+    max_q, max_k = 12, 10  # larger than the longest: the stream's pitch follows these
+    heads = 2
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, 8, torch.float64)
+    seed = _replay_seed(p)
+    keep = cpu_keep_mask(seed, (3, heads, max_q, max_k), p)
+    out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
+                                       backend="cpu")
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = as_reference(q, k, v)
+    expected = reference.attention_varlen(*ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
+                                          dropout_mask=keep)
+    ref_grads = torch.autograd.grad(expected, ref, grad)
+    assert_close(out, expected)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r)
+
+
+# --- attention_varlen ----------------------------------------------------------------------------
+
+def _packed(lengths_q, lengths_k, heads, head_dim, dtype, device="cpu"):
+    cu_q = torch.tensor([0] + lengths_q, device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, device=device).cumsum(0).to(torch.int32)
+    q = fresh((int(cu_q[-1]), heads, head_dim), dtype, device)
+    k = fresh((int(cu_k[-1]), heads, head_dim), dtype, device)
+    v = fresh((int(cu_k[-1]), heads, head_dim), dtype, device)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_varlen_matches_reference(backend, dtype, causal):
+    # Sequences of their own lengths for q and k, one with no queries, one with no keys.
+    lengths_q, lengths_k = [9, 0, 17, 4, 1], [9, 5, 12, 0, 30]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, 24, dtype, backend_device(backend))
+    out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                       causal=causal, backend=backend)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = as_reference(q, k, v)
+    expected = reference.attention_varlen(*ref, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                          causal=causal)
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert_close(out, expected, name="out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, r, dtype=dtype, scale=2 if dtype == torch.float32 else 3, name=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_varlen_equals_padded_attention_with_the_mask(causal):
+    batch, seq, heads, head_dim = 4, 50, 2, 16
+    lengths = torch.tensor([50, 1, 33, 17])
+    mask = torch.arange(seq)[None, :] >= lengths[:, None]
+    leaves = [fresh((batch, seq, heads, head_dim), torch.float32, "cpu") for _ in range(3)]
+    padded = fusedlm.ops.attention(*(t.transpose(1, 2) for t in leaves), key_padding_mask=mask,
+                                   causal=causal, backend="cpu").transpose(1, 2)
+    grad = torch.randn_like(padded).masked_fill(mask[:, :, None, None], 0)
+    padded_grads = torch.autograd.grad(padded, leaves, grad)
+
+    packed, indices, cu, max_len = zip(*(fusedlm.ops.unpad(t, mask, backend="cpu") for t in leaves))
+    out = fusedlm.ops.attention_varlen(*packed, cu[0], cu[0], max_len[0], max_len[0], causal=causal,
+                                       backend="cpu")
+    out = fusedlm.ops.pad(out, indices[0], batch, seq, backend="cpu")
+    grads = torch.autograd.grad(out, leaves, grad)
+    valid = ~mask
+    # The padded op also computes the rows of padding queries; varlen leaves them out.
+    torch.testing.assert_close(out[valid], padded[valid], atol=1e-6, rtol=1e-5)
+    assert (out[mask] == 0).all()
+    for g, r in zip(grads, padded_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_varlen_gradcheck():
+    q, k, v, cu_q, cu_k = _packed([3, 1, 4], [2, 5, 4], 2, 3, torch.float64)
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=causal,
+                                                         backend="cpu"),
+            (q, k, v))
+
+
+def test_attention_varlen_empty():
+    q, k, v, cu_q, cu_k = _packed([0, 0], [0, 0], 2, 8, torch.float32)
+    out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 0, 0, backend="cpu")
+    assert out.shape == (0, 2, 8)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_unpad_attention_varlen_pad_compiles_without_graph_breaks():
+    # unpad's token count and max_seqlen are unbacked SymInts under compile; they flow into
+    # attention_varlen and pad without a graph break.
+    batch, seq, heads, head_dim = 3, 20, 2, 16
+    mask = torch.arange(seq)[None, :] >= torch.tensor([20, 7, 13])[:, None]
+    leaves = [fresh((batch, seq, heads, head_dim), torch.float32, "cpu") for _ in range(3)]
+
+    def layer(q, k, v):
+        q, indices, cu, max_len = fusedlm.ops.unpad(q, mask, backend="cpu")
+        k = fusedlm.ops.unpad(k, mask, backend="cpu")[0]
+        v = fusedlm.ops.unpad(v, mask, backend="cpu")[0]
+        out = fusedlm.ops.attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=True,
+                                           backend="cpu")
+        return fusedlm.ops.pad(out, indices, batch, seq, backend="cpu") * 2
+
+    out = torch.compile(layer, fullgraph=True)(*leaves)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad)
+    eager = layer(*leaves)
+    eager_grads = torch.autograd.grad(eager, leaves, grad)
+    torch.testing.assert_close(out, eager)
+    for g, r in zip(grads, eager_grads):
+        torch.testing.assert_close(g, r)
+    expected = reference.attention(*(t.transpose(1, 2) for t in leaves), key_padding_mask=mask,
+                                   causal=True).transpose(1, 2) * 2
+    torch.testing.assert_close(out[~mask], expected[~mask], atol=1e-5, rtol=1e-4)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_attention_rejects_bad_input():
+    q, k, v = (torch.randn(2, 3, s, 8) for s in (5, 6, 6))
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    cases = [
+        (ValueError, "q", dict(q=q[0])),
+        (ValueError, "k", dict(k=torch.randn(2, 3, 6, 4))),
+        (ValueError, "v", dict(v=torch.randn(2, 3, 7, 8))),
+        (TypeError, "v", dict(v=v.double())),
+        (TypeError, "q", dict(q=q.long())),
+        (TypeError, "key_padding_mask", dict(key_padding_mask=mask.float())),
+        (ValueError, "key_padding_mask", dict(key_padding_mask=mask[:, :5])),
+        (ValueError, "attn_bias", dict(attn_bias=torch.randn(3, 5, 5))),
+        (ValueError, "attn_bias", dict(attn_bias=torch.randn(1, 2, 3, 5, 6))),
+        (TypeError, "attn_bias", dict(attn_bias=torch.randn(5, 6, dtype=torch.float64))),
+        (ValueError, "dropout_p", dict(dropout_p=1.0)),
+        (ValueError, "scale", dict(scale=float("nan"))),
+        (TypeError, "causal", dict(causal=1)),
+        (ValueError, "q", dict(q=torch.randn(2, 3, 5, 0), k=torch.randn(2, 3, 6, 0))),
+        (ValueError, "attn_bias", dict(attn_bias=torch.randn(5, 6, device="meta"))),
+    ]
+    for error, name, change in cases:
+        args = dict(q=q, k=k, v=v) | change
+        with pytest.raises(error, match=name):
+            fusedlm.ops.attention(args.pop("q"), args.pop("k"), args.pop("v"), backend="cpu", **args)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_attention_varlen_rejects_bad_input(backend):
+    # cu_seqlens are checked on the CPU whatever the backend: in the C++ op, or in Python.
+    q, k, v, cu_q, cu_k = _packed([3, 4], [5, 2], 2, 8, torch.float32)
+    ok = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=5)
+    cases = [
+        (ValueError, "q", dict(q=q[None])),
+        (ValueError, "v", dict(v=v[:, :1])),
+        (TypeError, "cu_seqlens_q", dict(cu_seqlens_q=cu_q.long())),
+        (ValueError, "cu_seqlens_k", dict(cu_seqlens_k=cu_k[:2])),
+        (ValueError, "cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32))),
+        (ValueError, "cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32))),
+        (ValueError, "cu_seqlens_k", dict(cu_seqlens_k=torch.tensor([0, 5, 6], dtype=torch.int32))),
+        (ValueError, "max_seqlen_q", dict(max_seqlen_q=3)),
+        (ValueError, "max_seqlen_k", dict(max_seqlen_k=-1)),
+        (TypeError, "max_seqlen_k", dict(max_seqlen_k=5.0)),
+    ]
+    for error, name, change in cases:
+        args = ok | change
+        with pytest.raises(error, match=name):
+            fusedlm.ops.attention_varlen(*args.values(), backend=backend)

@@ -1,0 +1,425 @@
+"""cross_entropy and masked_lm_loss against the reference, on every backend that has them."""
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fusedlm
+from fusedlm.ops import reference
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = ["mean", "sum", "none"]
+ce_module = importlib.import_module("fusedlm.ops.cross_entropy")
+
+
+def labels_for(shape, classes, device, ignore_index=-100, ignored=0.3):
+    """Random class labels with about `ignored` of them set to ignore_index (never all, never none
+    on more than a handful of rows)."""
+    labels = torch.randint(0, classes, shape)
+    drop = torch.rand(shape) < ignored
+    return labels.masked_fill(drop, ignore_index).to(device)
+
+
+def upstream_grad(loss, reduction):
+    """grad_output for a backward: 1 for "mean" (the backward then hands out the saved
+    gradients unscaled), random for "sum" and "none" (it scales them)."""
+    return torch.ones_like(loss) if reduction == "mean" else torch.rand_like(loss) + 0.5
+
+
+def loss_tolerance(reduction, rows):
+    # A sum over rows adds the rounding of that many float32 terms.
+    return 1.0 if reduction == "none" else max(1.0, rows / 50)
+
+
+# --- cross_entropy -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignore_index", [-100, 5])
+def test_cross_entropy_matches_reference(backend, dtype, reduction, label_smoothing, ignore_index):
+    device = backend_device(backend)
+    logits = fresh((3, 37, 203), dtype, device, scale=3.0)
+    labels = labels_for((3, 37), 203, device, ignore_index)
+    before = logits.detach().clone()
+    loss = fusedlm.ops.cross_entropy(logits, labels, ignore_index=ignore_index,
+                                     label_smoothing=label_smoothing, reduction=reduction, backend=backend)
+    assert torch.equal(logits.detach(), before), "the forward wrote into the caller's logits"
+    grad = upstream_grad(loss, reduction)
+    loss.backward(grad)
+    assert torch.equal(logits.detach(), before), "the backward wrote into the caller's logits"
+
+    (ref_logits,) = as_reference(logits)
+    expected = reference.cross_entropy(ref_logits, labels, ignore_index=ignore_index,
+                                       label_smoothing=label_smoothing, reduction=reduction)
+    expected.backward(grad.double())
+    assert loss.dtype == torch.float32 and loss.shape == expected.shape
+    assert_close(loss, expected, scale=loss_tolerance(reduction, 111), name="loss")
+    assert logits.grad.dtype == dtype
+    assert_close(logits.grad, ref_logits.grad, name="dlogits")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+def test_cross_entropy_gradcheck(reduction, label_smoothing):
+    logits = fresh((2, 3, 5), torch.float64, "cpu")
+    labels = torch.tensor([[0, 4, -100], [2, -100, 1]])
+
+    def f(x):
+        return fusedlm.ops.cross_entropy(x, labels, label_smoothing=label_smoothing,
+                                         reduction=reduction, backend="cpu")
+
+    assert f(logits).dtype == torch.float64
+    assert torch.autograd.gradcheck(f, (logits,))
+
+
+def test_cross_entropy_every_instruction_set(cpu_isa):
+    # Class counts around the vector width and the kernel's block of 2048 classes.
+    for classes in (1, 7, 16, 33, 1000, 2047, 2049, 4113):
+        for dtype in DTYPES:
+            logits = fresh((5, classes), dtype, "cpu", scale=4.0)
+            labels = labels_for((5,), classes, "cpu", ignored=0.2)
+            loss = fusedlm.ops.cross_entropy(logits, labels, label_smoothing=0.1, reduction="none",
+                                             backend="cpu")
+            (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+            (ref,) = as_reference(logits)
+            expected = reference.cross_entropy(ref, labels, label_smoothing=0.1, reduction="none")
+            (ref_grad,) = torch.autograd.grad(expected.sum(), ref)
+            name = f"{cpu_isa} {dtype} classes={classes}"
+            assert_close(loss, expected, name=f"{name} loss")
+            assert_close(dlogits, ref_grad, name=f"{name} dlogits")
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 40), classes=st.integers(1, 300), scale=st.floats(0.1, 30.0),
+       ignored=st.floats(0.0, 1.0), label_smoothing=st.sampled_from([0.0, 0.05, 1.0]),
+       reduction=st.sampled_from(REDUCTIONS))
+def test_cross_entropy_random_shapes(rows, classes, scale, ignored, label_smoothing, reduction):
+    logits = fresh((rows, classes), torch.float32, "cpu", scale=scale)
+    labels = labels_for((rows,), classes, "cpu", ignored=ignored)
+    loss = fusedlm.ops.cross_entropy(logits, labels, label_smoothing=label_smoothing,
+                                     reduction=reduction, backend="cpu")
+    grad = torch.rand_like(loss) + 0.5
+    loss.backward(grad)
+    (ref,) = as_reference(logits)
+    expected = reference.cross_entropy(ref, labels, label_smoothing=label_smoothing, reduction=reduction)
+    expected.backward(grad.double())
+    # Logits of scale 30 make losses of that size: compare relative to it.
+    tol = loss_tolerance(reduction, rows) * max(1.0, scale / 3)
+    assert_close(loss, expected, scale=tol, name="loss")
+    assert_close(logits.grad, ref.grad, name="dlogits")
+
+
+def test_cross_entropy_all_labels_ignored():
+    logits = fresh((4, 6, 50), torch.float32, "cpu")
+    labels = torch.full((4, 6), -100)
+    for reduction in REDUCTIONS:
+        loss = fusedlm.ops.cross_entropy(logits, labels, reduction=reduction, label_smoothing=0.1,
+                                         backend="cpu")
+        (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+        assert torch.equal(loss, torch.zeros_like(loss)), reduction
+        assert torch.equal(dlogits, torch.zeros_like(dlogits)), reduction
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cross_entropy_large_logits(dtype):
+    # Logits near the largest values of the dtype (for bfloat16, small enough that a loss
+    # of 2 * big still fits float32): the kernel works in float32 relative to the row max.
+    big = 6e4 if dtype == torch.float16 else 1e38
+    logits = fresh((6, 40), torch.float32, "cpu", requires_grad=False)
+    logits[:, :3] = torch.tensor([big, -big, big / 2])
+    logits = logits.to(dtype).requires_grad_()
+    labels = torch.tensor([0, 1, 2, 3, -100, 0])
+    loss = fusedlm.ops.cross_entropy(logits, labels, reduction="none", backend="cpu")
+    (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+    assert torch.isfinite(loss).all() and torch.isfinite(dlogits).all()
+    (ref,) = as_reference(logits)
+    expected = reference.cross_entropy(ref, labels, reduction="none")
+    (ref_grad,) = torch.autograd.grad(expected.sum(), ref)
+    assert_close(loss, expected, name="loss")
+    assert_close(dlogits, ref_grad, name="dlogits")
+
+
+def test_cross_entropy_masked_classes():
+    # -inf logits (a masked vocabulary), filling whole leading blocks of classes: they add
+    # nothing to the sum and get a zero gradient.
+    logits = fresh((3, 5000), torch.float32, "cpu", requires_grad=False)
+    logits[:, :4500] = float("-inf")
+    logits[1, 4990:] = float("-inf")
+    logits.requires_grad_()
+    labels = torch.tensor([4600, 4700, 4999 - 10])
+    loss = fusedlm.ops.cross_entropy(logits, labels, reduction="none", backend="cpu")
+    (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+    (ref,) = as_reference(logits)
+    expected = reference.cross_entropy(ref, labels, reduction="none")
+    (ref_grad,) = torch.autograd.grad(expected.sum(), ref)
+    assert_close(loss, expected, name="loss")
+    assert_close(dlogits, ref_grad, name="dlogits")
+    assert torch.equal(dlogits[:, :4500], torch.zeros(3, 4500))
+
+
+def test_cross_entropy_without_grad_and_strided_input():
+    # Transposed (non-contiguous) logits; the loss-only path under no_grad agrees with the fused one.
+    logits = fresh((120, 9), torch.float32, "cpu").t()
+    labels = labels_for((9,), 120, "cpu")
+    with_grad = fusedlm.ops.cross_entropy(logits, labels, backend="cpu")
+    with torch.no_grad():
+        without = fusedlm.ops.cross_entropy(logits, labels, backend="cpu")
+    assert torch.equal(with_grad.detach(), without)
+    assert_close(without, reference.cross_entropy(logits.detach().double(), labels))
+
+
+def test_cross_entropy_is_deterministic_across_thread_counts():
+    logits = fresh((300, 3000), torch.float32, "cpu")
+    labels = labels_for((300,), 3000, "cpu")
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            loss = fusedlm.ops.cross_entropy(logits, labels, label_smoothing=0.1, backend="cpu")
+            results.append((loss.detach(), *torch.autograd.grad(loss, logits)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_cross_entropy_backward_through_retained_graph():
+    # A scaled backward scales a copy of the saved gradient, and .grad accumulation copies an
+    # unscaled one: passing over the graph again gives the same gradients.
+    logits = fresh((7, 30), torch.float32, "cpu")
+    labels = labels_for((7,), 30, "cpu")
+    loss = fusedlm.ops.cross_entropy(logits, labels, reduction="sum", backend="cpu")
+    (first,) = torch.autograd.grad(loss * 2, logits, retain_graph=True)
+    (second,) = torch.autograd.grad(loss * 3, logits, retain_graph=True)
+    torch.testing.assert_close(second, first * 1.5)
+    loss.backward(retain_graph=True)
+    once = logits.grad.clone()
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(logits.grad, 2 * once)
+    torch.testing.assert_close(once, first / 2)
+    # An unscaled gradient handed out while the graph is kept aliases the saved one: changing
+    # it in place makes a later backward raise rather than use it.
+    (unscaled,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    unscaled.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+def test_cross_entropy_compiles_without_graph_breaks():
+    logits = fresh((4, 9, 70), torch.float32, "cpu")
+    labels = labels_for((4, 9), 70, "cpu")
+    compiled = torch.compile(
+        lambda x, y: fusedlm.ops.cross_entropy(x * 2, y, label_smoothing=0.1, backend="cpu") + 1,
+        fullgraph=True)
+    loss = compiled(logits, labels)
+    loss.backward()
+    (ref,) = as_reference(logits)
+    expected = reference.cross_entropy(ref * 2, labels, label_smoothing=0.1) + 1
+    expected.backward()
+    assert_close(loss, expected)
+    assert_close(logits.grad, ref.grad)
+
+
+def test_cross_entropy_rejects_bad_input():
+    logits = torch.randn(4, 10)
+    labels = torch.tensor([1, 2, 3, -100])
+    with pytest.raises(ValueError, match="labels"):
+        fusedlm.ops.cross_entropy(logits, torch.tensor([1, 2, 10, 0]))
+    with pytest.raises(ValueError, match="labels"):
+        fusedlm.ops.cross_entropy(logits, torch.tensor([1, -1, 3, 0]))
+    with pytest.raises(ValueError, match="labels"):
+        fusedlm.ops.cross_entropy(logits, torch.tensor([1, 2, 3]))
+    with pytest.raises(TypeError, match="labels"):
+        fusedlm.ops.cross_entropy(logits, labels.float())
+    with pytest.raises(TypeError, match="labels"):
+        fusedlm.ops.cross_entropy(logits, labels.int())
+    with pytest.raises(TypeError, match="logits"):
+        fusedlm.ops.cross_entropy(logits.long(), labels)
+    with pytest.raises(ValueError, match="logits"):
+        fusedlm.ops.cross_entropy(torch.randn(4, 0), labels)
+    with pytest.raises(ValueError, match="reduction"):
+        fusedlm.ops.cross_entropy(logits, labels, reduction="max")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fusedlm.ops.cross_entropy(logits, labels, label_smoothing=1.5)
+    with pytest.raises(TypeError, match="ignore_index"):
+        fusedlm.ops.cross_entropy(logits, labels, ignore_index=0.5)
+    with pytest.raises(ValueError, match="labels"):
+        fusedlm.ops.cross_entropy(logits, labels.to("meta"))
+    # The compiled kernel checks labels itself, for callers that bypass the Python checks.
+    with pytest.raises(ValueError, match="labels"):
+        torch.ops.fusedlm.cross_entropy(logits, torch.tensor([1, 2, 10, 0]), -100, 0.0, "mean", True, "cpu")
+
+
+# --- masked_lm_loss ------------------------------------------------------------------------------
+
+def _mlm_inputs(dtype, device, width=24, vocab=203, shape=(2, 13), with_bias=True, ignore_index=-100):
+    hidden = fresh((*shape, width), dtype, device)
+    weight = fresh((vocab, width), dtype, device, scale=width ** -0.5)
+    bias = fresh((vocab,), dtype, device) if with_bias else None
+    labels = labels_for(shape, vocab, device, ignore_index, ignored=0.6)
+    return hidden, weight, bias, labels
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 rows, so a few labelled rows already take several chunks."""
+    def use(vocab, dtype):
+        monkeypatch.setattr(ce_module, "LOGITS_CHUNK_BYTES", 4 * vocab * torch.finfo(dtype).bits // 8)
+    return use
+
+
+@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_masked_lm_loss_matches_reference(backend, dtype, reduction, label_smoothing, with_bias,
+                                          small_chunks):
+    small_chunks(203, dtype)
+    ignore_index = -100 if with_bias else 7
+    inputs = _mlm_inputs(dtype, backend_device(backend), with_bias=with_bias, ignore_index=ignore_index)
+    hidden, weight, bias, labels = inputs
+    kwargs = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+    loss = fusedlm.ops.masked_lm_loss(*inputs, **kwargs, backend=backend)
+    grad = upstream_grad(loss, reduction)
+    loss.backward(grad)
+
+    ref_inputs = as_reference(hidden, weight, bias)
+    expected = reference.masked_lm_loss(*ref_inputs, labels, **kwargs)
+    expected.backward(grad.double())
+    assert loss.dtype == torch.float32 and loss.shape == expected.shape
+    # Half-precision logits are rounded products: allow for it, as gelu_ffn's tests do.
+    scale = 1 if dtype == torch.float32 else 3
+    assert_close(loss, expected, dtype=dtype, scale=scale * loss_tolerance(reduction, 26), name="loss")
+    for name, t, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), ref_inputs):
+        if t is not None:
+            assert t.grad.dtype == dtype
+            assert_close(t.grad, r.grad, scale=10 * scale, name=f"d{name}")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_masked_lm_loss_gradcheck(reduction, small_chunks):
+    small_chunks(6, torch.float64)
+    hidden = fresh((2, 5, 3), torch.float64, "cpu")
+    weight = fresh((6, 3), torch.float64, "cpu")
+    bias = fresh((6,), torch.float64, "cpu")
+    labels = torch.tensor([[0, -100, 5, 2, 3], [-100, 1, 1, 4, -100]])
+
+    def f(h, w, b):
+        return fusedlm.ops.masked_lm_loss(h, w, b, labels, label_smoothing=0.1, reduction=reduction,
+                                          backend="cpu")
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(0, 30), width=st.integers(1, 40), vocab=st.integers(1, 120),
+       ignored=st.floats(0.0, 1.0), chunk=st.integers(1, 12), reduction=st.sampled_from(REDUCTIONS))
+def test_masked_lm_loss_random_shapes(rows, width, vocab, ignored, chunk, reduction):
+    hidden = fresh((rows, width), torch.float32, "cpu")
+    weight = fresh((vocab, width), torch.float32, "cpu", scale=width ** -0.5)
+    bias = fresh((vocab,), torch.float32, "cpu")
+    labels = labels_for((rows,), vocab, "cpu", ignored=ignored)
+    saved = ce_module.LOGITS_CHUNK_BYTES
+    ce_module.LOGITS_CHUNK_BYTES = chunk * vocab * 4
+    try:
+        loss = fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, reduction=reduction, backend="cpu")
+    finally:
+        ce_module.LOGITS_CHUNK_BYTES = saved
+    grad = torch.rand_like(loss) + 0.5
+    loss.backward(grad)
+    ref_inputs = as_reference(hidden, weight, bias)
+    expected = reference.masked_lm_loss(*ref_inputs, labels, reduction=reduction)
+    expected.backward(grad.double())
+    assert_close(loss, expected, scale=loss_tolerance(reduction, rows), name="loss")
+    for name, t, r in zip(("hidden", "weight", "bias"), (hidden, weight, bias), ref_inputs):
+        assert_close(t.grad, r.grad, scale=10, name=f"d{name}")
+
+
+def test_masked_lm_loss_all_labels_ignored():
+    hidden, weight, bias, _ = _mlm_inputs(torch.float32, "cpu")
+    labels = torch.full(hidden.shape[:-1], -100)
+    for reduction in REDUCTIONS:
+        loss = fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, reduction=reduction, backend="cpu")
+        grads = torch.autograd.grad(loss.sum(), (hidden, weight, bias))
+        assert torch.equal(loss, torch.zeros_like(loss)), reduction
+        for g in grads:
+            assert torch.equal(g, torch.zeros_like(g)), reduction
+
+
+def test_masked_lm_loss_frozen_weight_and_default_chunks():
+    # Only hidden needs a gradient; the default chunk size (one chunk here).
+    hidden, weight, bias, labels = _mlm_inputs(torch.float32, "cpu", vocab=333, shape=(3, 40))
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    loss = fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, backend="cpu")
+    loss.backward()
+    assert weight.grad is None and bias.grad is None
+    (ref_hidden,) = as_reference(hidden)
+    expected = reference.masked_lm_loss(ref_hidden, weight.double(), bias.double(), labels)
+    expected.backward()
+    assert_close(loss, expected)
+    assert_close(hidden.grad, ref_hidden.grad)
+
+
+def test_masked_lm_loss_retained_graph_and_no_grad(small_chunks):
+    small_chunks(203, torch.float32)
+    inputs = _mlm_inputs(torch.float32, "cpu")
+    hidden, weight, bias, labels = inputs
+    loss = fusedlm.ops.masked_lm_loss(*inputs, label_smoothing=0.1, backend="cpu")
+    first = torch.autograd.grad(loss * 2, (hidden, weight, bias), retain_graph=True)
+    second = torch.autograd.grad(loss * 3, (hidden, weight, bias), retain_graph=True)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(b, a * 1.5)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for t, a in zip((hidden, weight, bias), first):
+        torch.testing.assert_close(t.grad, a)
+    with torch.no_grad():
+        loss_only = fusedlm.ops.masked_lm_loss(*inputs, label_smoothing=0.1, backend="cpu")
+    torch.testing.assert_close(loss_only, loss.detach(), rtol=0, atol=1e-6)
+
+
+def test_masked_lm_loss_compiles_without_graph_breaks(small_chunks):
+    small_chunks(203, torch.float32)
+    inputs = _mlm_inputs(torch.float32, "cpu")
+    hidden, weight, bias, labels = inputs
+    compiled = torch.compile(
+        lambda h, w, b, y: fusedlm.ops.masked_lm_loss(h * 2, w, b, y, reduction="sum", backend="cpu") / 4,
+        fullgraph=True)
+    loss = compiled(*inputs)
+    loss.backward()
+    ref_inputs = as_reference(hidden, weight, bias)
+    expected = reference.masked_lm_loss(ref_inputs[0] * 2, *ref_inputs[1:], labels, reduction="sum") / 4
+    expected.backward()
+    assert_close(loss, expected)
+    for t, r in zip((hidden, weight, bias), ref_inputs):
+        assert_close(t.grad, r.grad, scale=10)
+
+
+def test_masked_lm_loss_rejects_bad_input():
+    hidden, weight, bias, labels = _mlm_inputs(torch.float32, "cpu")
+    vocab = weight.shape[0]
+    with pytest.raises(ValueError, match="labels"):
+        fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels.masked_fill(labels == -100, vocab))
+    with pytest.raises(ValueError, match="labels"):
+        fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels[:, :-1])
+    with pytest.raises(TypeError, match="labels"):
+        fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels.double())
+    with pytest.raises(ValueError, match="weight"):
+        fusedlm.ops.masked_lm_loss(hidden, weight[:, :-1], bias, labels)
+    with pytest.raises(ValueError, match="bias"):
+        fusedlm.ops.masked_lm_loss(hidden, weight, bias[:-1], labels)
+    with pytest.raises(TypeError, match="weight"):
+        fusedlm.ops.masked_lm_loss(hidden, weight.double(), bias, labels)
+    with pytest.raises(TypeError, match="hidden"):
+        fusedlm.ops.masked_lm_loss(hidden.long(), weight, bias, labels)
+    with pytest.raises(ValueError, match="weight"):
+        fusedlm.ops.masked_lm_loss(hidden, weight.to("meta"), bias, labels)
+    with pytest.raises(ValueError, match="reduction"):
+        fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, reduction="avg")

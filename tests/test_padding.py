@@ -1,0 +1,124 @@
+"""unpad and pad against the reference, on every backend that has them."""
+import pytest
+import torch
+
+import fusedlm
+from fusedlm.ops import reference
+from conftest import backend_device, backends_for, fresh
+
+
+def _mask(batch, seq, device):
+    """Random padding (True), including a row of nothing but padding and a row of none."""
+    mask = torch.rand(batch, seq, device=device) < 0.4
+    mask[0] = True
+    mask[-1] = False
+    return mask
+
+
+@pytest.mark.parametrize("backend", backends_for("unpad"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("features", [(), (24,), (3, 8)])
+def test_unpad_and_pad_match_reference(backend, dtype, features):
+    device = backend_device(backend)
+    mask = _mask(4, 13, device)
+    hidden = (torch.randn(4, 13, *features, device=device) * 100).to(dtype)
+    packed, indices, cu_seqlens, max_seqlen = fusedlm.ops.unpad(hidden, mask, backend=backend)
+    expected = reference.unpad(hidden, mask)
+    assert torch.equal(packed, expected[0])
+    assert torch.equal(indices, expected[1]) and indices.dtype == torch.int64
+    assert torch.equal(cu_seqlens, expected[2]) and cu_seqlens.dtype == torch.int32
+    assert type(max_seqlen) is int and max_seqlen == expected[3]
+    padded = fusedlm.ops.pad(packed, indices, 4, 13, backend=backend)
+    assert torch.equal(padded, reference.pad(packed, indices, 4, 13))
+    assert torch.equal(padded, hidden.masked_fill(mask.view(4, 13, *[1] * len(features)), 0))
+
+
+@pytest.mark.parametrize("backend", backends_for("pad"))
+def test_unpad_and_pad_gradients(backend):
+    device = backend_device(backend)
+    mask = _mask(3, 10, device)
+    hidden = fresh((3, 10, 6), torch.float32, device)
+    packed, indices, _, _ = fusedlm.ops.unpad(hidden, mask, backend=backend)
+    grad = torch.randn_like(packed)
+    (dhidden,) = torch.autograd.grad(packed, hidden, grad)
+    # unpad's gradient scatters back, zeros at the padding.
+    assert torch.equal(dhidden, reference.pad(grad, indices, 3, 10))
+
+    leaf = fresh((indices.numel(), 6), torch.float32, device)
+    out = fusedlm.ops.pad(leaf, indices, 3, 10, backend=backend)
+    grad_out = torch.randn_like(out)
+    (dleaf,) = torch.autograd.grad(out, leaf, grad_out)
+    # pad's gradient gathers the rows it placed.
+    assert torch.equal(dleaf, grad_out.flatten(0, 1)[indices])
+
+
+def test_unpad_gradcheck():
+    mask = _mask(2, 5, "cpu")
+    hidden = fresh((2, 5, 3), torch.float64, "cpu")
+    assert torch.autograd.gradcheck(lambda h: fusedlm.ops.unpad(h, mask, backend="cpu")[0], (hidden,))
+    indices = fusedlm.ops.unpad(hidden, mask, backend="cpu")[1]
+    packed = fresh((indices.numel(), 3), torch.float64, "cpu")
+    assert torch.autograd.gradcheck(lambda p: fusedlm.ops.pad(p, indices, 2, 5, backend="cpu"), (packed,))
+
+
+def test_unpad_reads_strided_hidden_and_masks():
+    # A transposed hidden (features not contiguous) and a transposed mask.
+    hidden = torch.randn(7, 12, 5).transpose(0, 1)  # [12, 7, 5], rows strided
+    mask = (torch.rand(7, 12) < 0.5).t()
+    packed, indices, cu_seqlens, max_seqlen = fusedlm.ops.unpad(hidden, mask, backend="cpu")
+    expected = reference.unpad(hidden, mask)
+    assert torch.equal(packed, expected[0]) and torch.equal(indices, expected[1])
+    assert torch.equal(cu_seqlens, expected[2]) and max_seqlen == expected[3]
+    features_strided = torch.randn(12, 7, 10)[..., ::2]
+    assert torch.equal(fusedlm.ops.unpad(features_strided, mask, backend="cpu")[0],
+                       reference.unpad(features_strided, mask)[0])
+
+
+def test_unpad_everything_padding():
+    hidden = torch.randn(3, 4, 2)
+    packed, indices, cu_seqlens, max_seqlen = fusedlm.ops.unpad(hidden, torch.ones(3, 4, dtype=torch.bool),
+                                                                backend="cpu")
+    assert packed.shape == (0, 2) and indices.shape == (0,) and max_seqlen == 0
+    assert torch.equal(cu_seqlens, torch.zeros(4, dtype=torch.int32))
+    assert torch.equal(fusedlm.ops.pad(packed, indices, 3, 4, backend="cpu"), torch.zeros(3, 4, 2))
+
+
+def test_unpad_compiles_with_unbacked_sizes():
+    mask = _mask(3, 9, "cpu")
+    hidden = fresh((3, 9, 4), torch.float32, "cpu")
+
+    def roundtrip(h):
+        packed, indices, cu_seqlens, max_seqlen = fusedlm.ops.unpad(h, mask, backend="cpu")
+        return fusedlm.ops.pad(packed * 3, indices, 3, 9, backend="cpu"), cu_seqlens, max_seqlen
+
+    out, cu_seqlens, max_seqlen = torch.compile(roundtrip, fullgraph=True)(hidden)
+    assert torch.equal(out, 3 * hidden.detach().masked_fill(mask[..., None], 0))
+    assert torch.equal(cu_seqlens, reference.unpad(hidden, mask)[2])
+    assert max_seqlen == reference.unpad(hidden, mask)[3]
+    (grad,) = torch.autograd.grad(out.sum(), hidden)
+    assert torch.equal(grad, (~mask[..., None]).float().expand_as(hidden) * 3)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_pad_rejects_bad_input(backend):
+    packed = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="indices"):
+        fusedlm.ops.pad(packed, torch.tensor([0, 1, 2]), 2, 3, backend=backend)
+    with pytest.raises(TypeError, match="indices"):
+        fusedlm.ops.pad(packed, torch.tensor([0, 1, 2, 3], dtype=torch.int32), 2, 3, backend=backend)
+    with pytest.raises(ValueError, match="indices"):
+        fusedlm.ops.pad(packed, torch.tensor([0, 1, 2, 6]), 2, 3, backend=backend)
+    with pytest.raises(ValueError, match="indices"):
+        fusedlm.ops.pad(packed, torch.tensor([0, 1, 1, 2]), 2, 3, backend=backend)
+    with pytest.raises(ValueError, match="seqlen"):
+        fusedlm.ops.pad(packed, torch.tensor([0, 1, 2, 3]), 2, -3, backend=backend)
+
+
+def test_unpad_rejects_bad_input():
+    hidden = torch.randn(2, 5, 3)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        fusedlm.ops.unpad(hidden, torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        fusedlm.ops.unpad(hidden, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="hidden"):
+        fusedlm.ops.unpad(hidden[0, 0], torch.zeros(2, 5, dtype=torch.bool))
