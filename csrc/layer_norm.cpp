@@ -70,11 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   auto x2 = as_rows(x);
   auto r2 = has_residual ? as_rows(*residual) : at::Tensor();
   const int64_t rows = x2.size(0), cols = x2.size(1);
-  // summed before out: callers free the pair last-first, and with glibc's malloc
-  // freeing the earlier allocation first keeps the heap from being trimmed and
-  // faulted back in, page by page, on every call.
-  auto summed = at::empty_like(x2);
-  auto out = at::empty_like(x2);
+  auto out = at::empty_like(x2), summed = at::empty_like(x2);
   auto stats = x2.options().dtype(acc_dtype(x.scalar_type()));
   auto mean = at::empty({rows}, stats), rstd = at::empty({rows}, stats);
 
