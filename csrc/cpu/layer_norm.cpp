@@ -1,26 +1,28 @@
 // add + LayerNorm (dropout on the added branch), forward and backward, one pass
 // over memory each.
 //
-// Forward, per row: summed = x [* keep / (1 - p)] + residual is formed in a row
-// buffer in the accumulation type while summed is written out; the mean and
-// variance then come from that buffer (corrected two-pass algorithm), and the
-// normalised row is written from it. Memory sees one read of x and residual and
-// one write of out and summed (2 bytes per element each in bf16/fp16), plus a
-// mean and rstd per row. The statistics passes run over L1-resident buffers
-// (in bf16/fp16 twice: see forward_rows), so at BERT/GPT widths the forward is
-// bound by memory bandwidth.
+// Forward, per row: summed = x [* keep / (1 - p)] + residual is written out as
+// its sum accumulates; a second pass over the row, now in L1, gives the
+// variance (corrected two-pass algorithm), and a third writes the normalised
+// row. Memory sees one read of x and residual and one write of out and summed
+// (2 bytes per element each in bf16/fp16) plus a mean and rstd per row: four
+// of the five passes over memory of F.layer_norm(x + r), which writes the sum
+// and reads it back. In float32 it is bound by memory bandwidth (including the
+// read-for-ownership of the written lines); in bf16/fp16 partly by the element
+// conversions and the second set of statistics (see forward_rows).
 //
-// Backward, per row: xhat = (summed - mean) * rstd and g = dy * weight are
-// formed in row buffers while the column sums of dy * xhat and dy (the first
-// stage of the weight and bias gradients) accumulate; then
-//   dsummed = rstd * (g - mean(g) - xhat * mean(g * xhat)) + grad_summed,
+// Backward, per row: a first pass sums g and g * xhat, where xhat = (summed -
+// mean) * rstd and g = dy * weight, and adds dy * xhat and dy into per-block
+// column sums (the first stage of the weight and bias gradients); a second pass
+// over the same row, in L1, writes
+//   dsummed = rstd * (g - mean(g) - xhat * mean(g * xhat)) + grad_summed
 // and dx = dsummed * keep / (1 - p). Memory sees one read of dy, summed and
 // grad_summed and one write of dsummed (and dx under dropout).
 //
 // GCC vectorises no float reduction without -ffast-math, so row sums keep a
 // fixed number of independent partial sums (lanes): the loop over the lanes
-// becomes vector adds on every instruction set, in an order that does not depend
-// on the instruction set or the thread count.
+// becomes vector adds on every instruction set, and the order of the additions
+// stays fixed (results never depend on the thread count).
 #include <algorithm>
 #include <memory>
 
@@ -53,17 +55,17 @@ inline A fold(A* lanes) {
   return lanes[0];
 }
 
-// The mean and 1 / sqrt(variance + eps) of v[0..n), given sum(v): a second pass
-// sums (v - m) and (v - m)^2, and the first pass's rounding error in the mean,
-// sum(v - m), is removed from both the mean and the sum of squares (Chan, Golub
-// and LeVeque's corrected two-pass algorithm).
-template <typename A>
-inline void row_stats(const A* __restrict__ v, int64_t n, A sum, A eps, A& mean, A& rstd) {
+// The mean and 1 / sqrt(variance + eps) of the row value(0), ..., value(n-1),
+// given its sum: a second pass sums (v - m) and (v - m)^2, and the first pass's
+// rounding error in the mean, sum(v - m), is removed from both the mean and the
+// sum of squares (Chan, Golub and LeVeque's corrected two-pass algorithm).
+template <typename A, typename Value>
+inline void row_stats(Value&& value, int64_t n, A sum, A eps, A& mean, A& rstd) {
   constexpr int L = kLanes<A>;
   const A inv_n = A(1) / A(n), m = sum * inv_n;
   A s1[L] = {}, s2[L] = {};
   over_lanes<A>(n, [&](int64_t c, int l) {
-    A d = v[c] - m;
+    A d = value(c) - m;
     s1[l] += d;
     s2[l] += d * d;
   });
@@ -75,20 +77,23 @@ inline void row_stats(const A* __restrict__ v, int64_t n, A sum, A eps, A& mean,
 
 // The inner loops have no branches (residual, dropout and grad_summed are
 // template parameters; weight and bias are always arrays) so that they vectorise.
+// Passes after the first over memory re-read rows that are in L1 rather than
+// buffer what they need: extra stores cost more than the loads.
 //
 // out is normalised from summed before rounding, as the reference does. The
 // saved mean and rstd, though, are those of summed as stored: the backward
 // rebuilds xhat from the stored summed, and xhat must then have mean 0 and
 // variance 1 exactly, or rows of near-zero variance (constant rows, hidden
 // size 1) turn bf16/fp16 rounding into gradients of 1 / sqrt(eps) times it.
-// In float32 and float64 the two are the same and computed once.
+// In float32 and float64 the two coincide and are computed once, from the
+// stored row.
 template <typename T, bool residual, bool dropout>
 void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
                   const acc_t<T>* __restrict__ weight, const acc_t<T>* __restrict__ bias,
                   T* __restrict__ out, T* __restrict__ summed, acc_t<T>* __restrict__ mean,
                   acc_t<T>* __restrict__ rstd, int64_t rows, int64_t cols, acc_t<T> eps,
-                  const uint8_t* __restrict__ keep, acc_t<T> scale, acc_t<T>* __restrict__ buf,
-                  acc_t<T>* __restrict__ stored) {
+                  const uint8_t* __restrict__ keep, acc_t<T> scale,
+                  acc_t<T>* __restrict__ exact) {
   using A = acc_t<T>;
   constexpr int L = kLanes<A>;
   constexpr bool rounds = !std::is_same_v<T, A>;
@@ -103,20 +108,25 @@ void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
       A s = load(xr[c]);
       if (dropout) s *= A(kr[c]) * scale;  // keep is 0 or 1: a multiply, not a branch
       if (residual) s += load(rr[c]);
-      buf[c] = s;
       sum[l] += s;
       T t;
       store(t, s);
       sr[c] = t;
       if (rounds) {
-        stored[c] = load(t);
-        sum_stored[l] += stored[c];
+        exact[c] = s;
+        sum_stored[l] += load(t);
       }
     });
+    auto stored = [&](int64_t c) { return load(sr[c]); };
     A m, rs;
-    row_stats(buf, cols, fold(sum), eps, m, rs);
-    for (int64_t c = 0; c < cols; ++c) store(outr[c], (buf[c] - m) * rs * weight[c] + bias[c]);
-    if (rounds) row_stats(stored, cols, fold(sum_stored), eps, m, rs);
+    if constexpr (rounds) {
+      row_stats([&](int64_t c) { return exact[c]; }, cols, fold(sum), eps, m, rs);
+      for (int64_t c = 0; c < cols; ++c) store(outr[c], (exact[c] - m) * rs * weight[c] + bias[c]);
+      row_stats(stored, cols, fold(sum_stored), eps, m, rs);
+    } else {
+      row_stats(stored, cols, fold(sum), eps, m, rs);
+      for (int64_t c = 0; c < cols; ++c) store(outr[c], (sr[c] - m) * rs * weight[c] + bias[c]);
+    }
     mean[r] = m;
     rstd[r] = rs;
   }
@@ -128,8 +138,7 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ gs,
                    const acc_t<T>* __restrict__ rstd, const acc_t<T>* __restrict__ weight,
                    T* __restrict__ ds, T* __restrict__ dx, acc_t<T>* __restrict__ dweight,
                    acc_t<T>* __restrict__ dbias, int64_t rows, int64_t cols,
-                   const uint8_t* __restrict__ keep, acc_t<T> scale, acc_t<T>* __restrict__ xhat,
-                   acc_t<T>* __restrict__ g) {
+                   const uint8_t* __restrict__ keep, acc_t<T> scale) {
   using A = acc_t<T>;
   constexpr int L = kLanes<A>;
   const A inv_n = A(1) / A(cols);
@@ -141,37 +150,38 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ gs,
     const A m = mean[r], rs = rstd[r];
     A sg[L] = {}, sgx[L] = {};
     over_lanes<A>(cols, [&](int64_t c, int l) {
-      A d = load(dyr[c]), xh = (load(sr[c]) - m) * rs, gc = d * weight[c];
-      xhat[c] = xh;
-      g[c] = gc;
-      sg[l] += gc;
-      sgx[l] += gc * xh;
+      A d = load(dyr[c]), xh = (load(sr[c]) - m) * rs, g = d * weight[c];
+      sg[l] += g;
+      sgx[l] += g * xh;
       dweight[c] += d * xh;
       dbias[c] += d;
     });
     const A a = fold(sg) * inv_n, b = fold(sgx) * inv_n;
+    // The row's dy and summed are in L1 now: read again rather than buffered.
+    auto dsummed = [&](int64_t c) {
+      A xh = (load(sr[c]) - m) * rs;
+      A v = rs * (load(dyr[c]) * weight[c] - a - xh * b);
+      if (grad_summed) v += load(gsr[c]);
+      return v;
+    };
     if (!dropout) {
       T* dsr = ds + r * cols;
-      for (int64_t c = 0; c < cols; ++c) {
-        A v = rs * (g[c] - a - xhat[c] * b);
-        if (grad_summed) v += load(gsr[c]);
-        store(dsr[c], v);
-      }
+      for (int64_t c = 0; c < cols; ++c) store(dsr[c], dsummed(c));
       continue;
     }
-    // Under dropout dsummed is needed only for a residual (ds may be null), and
-    // dx is dsummed through the mask.
+    // Under dropout dx is dsummed through the mask, and dsummed is needed only
+    // for a residual (ds may be null).
     const uint8_t* kr = keep + r * cols;
     T* dxr = dx + r * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      A v = rs * (g[c] - a - xhat[c] * b);
-      if (grad_summed) v += load(gsr[c]);
-      g[c] = v;
-      store(dxr[c], v * (A(kr[c]) * scale));
-    }
     if (ds) {
       T* dsr = ds + r * cols;
-      for (int64_t c = 0; c < cols; ++c) store(dsr[c], g[c]);
+      for (int64_t c = 0; c < cols; ++c) {
+        A v = dsummed(c);
+        store(dsr[c], v);
+        store(dxr[c], v * (A(kr[c]) * scale));
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) store(dxr[c], dsummed(c) * (A(kr[c]) * scale));
     }
   }
 }
@@ -201,16 +211,16 @@ void add_layer_norm_forward(DType dtype, const void* x, const void* residual, co
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = acc_t<T>;
-    // Scratch: the widened weight and bias, and two row buffers.
-    std::unique_ptr<A[]> scratch(new A[4 * cols]);
-    A *w = scratch.get(), *b = w + cols, *buf = b + cols, *stored = buf + cols;
+    // Scratch: the widened weight and bias, and (bf16/fp16) the unrounded row.
+    std::unique_ptr<A[]> scratch(new A[3 * cols]);
+    A *w = scratch.get(), *b = w + cols, *exact = b + cols;
     widen(static_cast<const T*>(weight), cols, A(1), w);
     widen(static_cast<const T*>(bias), cols, A(0), b);
     const bool dropout = keep != nullptr;
     auto run = residual ? forward_for<T, true>(dropout) : forward_for<T, false>(dropout);
     run(static_cast<const T*>(x), static_cast<const T*>(residual), w, b, static_cast<T*>(out),
         static_cast<T*>(summed), static_cast<A*>(mean), static_cast<A*>(rstd), rows, cols, A(eps),
-        keep, A(1) / (A(1) - A(p)), buf, stored);
+        keep, A(1) / (A(1) - A(p)), exact);
   });
 }
 
@@ -222,10 +232,10 @@ void add_layer_norm_backward(DType dtype, const void* grad_out, const void* grad
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = acc_t<T>;
-    // Scratch: the widened weight, two row buffers, and the column sums of the
-    // gradients that were not asked for (computed anyway: one loop shape).
-    std::unique_ptr<A[]> scratch(new A[5 * cols]);
-    A *w = scratch.get(), *xhat = w + cols, *g = xhat + cols, *spare = g + cols;
+    // Scratch: the widened weight, and the column sums of the gradients that
+    // were not asked for (computed anyway: one loop shape).
+    std::unique_ptr<A[]> scratch(new A[3 * cols]);
+    A *w = scratch.get(), *spare = w + cols;
     widen(static_cast<const T*>(weight), cols, A(1), w);
     A* dw = dweight_partial ? static_cast<A*>(dweight_partial) : spare;
     A* db = dbias_partial ? static_cast<A*>(dbias_partial) : spare + cols;
@@ -234,7 +244,7 @@ void add_layer_norm_backward(DType dtype, const void* grad_out, const void* grad
     run(static_cast<const T*>(grad_out), static_cast<const T*>(grad_summed),
         static_cast<const T*>(summed), static_cast<const A*>(mean), static_cast<const A*>(rstd), w,
         static_cast<T*>(dsummed), static_cast<T*>(dx), dw, db, rows, cols, keep,
-        A(1) / (A(1) - A(p)), xhat, g);
+        A(1) / (A(1) - A(p)));
   });
 }
 

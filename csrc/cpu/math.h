@@ -24,6 +24,16 @@ struct f16 { uint16_t bits; };
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
+// All ones where cond holds, else zero: select(mask, a, b) picks without a branch.
+// Written this way, both sides are computed unconditionally; as a ?: GCC may sink
+// a side's float arithmetic into a branch, which it then will not if-convert
+// (float operations may trap, under the default -ftrapping-math), and a loop
+// with a branch does not vectorise.
+inline uint32_t select_mask(bool cond) { return 0u - uint32_t(cond); }
+inline uint32_t select(uint32_t mask, uint32_t if_set, uint32_t if_clear) {
+  return (if_set & mask) | (if_clear & ~mask);
+}
+
 // Loads widen to float (double stays double); stores round to nearest even.
 inline float load(float v) { return v; }
 inline double load(double v) { return v; }
@@ -33,10 +43,11 @@ inline float load(f16 v) {
   uint32_t h = v.bits, sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
   // Normal numbers: rebias the exponent. Inf/NaN: force the float exponent to 255.
   uint32_t normal = (em << 13) + ((127 - 15) << 23);
-  normal = em >= 0x7c00u ? (em << 13) | 0x7f800000u : normal;
+  uint32_t special = (em << 13) | 0x7f800000u;
   // Subnormals: the mantissa is an integer multiple of 2^-24.
-  float sub = float(em) * 5.9604644775390625e-8f;
-  uint32_t out = em < 0x0400u ? float_to_bits(sub) : normal;
+  uint32_t sub = float_to_bits(float(int32_t(em)) * 5.9604644775390625e-8f);
+  uint32_t out = select(select_mask(em >= 0x7c00u), special, normal);
+  out = select(select_mask(em < 0x0400u), sub, out);
   return bits_to_float(out | sign);
 }
 
@@ -55,9 +66,9 @@ inline void store(f16& dst, float v) {
   uint32_t normal = ((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - ((127 - 15) << 10);
   // Subnormal range: let the FPU round by adding 0.5 (which aligns the mantissa).
   uint32_t sub = float_to_bits(bits_to_float(a) + 0.5f) - 0x3f000000u;
-  uint32_t out = a < 0x38800000u ? sub : normal;
-  out = a >= 0x47800000u ? 0x7c00u : out;                        // overflow -> inf
-  out = a > 0x7f800000u ? (0x7e00u | ((a >> 13) & 0x3ffu)) : out;  // nan
+  uint32_t out = select(select_mask(a < 0x38800000u), sub, normal);
+  out = select(select_mask(a >= 0x47800000u), 0x7c00u, out);                         // overflow -> inf
+  out = select(select_mask(a > 0x7f800000u), 0x7e00u | ((a >> 13) & 0x3ffu), out);  // nan
   dst.bits = uint16_t(out | sign);
 }
 
