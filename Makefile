@@ -25,6 +25,7 @@ $(VENV)/.fusedlm: $(VENV)/.deps $(SOURCES)
 
 test: $(VENV)/.fusedlm
 	$(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m triton
 
 bench: $(VENV)/.fusedlm
 	mkdir -p $(RESULTS)

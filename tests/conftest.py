@@ -72,3 +72,12 @@ def _fresh_seed():
     print(f"torch.manual_seed({seed})")
     torch.manual_seed(seed)
     yield seed
+
+
+def pytest_collection_modifyitems(items):
+    """Marks every test that runs the triton backend, so that `TRITON_INTERPRET=1 pytest -m
+    triton` runs just those, in the interpreter, on CPU tensors."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "triton":
+            item.add_marker(pytest.mark.triton)

@@ -9,6 +9,8 @@ pretraining era.
 from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on a bad build)
 from . import ops
 from .backends import backends, explain, get_backend, set_backend
+from .patching import patch, patch_report
 
 __version__ = "0.1.0"
-__all__ = ["ops", "backends", "explain", "get_backend", "set_backend", "__version__"]
+__all__ = ["ops", "backends", "explain", "get_backend", "patch", "patch_report", "set_backend",
+           "__version__"]

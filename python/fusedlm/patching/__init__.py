@@ -1,0 +1,110 @@
+"""fusedlm.patch: swap fusedlm's modules into an existing model, keeping its weights.
+
+A :class:`Rule` recognises one kind of module (``torch.nn.LayerNorm``, Hugging Face's
+``BertSelfAttention``, ...) and builds its replacement. :func:`patch` walks the model,
+replaces every module a rule matches, and records what it did, or why it left a
+recognised module alone, in a :class:`PatchReport` (``patch_report(model)``).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Matches one exact class (a subclass may change what the module computes).
+
+    ``replace(module, backend)`` returns the module to put in its place (the same
+    object when it patches it in place) or a string saying why it is left alone."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    replace: Callable[[nn.Module, Optional[str]], Union[nn.Module, str]]
+
+
+@dataclass
+class PatchReport:
+    replaced: dict = field(default_factory=dict)  # module path -> rule name
+    left_alone: dict = field(default_factory=dict)  # module path -> why
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} modules"]
+        lines += [f"  {path or '<model>'}: {rule}" for path, rule in self.replaced.items()]
+        if self.left_alone:
+            lines.append(f"left {len(self.left_alone)} recognised modules alone")
+            lines += [f"  {path or '<model>'}: {why}" for path, why in self.left_alone.items()]
+        return "\n".join(lines)
+
+
+_RULES: list[Rule] = []
+# Marks a module fusedlm built or patched, so that patching twice changes nothing.
+PATCHED = "_fusedlm_patched"
+
+
+def register(*rules: Rule) -> None:
+    _RULES.extend(rules)
+
+
+def _rules() -> list[Rule]:
+    from . import torch_modules  # noqa: F401  (each registers its rules)
+    return _RULES
+
+
+def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = True) -> nn.Module:
+    """Replaces the modules of ``model`` that fusedlm has a faster version of.
+
+    Weights, buffers and train/eval state are kept; modules no rule recognises are
+    left untouched. ``backend`` pins every replaced module's ops to one backend
+    (default: chosen per call). With ``inplace=False`` a deep copy is patched.
+    Returns the model; ``patch_report(model)`` tells what was replaced.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    report = getattr(model, "_fusedlm_patch_report", None) or PatchReport()
+    rules = _rules()
+    # Parents before children: a replaced parent brings its own children along.
+    for path, module in list(model.named_modules(remove_duplicate=False)):
+        if getattr(module, PATCHED, False) or not _still_attached(model, path, module):
+            continue
+        rule = next((r for r in rules if r.matches(module)), None)
+        if rule is None:
+            continue
+        outcome = rule.replace(module, backend)
+        if isinstance(outcome, str):
+            report.left_alone[path] = outcome
+            continue
+        outcome.train(module.training)
+        setattr(outcome, PATCHED, True)
+        if outcome is not module:
+            if path == "":
+                raise ValueError(f"{rule.name} would replace the model itself: patch its parent")
+            _set_submodule(model, path, outcome)
+        report.replaced[path] = rule.name
+    model._fusedlm_patch_report = report
+    return model
+
+
+def patch_report(model: nn.Module) -> PatchReport:
+    """What :func:`patch` replaced in ``model`` and what it left alone, and why."""
+    report = getattr(model, "_fusedlm_patch_report", None)
+    if report is None:
+        raise ValueError("model has not been patched by fusedlm.patch")
+    return report
+
+
+def _still_attached(model: nn.Module, path: str, module: nn.Module) -> bool:
+    try:
+        return model.get_submodule(path) is module
+    except AttributeError:
+        return False
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), name, module)
