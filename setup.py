@@ -36,7 +36,9 @@ DEFAULT_CUDA_ARCHES = "8.0;9.0a"
 OPENMP_FLAGS = ["-fopenmp"] if torch._C.has_openmp and platform.system() != "Darwin" else []
 # Host code takes the C++ standard torch's headers need; the kernels need C++17.
 HOST_FLAGS = ["-O3", "-fvisibility=hidden", *OPENMP_FLAGS]
-KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
+# -fno-trapping-math: the kernels never enable floating-point exceptions, and without it
+# GCC will not turn a float ?: into a blend, so loops with one (clamps, selects) stay scalar.
+KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-trapping-math"]
 # Flags of each CPU kernel build. Never -march=native: the wheel must run on any x86-64.
 ISA_FLAGS = {
     "baseline": [],

@@ -205,7 +205,7 @@ void forward_block(const AttnTile& t, bool first, acc_t<T>* s, acc_t<T>* m, acc_
     m[r] = m_new;
     if (t.keep) {
       const uint8_t* kr = t.keep + r * t.cols;
-      for (int64_t j = 0; j < lim; ++j) sr[j] = kr[j] ? sr[j] * keep_scale : A(0);
+      for (int64_t j = 0; j < lim; ++j) sr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1: a multiply vectorises, ?: does not
     }
     for (int64_t j = lim; j < t.cols; ++j) sr[j] = A(0);
     if (!first) {
@@ -269,14 +269,14 @@ void backward_rows(const AttnTile& t, acc_t<T>* s, acc_t<T>* dp, const acc_t<T>*
     const A lse_r = lse[r];
     for (int64_t j = 0; j < lim; ++j) sr[j] = exp_(sr[j] - lse_r);  // P
     if (kDropout)  // the gradient reaching P passes through the dropout
-      for (int64_t j = 0; j < lim; ++j) dr[j] = kr[j] ? dr[j] * keep_scale : A(0);
+      for (int64_t j = 0; j < lim; ++j) dr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1
     // delta = rowsum(dO * O) = rowsum(P * dP). From the tile when it holds all of the
     // row: exact, where the stored O has been rounded to the output's dtype.
     if (own_delta) delta[r] = row_dot(sr, dr, lim);
     const A delta_r = delta[r];
     for (int64_t j = 0; j < lim; ++j) dr[j] = sr[j] * (dr[j] - delta_r);  // dS
     if (kDropout)  // what multiplied V, for dV
-      for (int64_t j = 0; j < lim; ++j) sr[j] = kr[j] ? sr[j] * keep_scale : A(0);
+      for (int64_t j = 0; j < lim; ++j) sr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1: a multiply vectorises, ?: does not
     for (int64_t j = lim; j < t.cols; ++j) {
       sr[j] = A(0);
       dr[j] = A(0);
