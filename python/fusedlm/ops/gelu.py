@@ -148,9 +148,13 @@ def _gelu_ffn_setup(ctx, inputs, output):
     x, w1, b1, w2, b2, ctx.approximate, ctx.dropout_p, seed, ctx.backend = inputs
     ctx.save_for_backward(x, output[1], w1, b1, w2, b2, seed)
     ctx.mark_non_differentiable(output[1])
+    # The saved pre-activation never has a gradient: no zero-filled tensor for it.
+    ctx.set_materialize_grads(False)
 
 
 def _gelu_ffn_grad(ctx, grad, _grad_pre):
+    if grad is None:  # the output was not used either
+        return (None,) * 9
     x, pre, w1, b1, w2, b2, seed = ctx.saved_tensors
     dx, dw1, db1, dw2, db2 = torch.ops.fusedlm.gelu_ffn_backward(
         grad, x, pre, w1, b1, w2, b2, ctx.approximate, ctx.dropout_p, seed, ctx.backend)
