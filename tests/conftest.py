@@ -27,6 +27,12 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cuda")
 
 
+def interpreted(backend: str) -> bool:
+    """Whether `backend` runs in Triton's interpreter, where every program costs milliseconds:
+    its cases take fewer rows than the compiled backends'."""
+    return backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def backends_for(op: str):
     """pytest params: every kernel backend that implements `op`, skipped where it cannot run."""
     params = []
