@@ -10,6 +10,8 @@ import torch
 
 import fusedlm
 from fusedlm.backends import _REGISTRY
+from fusedlm.backends import triton as triton_backend
+from fusedlm.ops._dropout import cpu_keep_mask
 
 # Tolerances (atol, rtol) of a kernel's output in a dtype against a float64 reference.
 TOLERANCES = {
@@ -42,6 +44,16 @@ def backends_for(op: str):
         marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
         params.append(pytest.param(name, id=name, marks=marks))
     return params
+
+
+def keep_mask(backend: str, seed, shape, p: float) -> torch.Tensor:
+    """The dropout keep mask (bool, True = keep) `backend` draws for stream `seed`, on its
+    test device; element order row-major over `shape`."""
+    if backend == "cpu":
+        return cpu_keep_mask(seed, shape, p)
+    if backend == "triton":
+        return triton_backend.keep_mask(seed, shape, p, backend_device(backend))
+    raise ValueError(f"no dropout stream known for backend {backend!r}")
 
 
 def assert_close(actual, expected, dtype=None, scale=1.0, name="output"):

@@ -45,6 +45,9 @@ def _forward_kernel(X, R, W, B, OUT, SUMMED, MEAN, RSTD, N, eps, p, seed,
     tl.store(SUMMED + offsets, stored, mask=mask)
     s = stored.to(tl.float32)
     mean = tl.sum(s, axis=0) / N
+    # The rounding of that sum, corrected from the centred values: rows of equal values
+    # (variance 0, where rstd = 1/sqrt(eps) magnifies any error) centre to exact zeros.
+    mean += tl.sum(tl.where(mask, s - mean, 0.0), axis=0) / N
     centred = tl.where(mask, s - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
     out = centred * rstd

@@ -53,6 +53,11 @@ def _lazy(module: str, function: str):
     return call
 
 
+def keep_mask(seed, shape, p: float, device="cpu"):
+    """The dropout keep mask (bool, True = keep) the Triton kernels draw for stream ``seed``."""
+    return _kernels_module("_common").keep_mask(seed, shape, p, device)
+
+
 def _dtype_limits(dtype=None, **_features):
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         return f"the triton kernels take float32, bfloat16 or float16, not {str(dtype)[6:]}"
