@@ -4,12 +4,35 @@ Every op's test file takes the backend as a parameter and compares it with
 fusedlm.ops.reference evaluated in float64 on the same inputs.
 """
 import os
+import sys
+import types
 
 import pytest
 import torch
 
+
+def _hypothesis_that_skips():
+    """A stand-in for hypothesis where it is not installed (a bare GPU machine): its
+    property tests skip, and the rest of their files still run."""
+    module = types.ModuleType("hypothesis")
+    module.given = lambda *a, **k: pytest.mark.skip(reason="hypothesis is not installed")
+    module.settings = lambda *a, **k: (lambda test: test)
+    module.strategies = types.SimpleNamespace(**{
+        name: (lambda *a, **k: None) for name in
+        ("integers", "floats", "booleans", "sampled_from", "lists", "tuples", "just")})
+    return module
+
+
+try:
+    import hypothesis  # noqa: F401
+except ImportError:
+    sys.modules["hypothesis"] = _hypothesis_that_skips()
+    sys.modules["hypothesis.strategies"] = sys.modules["hypothesis"].strategies
+
 import fusedlm
 from fusedlm.backends import _REGISTRY
+from fusedlm.backends import triton as triton_backend
+from fusedlm.ops._dropout import cpu_keep_mask
 
 # Tolerances (atol, rtol) of a kernel's output in a dtype against a float64 reference.
 TOLERANCES = {
@@ -27,6 +50,12 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cuda")
 
 
+def interpreted(backend: str) -> bool:
+    """Whether `backend` runs in Triton's interpreter, where every program costs milliseconds:
+    its cases take fewer rows than the compiled backends'."""
+    return backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def backends_for(op: str):
     """pytest params: every kernel backend that implements `op`, skipped where it cannot run."""
     params = []
@@ -36,6 +65,16 @@ def backends_for(op: str):
         marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
         params.append(pytest.param(name, id=name, marks=marks))
     return params
+
+
+def keep_mask(backend: str, seed, shape, p: float) -> torch.Tensor:
+    """The dropout keep mask (bool, True = keep) `backend` draws for stream `seed`, on its
+    test device; element order row-major over `shape`."""
+    if backend == "cpu":
+        return cpu_keep_mask(seed, shape, p)
+    if backend == "triton":
+        return triton_backend.keep_mask(seed, shape, p, backend_device(backend))
+    raise ValueError(f"no dropout stream known for backend {backend!r}")
 
 
 def assert_close(actual, expected, dtype=None, scale=1.0, name="output"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import BACKEND_NAMES
+from fusedlm.backends import BACKEND_NAMES, kernel
 
 
 def test_backends_reports_every_backend():
@@ -45,6 +45,15 @@ def test_named_backend_that_cannot_run_raises():
         fusedlm.ops.bias_gelu(x, None, backend="fast")
     with pytest.raises(ValueError, match="backend"):
         fusedlm.set_backend("fast")
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy",
+                                "masked_lm_loss"])
+def test_triton_kernels_refuse_float64_with_a_reason(op):
+    limits = kernel("triton", op).limits
+    assert "float64" in limits(dtype=torch.float64, dropout=False)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert limits(dtype=dtype, dropout=True) is None
 
 
 def test_reference_backend_runs_everywhere():

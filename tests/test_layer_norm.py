@@ -5,8 +5,9 @@ from hypothesis import given, settings, strategies as st
 
 import fusedlm
 from fusedlm.ops import reference
-from fusedlm.ops._dropout import cpu_keep_mask, next_seed
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh
+from fusedlm.ops._dropout import next_seed
+from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
+                      keep_mask)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRAD_NAMES = ("dx", "dresidual", "dweight", "dbias")
@@ -68,7 +69,8 @@ def _compare(inputs, backend="cpu", *, eps=1e-5, which="both", out_scale=1.0, gr
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("absent", ["", "residual", "weight", "bias", "weight+bias"])
 def test_add_layer_norm_matches_reference(backend, dtype, absent):
-    inputs = _inputs((3, 37, 130), dtype, backend_device(backend), residual="residual" not in absent,
+    shape = (2, 5, 130) if interpreted(backend) else (3, 37, 130)
+    inputs = _inputs(shape, dtype, backend_device(backend), residual="residual" not in absent,
                      weight="weight" not in absent, bias="bias" not in absent)
     _compare(inputs, backend)
 
@@ -78,7 +80,8 @@ def test_add_layer_norm_matches_reference(backend, dtype, absent):
 def test_add_layer_norm_one_output_used(backend, which):
     # Post-LN stacks use only out, pre-LN ones sometimes only summed (the last
     # block's norm output unused): the other output has no upstream gradient.
-    inputs = _inputs((2, 19, 96), torch.float32, backend_device(backend))
+    inputs = _inputs((2, 5 if interpreted(backend) else 19, 96), torch.float32,
+                     backend_device(backend))
     _compare(inputs, backend, which=which)
 
 
@@ -182,30 +185,39 @@ def test_add_layer_norm_compiles_post_ln():
 
 # --- dropout -------------------------------------------------------------------------------------
 
+def _dropout_dtype(backend):
+    """float64 where the backend takes it (exact comparisons), else float32."""
+    return torch.float64 if backend == "cpu" else torch.float32
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("absent", ["", "residual"])
-def test_add_layer_norm_dropout_replays_its_mask(absent):
-    inputs = _inputs((2, 13, 48), torch.float64, residual=absent != "residual")
+def test_add_layer_norm_dropout_replays_its_mask(backend, absent):
+    inputs = _inputs((2, 13, 48), _dropout_dtype(backend), backend_device(backend),
+                     residual=absent != "residual")
     p = 0.3
     torch.manual_seed(1234)
     seed = next_seed(p)
-    keep = cpu_keep_mask(seed, inputs[0].shape, p)  # element order: x row-major
+    keep = keep_mask(backend, seed, inputs[0].shape, p)  # element order: x row-major
     torch.manual_seed(1234)
-    out, summed, _ = _compare(inputs, dropout_p=p, keep=keep)
+    out, summed, _ = _compare(inputs, backend, dropout_p=p, keep=keep)
     assert not keep.all() and keep.any()
     # The same seed repeats the run; another seed does not.
     torch.manual_seed(1234)
-    again = fusedlm.ops.add_layer_norm(*inputs, dropout_p=p, backend="cpu")
+    again = fusedlm.ops.add_layer_norm(*inputs, dropout_p=p, backend=backend)
     assert torch.equal(again[0], out) and torch.equal(again[1], summed)
-    other = fusedlm.ops.add_layer_norm(*inputs, dropout_p=p, backend="cpu")
+    other = fusedlm.ops.add_layer_norm(*inputs, dropout_p=p, backend=backend)
     assert not torch.equal(other[1], summed)
 
 
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_add_layer_norm_dropout_keeps_and_scales(p):
+def test_add_layer_norm_dropout_keeps_and_scales(backend, p):
     # Without a residual summed is the dropped x: zeros, or exactly x / (1 - p),
     # and x's gradient from summed is the upstream gradient through the same mask.
-    x = fresh((512, 64), torch.float64, "cpu")
-    out, summed = fusedlm.ops.add_layer_norm(x, None, None, None, dropout_p=p, backend="cpu")
+    x = fresh((32 if interpreted(backend) else 512, 64), _dropout_dtype(backend),
+              backend_device(backend))
+    out, summed = fusedlm.ops.add_layer_norm(x, None, None, None, dropout_p=p, backend=backend)
     grad = torch.randn_like(summed)
     (dx,) = torch.autograd.grad(summed, x, grad)
     kept = summed != 0
@@ -218,62 +230,76 @@ def test_add_layer_norm_dropout_keeps_and_scales(p):
 
 # --- edge cases ----------------------------------------------------------------------------------
 
-def test_add_layer_norm_one_row_and_empty_batch():
-    _compare(_inputs((1, 33), torch.float32))
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+def test_add_layer_norm_one_row_and_empty_batch(backend):
+    device = backend_device(backend)
+    _compare(_inputs((1, 33), torch.float32, device), backend)
     for shape in ((0, 16), (2, 0, 16)):
-        x, r, w, b = _inputs(shape, torch.float32)
-        out, summed = fusedlm.ops.add_layer_norm(x, r, w, b, backend="cpu")
+        x, r, w, b = _inputs(shape, torch.float32, device)
+        out, summed = fusedlm.ops.add_layer_norm(x, r, w, b, backend=backend)
         assert out.shape == summed.shape == shape
         dw, db = torch.autograd.grad((out * 1).sum() + summed.sum(), (w, b))
-        assert torch.equal(dw, torch.zeros(16)) and torch.equal(db, torch.zeros(16))
+        assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(db, torch.zeros_like(db))
 
 
-def test_add_layer_norm_non_contiguous_inputs():
-    x = fresh((40, 24), torch.float32, "cpu").t()
-    r = fresh((24, 80), torch.float32, "cpu")[:, ::2]
-    w = fresh((80,), torch.float32, "cpu")[::2]
-    b = fresh((40,), torch.float32, "cpu")
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+def test_add_layer_norm_non_contiguous_inputs(backend):
+    device = backend_device(backend)
+    x = fresh((40, 24), torch.float32, device).t()
+    r = fresh((24, 80), torch.float32, device)[:, ::2]
+    w = fresh((80,), torch.float32, device)[::2]
+    b = fresh((40,), torch.float32, device)
     assert not (x.is_contiguous() or r.is_contiguous() or w.is_contiguous())
-    _compare((x, r, w, b))
+    _compare((x, r, w, b), backend)
 
 
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_add_layer_norm_large_values(dtype):
+def test_add_layer_norm_large_values(backend, dtype):
     # Sums up to ~4e4 (below float16's 65504): their squares overflow float16.
     # Statistics in float32 keep everything finite.
-    x = fresh((6, 200), dtype, "cpu", scale=5e3)
-    r = (fresh((6, 200), torch.float32, "cpu", requires_grad=False) * 1e3 + 2e4).to(dtype)
+    device = backend_device(backend)
+    x = fresh((6, 200), dtype, device, scale=5e3)
+    r = (fresh((6, 200), torch.float32, device, requires_grad=False) * 1e3 + 2e4).to(dtype)
     r.requires_grad_()
-    w = fresh((200,), dtype, "cpu")
-    b = fresh((200,), dtype, "cpu")
-    out, summed, grads = _compare((x, r, w, b), out_scale=2, grad_scale=2)
+    w = fresh((200,), dtype, device)
+    b = fresh((200,), dtype, device)
+    out, summed, grads = _compare((x, r, w, b), backend, out_scale=2, grad_scale=2)
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_add_layer_norm_constant_rows(dtype):
+def test_add_layer_norm_constant_rows(backend, dtype):
     # Variance 0: out is the bias, and the gradient is rstd = 1 / sqrt(eps) times the centred g.
+    if dtype == torch.float64 and backend != "cpu":
+        pytest.skip(f"{backend} takes no float64 (test_add_layer_norm_rejects_float64)")
+    device = backend_device(backend)
     rows = torch.randn(5, 1, dtype=torch.float64)
-    x = (rows * 3).expand(5, 768).to(dtype).requires_grad_()
-    r = (torch.randn(5, 1, dtype=torch.float64)).expand(5, 768).to(dtype).requires_grad_()
-    w = fresh((768,), dtype, "cpu")
-    b = fresh((768,), dtype, "cpu")
-    out, summed, _ = _compare((x, r, w, b), eps=1e-5)
+    x = (rows * 3).expand(5, 768).to(dtype=dtype, device=device).requires_grad_()
+    r = torch.randn(5, 1, dtype=torch.float64).expand(5, 768).to(dtype=dtype, device=device)
+    r.requires_grad_()
+    w = fresh((768,), dtype, device)
+    b = fresh((768,), dtype, device)
+    out, summed, _ = _compare((x, r, w, b), backend, eps=1e-5)
     assert_close(out, b.detach().double().expand(5, 768), name="out = bias")
 
 
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_add_layer_norm_is_deterministic(dropout_p):
-    # 300 rows: several reduction blocks. Bit-identical across runs and thread counts.
-    inputs = _inputs((300, 96), torch.float32)
-    upstream = (torch.randn(300, 96), torch.randn(300, 96))
+def test_add_layer_norm_is_deterministic(backend, dropout_p):
+    # Several reduction blocks. Bit-identical across runs and thread counts.
+    rows = 20 if interpreted(backend) else 300
+    device = backend_device(backend)
+    inputs = _inputs((rows, 96), torch.float32, device)
+    upstream = (torch.randn(rows, 96, device=device), torch.randn(rows, 96, device=device))
 
     def run(threads):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             torch.manual_seed(5)
-            outs = fusedlm.ops.add_layer_norm(*inputs, dropout_p=dropout_p, backend="cpu")
+            outs = fusedlm.ops.add_layer_norm(*inputs, dropout_p=dropout_p, backend=backend)
             return [*outs, *_grads(outs, inputs, upstream)]
         finally:
             torch.set_num_threads(before)
@@ -282,6 +308,14 @@ def test_add_layer_norm_is_deterministic(dropout_p):
     for again in (run(2), run(1)):
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", [b for b in backends_for("add_layer_norm") if b.id == "triton"])
+def test_add_layer_norm_hidden_too_large(backend):
+    # The triton kernel holds a row in registers.
+    x = torch.randn(1, 32769, device=backend_device(backend))
+    with pytest.raises(ValueError, match="hidden size"):
+        fusedlm.ops.add_layer_norm(x, None, None, None, backend=backend)
 
 
 def test_add_layer_norm_rejects_bad_input():

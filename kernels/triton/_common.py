@@ -1,0 +1,85 @@
+"""Pieces the Triton kernels share: autotuning, dropout's keep mask, GELU and its derivative.
+
+Dropout is a counter-based stream like the cpu backend's (not the same bits): element e
+of a call is kept when Philox(seed, e) >= p, so a backward regenerates the forward's mask
+from the seed alone. ``keep_mask`` materialises it, for tests that replay it.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotune(configs, key):
+    """triton.autotune over ``configs``; in the interpreter only the first (with one config
+    Triton benchmarks nothing), so CPU tests do not time every configuration."""
+    return triton.autotune(configs[:1] if interpreting() else configs, key=key)
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous [rows, last dim] matrix."""
+    return t.contiguous().view(-1, t.shape[-1])
+
+
+def seed_of(seed: torch.Tensor, p: float) -> int:
+    """The dropout seed as a kernel argument (the ops draw it on the CPU: no device sync)."""
+    return int(seed.item()) if p > 0 else 0
+
+
+@triton.jit
+def keep(seed, offsets, p):
+    """True where element ``offsets`` of stream ``seed`` survives dropout with rate p."""
+    return tl.rand(seed, offsets) >= p
+
+
+@triton.jit
+def tanh(u):
+    # From exp(-2|u|) <= 1, which cannot overflow.
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def gelu(z, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        return 0.5 * z * (1.0 + tanh(u))
+    else:
+        return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+
+
+@triton.jit
+def gelu_grad(z, APPROX_TANH: tl.constexpr):
+    """d gelu(z) / dz."""
+    if APPROX_TANH:
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = tanh(u)
+        du = 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+
+
+@triton.jit
+def _keep_mask_kernel(OUT, n, seed, p, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + offsets, keep(seed, offsets, p).to(tl.int8), mask=offsets < n)
+
+
+def keep_mask(seed: torch.Tensor, shape, p: float, device="cpu") -> torch.Tensor:
+    """The keep mask (bool, True = keep) the Triton kernels use for stream ``seed``, element
+    order row-major over ``shape``."""
+    n = 1
+    for size in shape:
+        n *= size
+    out = torch.empty(n, dtype=torch.int8, device=device)
+    if n:
+        _keep_mask_kernel[(triton.cdiv(n, 1024),)](out, n, seed_of(seed, p), p, BLOCK=1024)
+    return out.bool().view(*shape)

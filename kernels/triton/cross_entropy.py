@@ -1,0 +1,254 @@
+"""cross_entropy and masked_lm_loss in Triton.
+
+One program per row of logits. A first sweep over the classes in blocks keeps an
+online log-sum-exp (running max and the sum of exponentials rescaled to it), so a row
+of any vocabulary size is read once; with label smoothing it also sums the logits.
+With a gradient wanted, a second sweep writes (softmax - target) * scale over the
+row: the gradient comes out of the forward pass, and the backward only rescales it.
+Rows labelled ignore_index get a zero loss and gradient. Traffic: two reads of the
+logits and one write of the gradient.
+
+masked_lm_loss gathers the labelled rows and projects them chunk_rows at a time with
+torch's matrix product; the kernel overwrites each chunk's logits with their gradient
+in place, which torch's products then fold into d_hidden and d_weight before the next
+chunk. Only one chunk of logits ever exists.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import autotune, rows_of
+
+
+def _configs():
+    return [triton.Config({"BLOCK": b}, num_warps=w)
+            for b, w in ((4096, 8), (8192, 16), (2048, 4), (16384, 16))]
+
+
+@autotune(_configs(), key=["C", "WITH_GRAD"])
+@triton.jit
+def _cross_entropy_kernel(LOGITS, LABELS, LOSS, GRAD, SCALE, ROW_SCALE, C, ignore_index,
+                          smoothing, WITH_GRAD: tl.constexpr, SMOOTHING: tl.constexpr,
+                          HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * C
+    cols = tl.arange(0, BLOCK)
+    running_max = -float("inf")
+    sum_exp = 0.0
+    sum_logits = 0.0
+    for start in range(0, C, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < C, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # A block of -inf logits (masked classes) leaves the max at -inf: shift by 0 then.
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        sum_exp = sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_max = new_max
+        if SMOOTHING:
+            sum_logits += tl.sum(tl.where(start + cols < C, x, 0.0), axis=0)
+    lse = running_max + tl.log(sum_exp)
+
+    label = tl.load(LABELS + row)
+    ignored = label == ignore_index
+    valid = (label >= 0) & (label < C)
+    target = tl.load(base + label, mask=valid & ~ignored, other=0.0).to(tl.float32)
+    loss = lse - (1.0 - smoothing) * target
+    if SMOOTHING:
+        loss -= smoothing / C * sum_logits
+    # A label out of range (unchecked on the GPU) shows as a NaN loss rather than a wrong read.
+    loss = tl.where(ignored, 0.0, tl.where(valid, loss, float("nan")))
+    tl.store(LOSS + row, loss)
+
+    if WITH_GRAD:
+        scale = tl.load(SCALE)
+        if HAS_ROW_SCALE:
+            scale *= tl.load(ROW_SCALE + row)
+        for start in range(0, C, BLOCK):
+            mask = start + cols < C
+            x = tl.load(base + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            g = tl.exp(x - lse) - tl.where(start + cols == label, 1.0 - smoothing, 0.0)
+            if SMOOTHING:
+                g -= smoothing / C
+            g = tl.where(ignored, 0.0, g * scale)
+            tl.store(GRAD + row * C + start + cols, g.to(GRAD.dtype.element_ty), mask=mask)
+
+
+def _run(logits2, labels1, losses, grad, scale, row_scale, ignore_index, label_smoothing):
+    """Writes the per-row losses (float32 [rows]) of logits2 [rows, classes]; with grad
+    (possibly logits2 itself), writes scale * row_scale[row] * d(loss_row)/d(logits) into
+    it. scale is a one-element float32 tensor (read on the device: no synchronisation)."""
+    rows, classes = logits2.shape
+    if rows:
+        _cross_entropy_kernel[(rows,)](
+            logits2, labels1, losses, grad, scale, row_scale, classes, ignore_index,
+            float(label_smoothing), WITH_GRAD=grad is not None, SMOOTHING=label_smoothing > 0,
+            HAS_ROW_SCALE=row_scale is not None)
+
+
+@triton.jit
+def _scale_kernel(X, OUT, SCALE, n, cols, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    if PER_ROW:
+        scale = tl.load(SCALE + offsets // cols, mask=mask, other=0.0)
+    else:
+        scale = tl.load(SCALE)
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, (x * scale).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _scaled(t, scale):
+    """t * scale rounded once to t's dtype; scale (float32) holds one value, or one per row
+    of t viewed as [scale.numel(), -1]."""
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    if t.numel():
+        per_row = scale.numel() > 1
+        cols = t.numel() // scale.numel() if per_row else 1
+        _scale_kernel[(triton.cdiv(t.numel(), 4096),)](t, out, scale, t.numel(), cols,
+                                                       PER_ROW=per_row, BLOCK=4096)
+    return out
+
+
+def _unit_scale(device, value=1.0):
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _reduce(losses, reduction, labelled):
+    """The loss of a reduction from per-row losses; labelled: the count (a tensor or int)."""
+    if reduction == "sum":
+        return losses.sum(dtype=torch.float64).float()
+    count = labelled.clamp(min=1) if isinstance(labelled, torch.Tensor) else max(labelled, 1)
+    return (losses.sum(dtype=torch.float64) / count).float()
+
+
+def _check_reduction(reduction):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+
+
+# --- cross_entropy -------------------------------------------------------------------------------
+
+def cross_entropy_forward(logits, labels, ignore_index, label_smoothing, reduction, with_grad):
+    _check_reduction(reduction)
+    x = rows_of(logits)
+    y = labels.contiguous().view(-1)
+    labelled = (y != ignore_index).sum()
+    if reduction == "mean":
+        scale = 1.0 / labelled.clamp(min=1).to(torch.float32)
+    else:
+        scale = _unit_scale(x.device)
+    grad = torch.empty_like(x) if with_grad else None
+    losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    _run(x, y, losses, grad, scale, None, ignore_index, label_smoothing)
+    loss = losses.view(labels.shape) if reduction == "none" else _reduce(losses, reduction, labelled)
+    return loss, grad.view(logits.shape) if with_grad else logits.new_empty(0)
+
+
+def cross_entropy_backward(grad, saved_grad, reduction):
+    _check_reduction(reduction)
+    return _scaled(saved_grad, grad.to(torch.float32).contiguous())
+
+
+# --- masked_lm_loss ------------------------------------------------------------------------------
+
+def _project(h2, weight, bias, y, labelled, ignore_index, label_smoothing, chunk_rows, scale,
+             row_scale, grads):
+    """Losses (float32) of the labelled rows, projected chunk_rows at a time. grads: None
+    (losses only), or [dhidden, dweight, dbias] (each None when not wanted) that each
+    chunk's gradient is folded into."""
+    n, vocab = labelled.numel(), weight.shape[0]
+    losses = torch.empty(n, dtype=torch.float32, device=h2.device)
+    if n == 0:
+        return losses
+    chunk = min(chunk_rows, n)
+    buffer = h2.new_empty((chunk, vocab))
+    weight_t = weight.t()
+    for c0 in range(0, n, chunk):
+        m = min(chunk, n - c0)
+        rows = labelled[c0:c0 + m]
+        h = h2.index_select(0, rows)
+        logits = buffer[:m]
+        if bias is not None:
+            torch.addmm(bias, h, weight_t, out=logits)
+        else:
+            torch.mm(h, weight_t, out=logits)
+        chunk_scale = row_scale.index_select(0, rows) if row_scale is not None else None
+        _run(logits, y.index_select(0, rows), losses[c0:c0 + m], logits if grads else None, scale,
+             chunk_scale, ignore_index, label_smoothing)
+        if not grads:
+            continue
+        dhidden, dweight, dbias = grads
+        # logits now holds the chunk's gradient.
+        if dhidden is not None:
+            dhidden.index_copy_(0, rows, logits @ weight)
+        if dweight is not None:
+            if c0 == 0:
+                torch.mm(logits.t(), h, out=dweight)
+            else:
+                dweight.addmm_(logits.t(), h)
+        if dbias is not None:
+            dbias += logits.sum(0, dtype=torch.float32)
+    return losses
+
+
+def _mlm_grads(h2, weight, bias, labelled, need_dhidden, need_dweight, need_dbias):
+    dhidden = torch.zeros_like(h2) if need_dhidden else None
+    # Written whole by the first chunk's product; zeros when no row is labelled.
+    dweight = None
+    if need_dweight:
+        dweight = torch.empty_like(weight) if labelled.numel() else torch.zeros_like(weight)
+    dbias = None
+    if need_dbias and bias is not None:
+        dbias = torch.zeros(weight.shape[0], dtype=torch.float32, device=h2.device)
+    return [dhidden, dweight, dbias]
+
+
+def _grads_out(grads, hidden, weight, bias):
+    """The gradients as the op returns them: one not computed is a new empty tensor (outputs
+    of a custom op may not alias each other)."""
+    dhidden, dweight, dbias = grads
+    return (dhidden.view(hidden.shape) if dhidden is not None else weight.new_empty(0),
+            dweight if dweight is not None else weight.new_empty(0),
+            dbias.to(bias.dtype) if dbias is not None else weight.new_empty(0))
+
+
+def _mlm_inputs(hidden, weight, bias, labels, ignore_index, chunk_rows):
+    if chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    h2 = rows_of(hidden)
+    y = labels.contiguous().view(-1)
+    labelled = torch.nonzero(y != ignore_index).view(-1)
+    return h2, weight.contiguous(), bias.contiguous() if bias is not None else None, y, labelled
+
+
+def masked_lm_loss_forward(hidden, weight, bias, labels, ignore_index, label_smoothing, reduction,
+                           chunk_rows, need_dhidden, need_dweight, need_dbias):
+    _check_reduction(reduction)
+    h2, w, b, y, labelled = _mlm_inputs(hidden, weight, bias, labels, ignore_index, chunk_rows)
+    n = labelled.numel()
+    # With reduction "none" grad_output weighs each row: the gradients wait for the backward.
+    with_grads = reduction != "none" and (need_dhidden or need_dweight or need_dbias)
+    grads = _mlm_grads(h2, w, b, labelled, need_dhidden, need_dweight, need_dbias) if with_grads else None
+    scale = _unit_scale(h2.device, 1.0 / max(n, 1) if reduction == "mean" else 1.0)
+    losses = _project(h2, w, b, y, labelled, ignore_index, label_smoothing, chunk_rows, scale, None,
+                      grads)
+    if reduction == "none":
+        loss = losses.new_zeros(y.numel()).index_copy_(0, labelled, losses).view(labels.shape)
+    else:
+        loss = _reduce(losses, reduction, n)
+    return (loss, *_grads_out(grads or [None] * 3, hidden, weight, bias))
+
+
+def masked_lm_loss_backward(grad, hidden, weight, bias, labels, dhidden, dweight, dbias,
+                            ignore_index, label_smoothing, reduction, chunk_rows, need_dhidden,
+                            need_dweight, need_dbias):
+    _check_reduction(reduction)
+    scale = grad.to(torch.float32).contiguous()
+    if reduction != "none":
+        return _scaled(dhidden, scale), _scaled(dweight, scale), _scaled(dbias, scale)
+    # Per-row grad_output: redo the chunks, each row's gradient scaled by its grad_output.
+    h2, w, b, y, labelled = _mlm_inputs(hidden, weight, bias, labels, ignore_index, chunk_rows)
+    grads = _mlm_grads(h2, w, b, labelled, need_dhidden, need_dweight, need_dbias)
+    _project(h2, w, b, y, labelled, ignore_index, label_smoothing, chunk_rows,
+             _unit_scale(h2.device), scale.view(-1), grads)
+    return _grads_out(grads, hidden, weight, bias)

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Builds, tests and benchmarks fusedlm on a GPU machine, with that machine's own torch and
+# triton (no network, no virtual environment).
+#
+#   scripts/gpu_check.sh STAGE [OUTDIR]     STAGE: build | test | bench | sanitize | all
+#
+# build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16)
+# test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
+# bench     benchmarks/gpu.py: triton kernels against torch and the device's ceilings;
+#           results also go to benchmarks/results/<device>-<date>.json
+# sanitize  compute-sanitizer over the cuda backend's tests, when it has kernels
+#
+# Logs, junit XML and JSON go to OUTDIR (default build/gpu-check); each stage is cut off
+# after STAGE_TIMEOUT seconds (default 570). A table of the stages run is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+STAGE=${1:-}
+OUT=${2:-build/gpu-check}
+PY=${PYTHON:-python3}
+LIMIT=${STAGE_TIMEOUT:-570}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY=()
+
+run_stage() {  # name, command...: runs it under the time limit, logging to OUT/<name>.log
+  local name=$1; shift
+  local start=$SECONDS status
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  timeout "$LIMIT" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  status=${PIPESTATUS[0]}
+  local verdict=ok
+  [ "$status" -eq 124 ] && verdict="timed out"
+  [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && verdict="failed ($status)"
+  SUMMARY+=("$(printf '%-9s %-12s %5ss  %s' "$name" "$verdict" "$((SECONDS - start))" "$OUT/$name.log")")
+  return "$status"
+}
+
+stage_build() {
+  MAX_JOBS=${MAX_JOBS:-16} FUSEDLM_CUDA=${FUSEDLM_CUDA:-1} \
+    run_stage build "$PY" setup.py build_ext --inplace || return
+  "$PY" - "$OUT/build.json" <<'PYEOF'
+import json, sys
+import torch, fusedlm
+from fusedlm import _build_info
+info = {"torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "built_for": _build_info.cuda_arches, "backends": fusedlm.backends()}
+json.dump(info, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(info, indent=2))
+PYEOF
+}
+
+stage_test() {
+  # Without TRITON_INTERPRET the triton cases run on CUDA tensors at their full shapes.
+  run_stage test env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider tests \
+      -m "gpu or triton" --junitxml="$OUT/test-gpu-triton.xml" -rfEs || return
+  run_stage test-cuda "$PY" -m pytest -q -p no:cacheprovider tests -m "not gpu and not triton" \
+      -k "cuda" --junitxml="$OUT/test-cuda.xml" -rfE
+}
+
+stage_bench() {
+  run_stage bench env -u TRITON_INTERPRET "$PY" benchmarks/gpu.py --out "$OUT"
+}
+
+stage_sanitize() {
+  local kernels
+  kernels=$("$PY" -c "from fusedlm.backends import _REGISTRY; print(len(_REGISTRY['cuda'].kernels))")
+  if [ "$kernels" = "0" ]; then
+    echo "sanitize: the cuda backend has no kernels yet: nothing for compute-sanitizer to check" \
+      | tee "$OUT/sanitize.log"
+    SUMMARY+=("$(printf '%-9s %-12s %5ss  %s' sanitize "no kernels" 0 "$OUT/sanitize.log")")
+    return 0
+  fi
+  if ! command -v compute-sanitizer > /dev/null; then
+    echo "sanitize: compute-sanitizer is not on PATH" | tee "$OUT/sanitize.log"
+    return 1
+  fi
+  run_stage sanitize compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda" -m "not triton" \
+    --junitxml="$OUT/sanitize.xml"
+}
+
+status=0
+case "$STAGE" in
+  build|test|bench|sanitize) "stage_$STAGE" || status=$? ;;
+  all) if stage_build; then
+         for s in test bench sanitize; do "stage_$s" || status=$?; done
+       else
+         status=1
+       fi ;;
+  *) echo "usage: $0 build|test|bench|sanitize|all [OUTDIR]" >&2; exit 2 ;;
+esac
+
+echo
+printf '%-9s %-12s %6s  %s\n' stage result time log
+printf '%s\n' "${SUMMARY[@]}"
+if [ -f "$OUT/bench.log" ] && [[ "$STAGE" == bench || "$STAGE" == all ]]; then
+  echo
+  sed -n '/^benchmark /,$p' "$OUT/bench.log"
+fi
+exit "$status"

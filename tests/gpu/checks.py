@@ -1,0 +1,50 @@
+"""What the GPU tests share: the skip, poisoned memory, and norm-wise relative error.
+
+They run the kernels at real shapes (BERT-base: 32 x 128 tokens, hidden 768, FFN 3072,
+vocab 30522; GPT-2 small: 8 x 1024 tokens, vocab 50257) and compare them with the
+reference evaluated in float32 on the same inputs.
+"""
+import pytest
+import torch
+
+needs_cuda = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# Largest norm-wise relative error against the float32 reference, by the kernel's dtype.
+MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def poison_memory():
+    """Fills memory the caching allocator will hand out next with NaN, so an output element a
+    kernel forgets to write shows up instead of reading as a plausible stale value."""
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    blocks = [torch.full((min(free // 2, 8 << 30) // 4,), float("nan"), device="cuda")]
+    # Small allocations come from their own pool of 2 MiB segments.
+    blocks += [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(64)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def assert_relative_error(actual, expected, dtype, name):
+    """||actual - expected|| / ||expected|| within the dtype's bound (NaN fails)."""
+    actual, expected = actual.double(), expected.double()
+    error = ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+    bound = MAX_RELATIVE_ERROR[dtype]
+    assert error <= bound, f"{name}: relative error {error:.3g} > {bound:g} ({dtype})"
+
+
+def fresh(shape, dtype, scale=1.0):
+    """New random CUDA inputs each run (never zeros), requiring grad."""
+    t = torch.randn(shape, device="cuda", dtype=torch.float32) * scale
+    return t.to(dtype).requires_grad_()
+
+
+def float32_copies(*tensors):
+    return [None if t is None else t.detach().float().requires_grad_() for t in tensors]
+
+
+def grads(outputs, inputs, upstream):
+    present = [t for t in inputs if t is not None]
+    got = iter(torch.autograd.grad(outputs, present, upstream))
+    return [None if t is None else next(got) for t in inputs]
