@@ -9,7 +9,9 @@ with a boolean mask first: the cheap half of masked_lm_loss's saving, in plain P
 Besides time, every variant's peak memory is measured in a fresh process (peak
 resident set size during one call, above what the inputs already hold; the weight
 gradient that a backward creates counts) and kept in the benchmark's
-extra_info["peak_mib"]. `python benchmarks/bench_cross_entropy.py` prints that table alone.
+extra_info["peak_mib"]. So is the transient part of it, extra_info["transient_mib"]: the
+peak above what the call leaves behind (its outputs and gradients), which is what the
+fused op saves. `python benchmarks/bench_cross_entropy.py` prints that table alone.
 """
 import os
 import subprocess
@@ -86,8 +88,9 @@ def _status_kib(field):
 
 
 def _measure_here(op, impl, pass_):
-    """Peak RSS (MiB) of one call, above the RSS before it. A first call warms up threads and
-    libraries; the gradients it left are dropped; then the peak is reset (Linux clear_refs)."""
+    """(peak, transient) MiB of one call: its peak RSS above the RSS before it, and above the
+    RSS after it. A first call warms up threads and libraries; the gradients it left are
+    dropped; then the peak is reset (Linux clear_refs)."""
     run, inputs = step(op, impl, pass_)
     run()
     for t in inputs:
@@ -96,17 +99,20 @@ def _measure_here(op, impl, pass_):
         f.write("5")
     before = _status_kib("VmRSS")
     run()
-    return (_status_kib("VmHWM") - before) / 1024
+    peak, after = _status_kib("VmHWM"), _status_kib("VmRSS")
+    return (peak - before) / 1024, (peak - after) / 1024
 
 
-def peak_mib(op, impl, pass_):
+def peak_mib(op, impl, pass_) -> tuple[float, float]:
+    """(peak, transient) MiB of one call, measured in a fresh process."""
     # glibc would otherwise serve buffers below its (self-raising) mmap threshold from
     # memory freed earlier, hiding them from the RSS; mapping every block above 64 KiB
     # makes the resident set follow the live buffers.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, __file__, "--peak", op, impl, pass_], check=True,
                          capture_output=True, text=True, env=env)
-    return float(out.stdout.strip().splitlines()[-1])
+    peak, transient = out.stdout.strip().splitlines()[-1].split()
+    return float(peak), float(transient)
 
 
 # --- benchmarks ----------------------------------------------------------------------------------
@@ -115,7 +121,8 @@ def peak_mib(op, impl, pass_):
 @pytest.mark.parametrize("pass_", PASSES)
 def test_masked_lm_loss(benchmark, impl, pass_):
     role(benchmark, f"masked_lm_loss {pass_} float32 [{ROWS}x{HIDDEN}->{VOCAB}, {LABELLED:.0%} labelled]", impl)
-    benchmark.extra_info["peak_mib"] = peak_mib("masked_lm_loss", impl, pass_)
+    benchmark.extra_info["peak_mib"], benchmark.extra_info["transient_mib"] = peak_mib(
+        "masked_lm_loss", impl, pass_)
     run, _ = step("masked_lm_loss", impl, pass_)
     benchmark(run)
 
@@ -124,23 +131,25 @@ def test_masked_lm_loss(benchmark, impl, pass_):
 @pytest.mark.parametrize("pass_", PASSES)
 def test_cross_entropy(benchmark, impl, pass_):
     role(benchmark, f"cross_entropy {pass_} float32 [{ROWS}x{VOCAB}]", impl)
-    benchmark.extra_info["peak_mib"] = peak_mib("cross_entropy", impl, pass_)
+    benchmark.extra_info["peak_mib"], benchmark.extra_info["transient_mib"] = peak_mib(
+        "cross_entropy", impl, pass_)
     run, _ = step("cross_entropy", impl, pass_)
     benchmark(run)
 
 
 def memory_table() -> str:
-    lines = ["| op | pass | impl | peak MiB |", "|---|---|---|---:|"]
+    lines = ["| op | pass | impl | peak MiB | transient MiB |", "|---|---|---|---:|---:|"]
     for op, impls in (("masked_lm_loss", MLM_IMPLS), ("cross_entropy", CE_IMPLS)):
         for pass_ in PASSES:
             for impl in impls:
-                lines.append(f"| {op} | {pass_} | {impl} | {peak_mib(op, impl, pass_):.1f} |")
+                peak, transient = peak_mib(op, impl, pass_)
+                lines.append(f"| {op} | {pass_} | {impl} | {peak:.1f} | {transient:.1f} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--peak"]:
         torch.manual_seed(0)
-        print(_measure_here(*sys.argv[2:5]))
+        print(*_measure_here(*sys.argv[2:5]))
     else:
         print(memory_table())
