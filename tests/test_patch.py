@@ -123,3 +123,13 @@ def test_patch_says_why_it_left_modules_alone():
     # What fusedlm can run inside the unsupported layers is still replaced.
     assert {"encoder.norm", "encoder.layers.0.self_attn", "encoder.layers.1.norm2"} <= set(report.replaced)
     assert "left 4 recognised modules alone" in str(report)
+
+
+def test_patch_returns_the_replacement_of_the_model_itself():
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32), 2,
+                                    enable_nested_tensor=False).eval()
+    patched = fusedlm.patch(encoder)
+    assert type(patched) is fusedlm.nn.TransformerEncoder and not patched.training
+    assert list(fusedlm.patch_report(patched).replaced) == [""]
+    x = fresh((5, 3, 16), torch.float32, "cpu")
+    torch.testing.assert_close(patched(x), encoder(x))

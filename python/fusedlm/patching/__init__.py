@@ -62,7 +62,8 @@ def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = Tr
     Weights, buffers and train/eval state are kept; modules no rule recognises are
     left untouched. ``backend`` pins every replaced module's ops to one backend
     (default: chosen per call). With ``inplace=False`` a deep copy is patched.
-    Returns the model; ``patch_report(model)`` tells what was replaced.
+    Returns the model, a new object when a rule replaces the model itself (a bare
+    TransformerEncoder, say); ``patch_report(model)`` tells what was replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -88,8 +89,9 @@ def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = Tr
         setattr(outcome, PATCHED, True)
         if outcome is not module:
             if path == "":
-                raise ValueError(f"{rule.name} would replace the model itself: patch its parent")
-            _set_submodule(model, path, outcome)
+                model = outcome
+            else:
+                _set_submodule(model, path, outcome)
         report.replaced[path] = rule.name
     model._fusedlm_patch_report = report
     return model
