@@ -150,9 +150,10 @@ def _packable(attn_mask, key_padding_mask, is_causal) -> bool:
 def _packed_stack(layers, src: Tensor, key_padding_mask: Tensor, is_causal: bool,
                   batch_first: bool) -> Tensor:
     batched = src.dim() == 3
-    x = src if not batched else (src if batch_first else src.transpose(0, 1))  # [batch, seq, d]
-    if not batched:
-        x, key_padding_mask = x.unsqueeze(0), key_padding_mask.unsqueeze(0)
+    if batched:
+        x = src if batch_first else src.transpose(0, 1)  # [batch, seq, d_model]
+    else:  # an unbatched call is a batch of one
+        x, key_padding_mask = src.unsqueeze(0), key_padding_mask.unsqueeze(0)
     backend = layers[0].backend
     packed, indices, cu_seqlens, max_seqlen = ops.unpad(x, key_padding_mask, backend=backend)
     for layer in layers:
