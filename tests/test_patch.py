@@ -53,3 +53,83 @@ def test_patch_rejects_bad_input():
         fusedlm.patch("bert")
     with pytest.raises(ValueError, match="not been patched"):
         fusedlm.patch_report(nn.Linear(2, 2))
+
+
+class _Encoder(nn.Module):
+    """A small BERT-like classifier: a torch TransformerEncoder, attention pooling, a head."""
+
+    def __init__(self, activation="gelu", pool_kwargs=None):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation=activation,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16),
+                                             enable_nested_tensor=False)
+        self.pool = nn.MultiheadAttention(16, 2, batch_first=True, **(pool_kwargs or {}))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, padding):
+        h = self.encoder(x, src_key_padding_mask=padding)
+        pooled, _ = self.pool(h[:, :1], h, h, key_padding_mask=padding, need_weights=False)
+        return self.head(pooled)
+
+
+def _batch(dtype=torch.float64):
+    lengths = torch.tensor([7, 3, 5])
+    return fresh((3, 7, 16), dtype, "cpu"), torch.arange(7)[None, :] >= lengths[:, None]
+
+
+def test_patch_transformer_keeps_outputs_gradients_and_parameters():
+    model = _Encoder().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    patched = fusedlm.patch(model, inplace=False)
+    assert sorted(fusedlm.patch_report(patched).replaced) == ["encoder", "encoder.norm", "pool"]
+    assert isinstance(patched.encoder, fusedlm.nn.TransformerEncoder)
+    assert isinstance(patched.pool, fusedlm.nn.MultiheadAttention)
+    x, padding = _batch()
+    grads = []
+    for m in (model, patched):
+        out = m(x, padding)
+        grads.append(dict(zip([n for n, _ in m.named_parameters()],
+                              torch.autograd.grad(out.pow(2).sum(), list(m.parameters())))))
+        grads[-1]["out"] = out
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+    params = {id(p) for p in model.parameters()}
+    fusedlm.patch(model.eval())
+    assert {id(p) for p in model.parameters()} == params
+    assert not any(m.training for m in model.modules())
+
+
+def test_patch_pins_the_backend():
+    model = fusedlm.patch(_Encoder(), backend="reference")
+    pinned = [m for m in model.modules() if hasattr(type(m), "backend")]
+    assert len(pinned) == 10  # 2 layers x (layer, attention, 2 norms), the final norm, the pool
+    assert all(m.backend == "reference" for m in pinned)
+    with pytest.raises(ValueError, match="backend"):
+        fusedlm.patch(_Encoder(), backend="gpu")
+
+
+def test_patch_says_why_it_left_modules_alone():
+    model = fusedlm.patch(_Encoder(activation=torch.tanh, pool_kwargs={"add_bias_kv": True}))
+    report = fusedlm.patch_report(model)
+    assert "activation" in report.left_alone["encoder"]
+    assert "activation" in report.left_alone["encoder.layers.0"]
+    assert "add_bias_kv" in report.left_alone["pool"]
+    assert type(model.pool) is nn.MultiheadAttention
+    # What fusedlm can run inside the unsupported layers is still replaced.
+    assert {"encoder.norm", "encoder.layers.0.self_attn", "encoder.layers.1.norm2"} <= set(report.replaced)
+    assert "left 4 recognised modules alone" in str(report)
+
+
+def test_patch_returns_the_replacement_of_the_model_itself():
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32), 2,
+                                    enable_nested_tensor=False).eval()
+    patched = fusedlm.patch(encoder)
+    assert type(patched) is fusedlm.nn.TransformerEncoder and not patched.training
+    assert list(fusedlm.patch_report(patched).replaced) == [""]
+    x = fresh((5, 3, 16), torch.float32, "cpu")
+    torch.testing.assert_close(patched(x), encoder(x))

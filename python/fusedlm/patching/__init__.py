@@ -13,6 +13,8 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
+from ..backends import BACKEND_NAMES
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -60,10 +62,13 @@ def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = Tr
     Weights, buffers and train/eval state are kept; modules no rule recognises are
     left untouched. ``backend`` pins every replaced module's ops to one backend
     (default: chosen per call). With ``inplace=False`` a deep copy is patched.
-    Returns the model; ``patch_report(model)`` tells what was replaced.
+    Returns the model, a new object when a rule replaces the model itself (a bare
+    TransformerEncoder, say); ``patch_report(model)`` tells what was replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {backend!r}")
     if not inplace:
         model = copy.deepcopy(model)
     report = getattr(model, "_fusedlm_patch_report", None) or PatchReport()
@@ -80,11 +85,13 @@ def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = Tr
             report.left_alone[path] = outcome
             continue
         outcome.train(module.training)
+        _pin(outcome, backend)
         setattr(outcome, PATCHED, True)
         if outcome is not module:
             if path == "":
-                raise ValueError(f"{rule.name} would replace the model itself: patch its parent")
-            _set_submodule(model, path, outcome)
+                model = outcome
+            else:
+                _set_submodule(model, path, outcome)
         report.replaced[path] = rule.name
     model._fusedlm_patch_report = report
     return model
@@ -96,6 +103,13 @@ def patch_report(model: nn.Module) -> PatchReport:
     if report is None:
         raise ValueError("model has not been patched by fusedlm.patch")
     return report
+
+
+def _pin(module: nn.Module, backend: Optional[str]) -> None:
+    """Sets ``backend`` on every fusedlm module in a replacement (they declare it)."""
+    for sub in module.modules():
+        if hasattr(type(sub), "backend"):
+            sub.backend = backend
 
 
 def _still_attached(model: nn.Module, path: str, module: nn.Module) -> bool:

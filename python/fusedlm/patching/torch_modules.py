@@ -1,4 +1,9 @@
-"""Rules for torch.nn's modules."""
+"""Rules for torch.nn's modules.
+
+Replacements are built on the meta device and then given the original's own
+Parameters and submodules, so optimizers and anything else holding them keep working.
+"""
+import torch.nn.functional as F
 from torch import nn
 
 from .. import nn as fused
@@ -9,9 +14,61 @@ def _layer_norm(module: nn.LayerNorm, backend):
     new = fused.LayerNorm(module.normalized_shape, eps=module.eps,
                           elementwise_affine=module.elementwise_affine,
                           bias=module.bias is not None, device="meta")
-    new.weight, new.bias = module.weight, module.bias  # the same Parameters: optimizers keep them
+    new.weight, new.bias = module.weight, module.bias
     return new
 
 
-register(Rule("torch.nn.LayerNorm -> fusedlm.nn.LayerNorm", lambda m: type(m) is nn.LayerNorm,
-              _layer_norm))
+def _multihead_attention(module: nn.MultiheadAttention, backend):
+    if module.bias_k is not None or module.add_zero_attn:
+        return "add_bias_kv and add_zero_attn are not supported"
+    new = fused.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
+                                   bias=module.in_proj_bias is not None, kdim=module.kdim,
+                                   vdim=module.vdim, batch_first=module.batch_first, device="meta")
+    for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                 "in_proj_bias"):
+        setattr(new, name, getattr(module, name))
+    new.out_proj = module.out_proj
+    return new
+
+
+def _encoder_layer(module: nn.TransformerEncoderLayer, backend):
+    if module.activation not in (F.relu, F.gelu):
+        return f"activation {module.activation!r} is not F.relu or F.gelu"
+    attn = _multihead_attention(module.self_attn, backend)
+    if isinstance(attn, str):
+        return f"self_attn: {attn}"
+    new = fused.TransformerEncoderLayer(module.linear1.in_features, module.self_attn.num_heads,
+                                        module.linear1.out_features, activation=module.activation,
+                                        batch_first=module.self_attn.batch_first,
+                                        norm_first=module.norm_first, device="meta")
+    new.self_attn = attn
+    new.norm1, new.norm2 = _layer_norm(module.norm1, backend), _layer_norm(module.norm2, backend)
+    for name in ("linear1", "linear2", "dropout", "dropout1", "dropout2"):
+        setattr(new, name, getattr(module, name))
+    return new
+
+
+def _encoder(module: nn.TransformerEncoder, backend):
+    layers = [_encoder_layer(layer, backend) if type(layer) is nn.TransformerEncoderLayer
+              else f"layer of type {type(layer).__name__}" for layer in module.layers]
+    whys = [f"layers.{i}: {why}" for i, why in enumerate(layers) if isinstance(why, str)]
+    if whys:
+        return "; ".join(whys)
+    new = fused.TransformerEncoder(layers[0], 0, norm=module.norm,
+                                   enable_nested_tensor=module.enable_nested_tensor,
+                                   mask_check=module.mask_check)
+    new.layers = nn.ModuleList(layers)
+    new.num_layers = len(layers)
+    return new
+
+
+register(
+    Rule("torch.nn.LayerNorm -> fusedlm.nn.LayerNorm", lambda m: type(m) is nn.LayerNorm,
+         _layer_norm),
+    Rule("torch.nn.MultiheadAttention -> fusedlm.nn.MultiheadAttention (fused where need_weights=False)",
+         lambda m: type(m) is nn.MultiheadAttention, _multihead_attention),
+    Rule("torch.nn.TransformerEncoderLayer -> fusedlm.nn.TransformerEncoderLayer",
+         lambda m: type(m) is nn.TransformerEncoderLayer, _encoder_layer),
+    Rule("torch.nn.TransformerEncoder -> fusedlm.nn.TransformerEncoder (packs tokens once per stack)",
+         lambda m: type(m) is nn.TransformerEncoder, _encoder),
+)

@@ -1,0 +1,16 @@
+"""The README's examples run as written."""
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _python_block(section: str) -> str:
+    text = README.read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", body, re.S).group(1)
+
+
+def test_drop_in_modules_example_runs(capsys):
+    exec(compile(_python_block("Drop-in modules"), "README.md", "exec"), {})
+    assert "torch.nn.TransformerEncoder -> fusedlm.nn.TransformerEncoder" in capsys.readouterr().out
