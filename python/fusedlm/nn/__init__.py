@@ -1,7 +1,14 @@
 """Drop-in modules: same constructor arguments, parameters and state_dict keys as
-the torch.nn modules they replace, running on fusedlm's ops."""
+the torch.nn modules they replace, running on fusedlm's ops.
+
+Each has a ``backend`` attribute (None: chosen per call) that pins its ops to one
+backend; fusedlm.patch(model, backend=...) sets it.
+"""
+from .attention import MultiheadAttention
 from .ffn import GeluFFN
 from .layer_norm import LayerNorm
 from .loss import CrossEntropyLoss, LinearCrossEntropyLoss
+from .transformer import TransformerEncoder, TransformerEncoderLayer
 
-__all__ = ["CrossEntropyLoss", "GeluFFN", "LayerNorm", "LinearCrossEntropyLoss"]
+__all__ = ["CrossEntropyLoss", "GeluFFN", "LayerNorm", "LinearCrossEntropyLoss",
+           "MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer"]

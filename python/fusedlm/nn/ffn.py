@@ -4,6 +4,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from .. import ops
+from ._autocast import lower
 
 
 class GeluFFN(nn.Module):
@@ -11,8 +12,11 @@ class GeluFFN(nn.Module):
 
     Parameters are two ``nn.Linear`` (``fc1``: d_model -> d_ff, ``fc2``: d_ff -> d_out),
     so weights load from any Linear-GELU-Linear block. ``dropout`` applies to the
-    activation between the two products, in training only.
+    activation between the two products, in training only. Under autocast the block
+    runs in the autocast dtype, as torch's Linear layers would.
     """
+
+    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
 
     def __init__(self, d_model: int, d_ff: int, d_out: Optional[int] = None, *, approximate: str = "none",
                  dropout: float = 0.0, bias: bool = True, device=None, dtype=None):
@@ -23,8 +27,9 @@ class GeluFFN(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.gelu_ffn(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
-                            approximate=self.approximate, dropout_p=self.dropout if self.training else 0.0)
+        x, w1, b1, w2, b2 = lower(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=self.approximate,
+                            dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}, dropout={self.dropout}"

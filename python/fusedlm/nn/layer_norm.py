@@ -2,10 +2,10 @@
 import math
 from typing import Optional, Union
 
-import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ._autocast import widen
 
 
 class LayerNorm(nn.LayerNorm):
@@ -13,10 +13,15 @@ class LayerNorm(nn.LayerNorm):
 
     ``forward(x)`` returns the normalised x, as torch's does. ``forward(x, residual)``
     returns ``(layer_norm(x + residual), x + residual)`` in one pass over memory: the
-    sum is what a pre-LN stack carries on as its residual stream.
+    sum is what a pre-LN stack carries on as its residual stream. ``dropout_p`` drops
+    elements of x before the add (a transformer layer's dropout on its branch).
+    Under autocast the norm runs in the widest dtype of its inputs and parameters.
     """
 
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Union[Tensor, tuple]:
+    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None, *,
+                dropout_p: float = 0.0) -> Union[Tensor, tuple]:
         # Normalising over several trailing dims is normalising their flattened product.
         width = math.prod(self.normalized_shape)
         shape = x.shape
@@ -24,7 +29,9 @@ class LayerNorm(nn.LayerNorm):
         flat_residual = None if residual is None else residual.reshape(flat.shape)
         weight = None if self.weight is None else self.weight.reshape(width)
         bias = None if self.bias is None else self.bias.reshape(width)
-        out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps)
+        flat, flat_residual, weight, bias = widen(flat, flat_residual, weight, bias)
+        out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps,
+                                         dropout_p=dropout_p, backend=self.backend)
         if residual is None:
             return out.view(shape)
         return out.view(shape), summed.view(shape)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ._autocast import lower
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
@@ -16,6 +17,8 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     Unlike torch, a mean over no labelled targets is 0, not NaN.
     """
 
+    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
+
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if self.weight is not None or target.is_floating_point():
             warnings.warn("fusedlm CrossEntropyLoss: class weights or probability targets run on "
@@ -23,7 +26,8 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
             return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
                                    reduction=self.reduction, label_smoothing=self.label_smoothing)
         return ops.cross_entropy(input, target, ignore_index=self.ignore_index,
-                                 label_smoothing=self.label_smoothing, reduction=self.reduction)
+                                 label_smoothing=self.label_smoothing, reduction=self.reduction,
+                                 backend=self.backend)
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -31,8 +35,11 @@ class LinearCrossEntropyLoss(nn.Module):
     labels, bias=None)`` equals ``F.cross_entropy(hidden @ weight.T + bias, labels)`` but
     projects only the labelled rows, a chunk at a time, and never builds the full logits.
 
-    ``weight`` is ``[vocab, hidden]`` (e.g. the tied word embeddings).
+    ``weight`` is ``[vocab, hidden]`` (e.g. the tied word embeddings). Under autocast
+    the projection runs in the autocast dtype and the loss in float32, as torch's would.
     """
+
+    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
@@ -41,8 +48,10 @@ class LinearCrossEntropyLoss(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        hidden, weight, bias = lower(hidden, weight, bias)
         return ops.masked_lm_loss(hidden, weight, bias, labels, ignore_index=self.ignore_index,
-                                  label_smoothing=self.label_smoothing, reduction=self.reduction)
+                                  label_smoothing=self.label_smoothing, reduction=self.reduction,
+                                  backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"
