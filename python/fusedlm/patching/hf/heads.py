@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ... import ops
+from ... import nn as fused
 
 IGNORE_INDEX = -100
 
@@ -36,7 +36,13 @@ class LMHead:
 
 def bind(model: nn.Module, head: LMHead, backend: Optional[str]) -> None:
     # Positional arguments keep the meaning they have in the class's own forward.
-    names = list(inspect.signature(type(model).forward).parameters)[1:]
+    signature = inspect.signature(type(model).forward)
+    names = list(signature.parameters)[1:]
+    fused_losses, losses = {}, {}
+    for reduction in ("mean", "sum"):
+        fused_losses[reduction] = fused.LinearCrossEntropyLoss(IGNORE_INDEX, reduction)
+        losses[reduction] = fused.CrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction=reduction)
+        fused_losses[reduction].backend = losses[reduction].backend = backend
 
     def forward(self, *args, **kwargs):
         kwargs.update(zip(names, args))
@@ -58,14 +64,11 @@ def bind(model: nn.Module, head: LMHead, backend: Optional[str]) -> None:
         reduction = "sum" if head.causal and num_items is not None else "mean"
         logits = loss = None
         if labels is not None and self.training and not _slices(keep):
-            weight = decoder.weight
-            loss = ops.masked_lm_loss(hidden.to(weight.dtype), weight, decoder.bias, labels,
-                                      ignore_index=IGNORE_INDEX, reduction=reduction, backend=backend)
+            loss = fused_losses[reduction](hidden, decoder.weight, labels, decoder.bias)
         else:
             logits = decoder(hidden)
             if labels is not None:
-                loss = ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX,
-                                         reduction=reduction, backend=backend)
+                loss = losses[reduction](logits, labels)
         if loss is not None and reduction == "sum":
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         output = head.output(loss=loss, logits=logits,
@@ -74,6 +77,8 @@ def bind(model: nn.Module, head: LMHead, backend: Optional[str]) -> None:
             return output.to_tuple()
         return output
 
+    # generate() reads the signature to decide which inputs (position_ids, ...) to pass.
+    forward.__signature__ = signature
     model.forward = types.MethodType(forward, model)
 
 

@@ -10,9 +10,9 @@ block it replaces, and computes the same function:
 - GeluMLP: GPT-2's MLP, dropout(c_proj(gelu(c_fc(h)))) over Conv1D weights
   ([in, out]), with c_fc's bias fused into the GELU.
 
-Under autocast the products run in the autocast dtype and the norms in float32,
-as in the unpatched blocks; the fused ops take one dtype, so their inputs are
-cast to the one torch's type promotion would give.
+Under autocast they compute in the dtypes the unpatched blocks do (fusedlm.nn's
+autocast rules): GELU in the autocast dtype of the product before it, the norm in
+the widest dtype of its inputs.
 """
 from typing import Optional
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import ops
+from ...nn._autocast import lower, widen
 
 
 class AddNormOutput(nn.Module):
@@ -31,11 +32,9 @@ class AddNormOutput(nn.Module):
         self.backend = backend
 
     def forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
-        x = self.dense(hidden_states)
-        norm = self.LayerNorm
-        dtype = torch.promote_types(torch.promote_types(x.dtype, input_tensor.dtype), norm.weight.dtype)
-        out, _ = ops.add_layer_norm(x.to(dtype), input_tensor.to(dtype), norm.weight.to(dtype),
-                                    norm.bias.to(dtype), norm.eps,
+        x, residual, weight, bias = widen(self.dense(hidden_states), input_tensor,
+                                          self.LayerNorm.weight, self.LayerNorm.bias)
+        out, _ = ops.add_layer_norm(x, residual, weight, bias, self.LayerNorm.eps,
                                     dropout_p=self.dropout.p if self.training else 0.0,
                                     backend=self.backend)
         return out
@@ -48,8 +47,8 @@ class GeluIntermediate(nn.Module):
         self.approximate, self.backend = approximate, backend
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        pre = F.linear(hidden_states, self.dense.weight)
-        return ops.bias_gelu(pre, self.dense.bias.to(pre.dtype), self.approximate, backend=self.backend)
+        pre, bias = lower(F.linear(hidden_states, self.dense.weight), self.dense.bias)
+        return ops.bias_gelu(pre, bias, self.approximate, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
@@ -63,8 +62,9 @@ class GeluMLP(nn.Module):
         self.approximate, self.backend = approximate, backend
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        pre = torch.matmul(hidden_states, self.c_fc.weight)  # Conv1D: weight is [in, out]
-        act = ops.bias_gelu(pre, self.c_fc.bias.to(pre.dtype), self.approximate, backend=self.backend)
+        # Conv1D: weight is [in, out]
+        pre, bias = lower(torch.matmul(hidden_states, self.c_fc.weight), self.c_fc.bias)
+        act = ops.bias_gelu(pre, bias, self.approximate, backend=self.backend)
         return self.dropout(self.c_proj(act))
 
     def extra_repr(self) -> str:
