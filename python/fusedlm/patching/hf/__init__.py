@@ -1,7 +1,8 @@
 """Rules for Hugging Face transformers models: BERT, RoBERTa, ELECTRA and GPT-2.
 
 - self-attention: the model's config is switched to the "fusedlm" attention
-  implementation (hf/attention.py); the module itself is unchanged;
+  implementation (hf/attention.py); the module itself is unchanged. A config object
+  that other models share switches them too (``inplace=False`` copies it);
 - BERT-style SelfOutput/Output and Intermediate, GPT-2's MLP: fused blocks
   (hf/layers.py) holding the same submodules;
 - masked-LM and causal-LM models: the loss runs through the fused head (hf/heads.py).
