@@ -8,6 +8,7 @@ recognised module alone, in a :class:`PatchReport` (``patch_report(model)``).
 from __future__ import annotations
 
 import copy
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -53,6 +54,8 @@ def register(*rules: Rule) -> None:
 
 def _rules() -> list[Rule]:
     from . import torch_modules  # noqa: F401  (each registers its rules)
+    if importlib.util.find_spec("transformers") is not None:  # an optional dependency
+        from . import hf  # noqa: F401
     return _RULES
 
 

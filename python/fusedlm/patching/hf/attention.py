@@ -1,0 +1,81 @@
+"""fusedlm as a Hugging Face attention implementation: ``config._attn_implementation = "fusedlm"``.
+
+Attention modules of transformers 5 (and the 4.5x releases that have its
+AttentionInterface) project q, k and v themselves and hand them to the function
+registered under their config's implementation name; this module registers
+fusedlm's. Its mask function keeps a plain padding mask compact, as a bool
+[batch, 1, 1, seq_k] (True = attend): the attention function reads that shape as
+a key_padding_mask, plus causal when the module is causal. Every other mask
+(caches, offsets, custom mask functions) is materialised as SDPA's is and runs
+as an additive bias, with causality already inside it.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ... import ops
+
+NAME = "fusedlm"
+
+
+def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor], scaling: Optional[float] = None,
+                      dropout: float = 0.0, **kwargs):
+    """q/k/v [batch, heads, seq, head_dim] -> ([batch, seq, heads, head_dim], no weights)."""
+    if kwargs.get("head_mask") is not None:
+        raise ValueError("fusedlm attention does not take a head_mask: patch the model without it")
+    causal = bool(getattr(module, "is_causal", False))
+    key_padding_mask = attn_bias = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool and attention_mask.shape[1:3] == (1, 1):
+            key_padding_mask = ~attention_mask[:, 0, 0, :]
+        else:
+            causal = False
+            attn_bias = _additive(attention_mask, query.dtype)
+    out = ops.attention(query, key, value, causal=causal, key_padding_mask=key_padding_mask,
+                        attn_bias=attn_bias, dropout_p=dropout, scale=scaling,
+                        backend=getattr(module, "_fusedlm_backend", None))
+    return out.transpose(1, 2), None
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    # -inf rather than the dtype's minimum: a row with every key masked is then zeros
+    # (fusedlm's convention) instead of a uniform average over padding.
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def compact_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                 mask_function=None, attention_mask: Optional[Tensor] = None, **kwargs):
+    """transformers' mask interface: the compact padding mask where it is enough, else SDPA's."""
+    from transformers import masking_utils as mu
+
+    plain = mask_function in (mu.causal_mask_function, mu.bidirectional_mask_function)
+    if plain and q_length == kv_length and _is_zero(q_offset) and _is_zero(kv_offset):
+        if attention_mask is None:
+            return None
+        return attention_mask[:, None, None, :kv_length].to(torch.bool)
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                        attention_mask=attention_mask, **kwargs)
+
+
+def _is_zero(offset) -> bool:
+    return isinstance(offset, int) and offset == 0
+
+
+def register() -> Optional[str]:
+    """Registers the "fusedlm" implementation; returns why it cannot, or None."""
+    import transformers
+
+    try:
+        from transformers import masking_utils
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:
+        return (f"transformers {transformers.__version__} has no AttentionInterface/masking_utils "
+                f"(fusedlm patches the attention of transformers >= 4.53)")
+    AttentionInterface.register(NAME, attention_forward)
+    masking_utils.AttentionMaskInterface.register(NAME, compact_mask)
+    return None
