@@ -448,6 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forwar
     const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
     bool need_dbias) {
   const auto red = parse_reduction(reduction);
+  check_cuda(hidden, "hidden");
   const c10::cuda::CUDAGuard guard(hidden.device());
   const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
   const int64_t labelled = in.labelled.numel();
@@ -476,7 +477,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
     double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
     bool need_dweight, bool need_dbias) {
-  check_cuda(grad, "grad");
+  check_cuda(hidden, "hidden");
   check_same_device(grad, hidden, "grad", "hidden");
   const c10::cuda::CUDAGuard guard(hidden.device());
   if (parse_reduction(reduction) != Reduction::kNone) {
