@@ -4,6 +4,9 @@
 #include <torch/extension.h>
 
 #include "../csrc/ops.h"
+#ifdef FUSEDLM_WITH_CUDA
+#include "../csrc/cuda/ops.h"
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedlm's compiled kernels (CPU, and CUDA when built with it)";
@@ -37,4 +40,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("pad_backward", &fusedlm::pad_backward);
   m.def("add_layer_norm_forward", &fusedlm::add_layer_norm_forward);
   m.def("add_layer_norm_backward", &fusedlm::add_layer_norm_backward);
+
+#ifdef FUSEDLM_WITH_CUDA
+  // The cuda backend's entry points: the same signatures as the CPU ones above.
+  auto cuda = m.def_submodule("cuda", "fusedlm's hand-written CUDA kernels (kernels/cuda)");
+  cuda.def("dropout_mask", &fusedlm::cuda::dropout_mask, py::arg("seed"), py::arg("offset"),
+           py::arg("shape"), py::arg("p"), py::arg("device_index"));
+  cuda.def("add_layer_norm_forward", &fusedlm::cuda::add_layer_norm_forward);
+  cuda.def("add_layer_norm_backward", &fusedlm::cuda::add_layer_norm_backward);
+  cuda.def("bias_gelu_forward", &fusedlm::cuda::bias_gelu_forward);
+  cuda.def("bias_gelu_backward", &fusedlm::cuda::bias_gelu_backward);
+  cuda.def("cross_entropy_forward", &fusedlm::cuda::cross_entropy_forward);
+  cuda.def("cross_entropy_backward", &fusedlm::cuda::cross_entropy_backward);
+  cuda.def("masked_lm_loss_forward", &fusedlm::cuda::masked_lm_loss_forward);
+  cuda.def("masked_lm_loss_backward", &fusedlm::cuda::masked_lm_loss_backward);
+#endif
 }

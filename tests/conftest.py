@@ -31,6 +31,7 @@ except ImportError:
 
 import fusedlm
 from fusedlm.backends import _REGISTRY
+from fusedlm.backends import cuda as cuda_backend
 from fusedlm.backends import triton as triton_backend
 from fusedlm.ops._dropout import cpu_keep_mask
 
@@ -74,6 +75,8 @@ def keep_mask(backend: str, seed, shape, p: float) -> torch.Tensor:
         return cpu_keep_mask(seed, shape, p)
     if backend == "triton":
         return triton_backend.keep_mask(seed, shape, p, backend_device(backend))
+    if backend == "cuda":
+        return cuda_backend.keep_mask(seed, shape, p, backend_device(backend))
     raise ValueError(f"no dropout stream known for backend {backend!r}")
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import BACKEND_NAMES, kernel
+from fusedlm.backends import BACKEND_NAMES, _REGISTRY, kernel
+from fusedlm.backends import cuda as cuda_backend
 
 
 def test_backends_reports_every_backend():
@@ -54,6 +55,22 @@ def test_triton_kernels_refuse_float64_with_a_reason(op):
     assert "float64" in limits(dtype=torch.float64, dropout=False)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert limits(dtype=dtype, dropout=True) is None
+
+
+def test_cuda_kernels_refuse_float64_with_a_reason():
+    # The limits of every cuda kernel (registered only in a CUDA build; the function is
+    # the same there).
+    limits = cuda_backend._dtype_limits
+    assert "float64" in limits(dtype=torch.float64, dropout=False)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert limits(dtype=dtype, dropout=True) is None
+
+
+def test_cuda_backend_leaves_gelu_ffn_to_triton():
+    assert "gelu_ffn" not in _REGISTRY["cuda"].kernels
+    if _REGISTRY["cuda"].unavailable() is None:
+        for op in ("add_layer_norm", "bias_gelu", "cross_entropy", "masked_lm_loss"):
+            assert kernel("cuda", op).limits is cuda_backend._dtype_limits
 
 
 def test_reference_backend_runs_everywhere():

@@ -7,8 +7,30 @@ reference evaluated in float32 on the same inputs.
 import pytest
 import torch
 
+from fusedlm.backends import _REGISTRY
+from fusedlm.backends import cuda as cuda_backend
+from fusedlm.backends import triton as triton_backend
+
 needs_cuda = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def gpu_backends(op):
+    """pytest params: the GPU backends that implement `op` (the cuda one skipped when this
+    build has no CUDA kernels)."""
+    params = [pytest.param("triton", id="triton")]
+    reason = _REGISTRY["cuda"].unavailable() or (None if op in _REGISTRY["cuda"].kernels
+                                                  else f"no {op} kernel")
+    params.append(pytest.param("cuda", id="cuda",
+                               marks=[pytest.mark.skip(reason=f"cuda: {reason}")] if reason else []))
+    return params
+
+
+def keep_mask(backend, seed, shape, p):
+    """The dropout keep mask `backend` draws for stream `seed`, on the GPU."""
+    module = {"triton": triton_backend, "cuda": cuda_backend}[backend]
+    return module.keep_mask(seed, shape, p, "cuda")
+
 
 # Largest norm-wise relative error against the float32 reference, by the kernel's dtype.
 MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

@@ -7,21 +7,25 @@ import fusedlm
 from fusedlm.backends import triton as triton_backend
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from checks import (assert_relative_error, float32_copies, fresh, grads, needs_cuda,
+from checks import (assert_relative_error, float32_copies, fresh, gpu_backends, grads, needs_cuda,
                     poison_memory)
 
 pytestmark = needs_cuda
 TOKENS = {"bert-base": 32 * 128, "gpt2-small": 8 * 1024}
+# BERT-base's and GPT-2's FFN width, and an odd one (one element per load in the cuda kernels).
+WIDTHS = {"ffn-3072": 3072, "odd-3001": 3001}
 
 
+@pytest.mark.parametrize("backend", gpu_backends("bias_gelu"))
 @pytest.mark.parametrize("tokens", TOKENS.values(), ids=TOKENS.keys())
+@pytest.mark.parametrize("width", WIDTHS.values(), ids=WIDTHS.keys())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_bias_gelu_real_shapes(tokens, dtype, approximate):
-    inputs = [fresh((tokens, 3072), dtype, scale=3.0), fresh((3072,), dtype)]
-    upstream = torch.randn(tokens, 3072, device="cuda", dtype=dtype)
+def test_bias_gelu_real_shapes(backend, tokens, width, dtype, approximate):
+    inputs = [fresh((tokens, width), dtype, scale=3.0), fresh((width,), dtype)]
+    upstream = torch.randn(tokens, width, device="cuda", dtype=dtype)
     poison_memory()
-    out = fusedlm.ops.bias_gelu(*inputs, approximate, backend="triton")
+    out = fusedlm.ops.bias_gelu(*inputs, approximate, backend=backend)
     got = grads([out], inputs, [upstream])
     ref_inputs = float32_copies(*inputs)
     expected = reference.bias_gelu(*ref_inputs, approximate)

@@ -1,0 +1,497 @@
+// cross_entropy and masked_lm_loss on CUDA.
+//
+// The fused classifier: one block per row of logits. A first sweep over the row keeps,
+// per thread, an online log-sum-exp (a running max and the sum of exponentials rescaled
+// to it, rescaled once per 16-byte vector) and, under label smoothing, the sum of the
+// logits; the block combines the threads' pairs. A second sweep writes
+// (softmax - target) * scale over the row, where the logits were when asked to (in
+// place): the gradient comes out of the forward pass and the backward only rescales it.
+// Rows are rarely 16-byte aligned (vocabularies of 30522 or 50257 classes), so each
+// sweep takes the row's unaligned head and tail one element at a time and the rest in
+// vectors. Traffic: two reads of the logits (the second mostly from L2: a block's row is
+// 60-100 KiB in bf16) and one write of the gradient. llm.c's fused classifier is the
+// reference point.
+//
+// Rows labelled ignore_index get a zero loss and gradient; a label outside [0, classes)
+// (not checked on the GPU, as that would synchronise) gets a NaN loss, not a stray read.
+//
+// masked_lm_loss gathers the labelled rows and projects them chunk_rows at a time with
+// ATen's matrix products into one reused logits buffer; the kernel overwrites each
+// chunk's logits with their gradient, which the products fold into d_hidden and d_weight
+// before the next chunk (csrc/cross_entropy.cpp does the same on the CPU).
+#include <limits>
+
+#include "common.cuh"
+#include "cuda/ops.h"
+
+namespace fusedlm::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+
+// Calls scalar(j) for the unaligned head and tail of a row of n elements that starts at
+// element `start` of a 16-byte aligned buffer, and vector(j) for the N-element vectors
+// between (N = 1: vector(j) for every element). Elements are spread over the block.
+template <int N, typename Scalar, typename Vector>
+__device__ __forceinline__ void walk_row(int64_t start, int64_t n, Scalar&& scalar,
+                                         Vector&& vector) {
+  const int64_t head = N > 1 ? std::min<int64_t>(n, (N - start % N) % N) : 0;
+  const int64_t vecs = (n - head) / N;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) scalar(j);
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) vector(head + v * N);
+  for (int64_t j = head + vecs * N + threadIdx.x; j < n; j += blockDim.x) scalar(j);
+}
+
+// An online log-sum-exp: the sum of exp(x - max) over the values seen, and their max.
+struct Lse {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.0f;
+
+  // Adds N values, rescaling the sum once. While every value is -inf the sum stays 0
+  // (exp(-inf - -inf) would be NaN where the terms are 0).
+  template <int N>
+  __device__ __forceinline__ void add(const float (&x)[N]) {
+    float m = x[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) m = fmaxf(m, x[i]);
+    if (m > max) {
+      sum *= __expf(max - m);
+      max = m;
+    }
+    if (max == -std::numeric_limits<float>::infinity()) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i) sum += __expf(x[i] - max);
+  }
+
+  __device__ __forceinline__ void merge(float other_max, float other_sum) {
+    const float m = fmaxf(max, other_max);
+    if (m == -std::numeric_limits<float>::infinity()) return;
+    sum = sum * __expf(max - m) + other_sum * __expf(other_max - m);
+    max = m;
+  }
+};
+
+// Combines every thread's Lse and smoothing sum; every thread receives the results.
+__device__ __forceinline__ void block_lse(Lse& lse, float& sum_x, float* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float m = __shfl_xor_sync(0xffffffffu, lse.max, offset);
+    const float s = __shfl_xor_sync(0xffffffffu, lse.sum, offset);
+    lse.merge(m, s);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    shared[warp] = lse.max;
+    shared[32 + warp] = lse.sum;
+    shared[64 + warp] = sum_x;
+  }
+  __syncthreads();
+  lse = Lse();
+  sum_x = 0.0f;
+  if (lane < warps) {
+    lse.max = shared[lane];
+    lse.sum = shared[32 + lane];
+    sum_x = shared[64 + lane];
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float m = __shfl_xor_sync(0xffffffffu, lse.max, offset);
+    const float s = __shfl_xor_sync(0xffffffffu, lse.sum, offset);
+    lse.merge(m, s);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+  }
+}
+
+// Row r of logits [rows, classes]: loss[r], and with grad (possibly logits itself)
+// grad[r, j] = scale * row_scale[r] * (softmax_j - smoothing / classes - (1 - smoothing) [j == y]).
+// scale is one float on the device (1 / labelled rows for "mean": no synchronisation).
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_kernel(const T* logits, const int64_t* __restrict__ labels,
+                         float* __restrict__ loss, T* grad, const float* __restrict__ scale,
+                         const float* __restrict__ row_scale, int64_t classes,
+                         int64_t ignore_index, float smoothing) {
+  __shared__ float shared[3 * 32];
+  const int64_t row = blockIdx.x, start = row * classes;
+  const T* x = logits + start;
+  const int64_t label = labels[row];
+  const bool ignored = label == ignore_index;
+  const bool valid = 0 <= label && label < classes;
+
+  if (ignored) {
+    if (threadIdx.x == 0) loss[row] = 0.0f;
+    if (!grad) return;
+    T* g = grad + start;
+    walk_row<N>(start, classes, [&](int64_t j) { g[j] = static_cast<T>(0.0f); },
+                [&](int64_t j) {
+                  const float zero[N] = {};
+                  store<N>(g + j, zero);
+                });
+    return;
+  }
+  // Read before the block's first barrier: after it, the gradient may overwrite the logits.
+  const float target = threadIdx.x == 0 && valid ? static_cast<float>(x[label]) : 0.0f;
+
+  Lse lse;
+  float sum_x = 0.0f;
+  walk_row<N>(
+      start, classes,
+      [&](int64_t j) {
+        const float v[1] = {static_cast<float>(x[j])};
+        lse.add<1>(v);
+        if (smoothing != 0.0f) sum_x += v[0];
+      },
+      [&](int64_t j) {
+        float v[N];
+        load<N>(x + j, v);
+        lse.add<N>(v);
+        if (smoothing != 0.0f) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) sum_x += v[i];
+        }
+      });
+  block_lse(lse, sum_x, shared);
+  const float log_z = lse.max + __logf(lse.sum);
+
+  if (threadIdx.x == 0) {
+    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j).
+    float l = (1.0f - smoothing) * (log_z - target);
+    if (smoothing != 0.0f) l += smoothing * (log_z - sum_x / classes);
+    loss[row] = valid ? l : std::numeric_limits<float>::quiet_NaN();
+  }
+  // block_lse's barrier came after every read of the first sweep: the gradient may now
+  // overwrite the logits (each thread then reads an element just before writing it).
+  if (!grad) return;
+  const float s = scale[0] * (row_scale ? row_scale[row] : 1.0f);
+  const float off = s * smoothing / classes, hit = s * (1.0f - smoothing);
+  T* g = grad + start;
+  auto grad_of = [&](float v, int64_t j) {
+    return s * __expf(v - log_z) - off - (j == label ? hit : 0.0f);
+  };
+  walk_row<N>(
+      start, classes,
+      [&](int64_t j) { g[j] = static_cast<T>(grad_of(static_cast<float>(x[j]), j)); },
+      [&](int64_t j) {
+        float v[N];
+        load<N>(x + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = grad_of(v[i], j + i);
+        store<N>(g + j, v);
+      });
+}
+
+// out = in * scale[row] (per_row, rows of `cols` elements) or in * scale[0]; N-element
+// vectors never straddle two rows (cols % N == 0).
+template <typename T, int N>
+__global__ void scale_kernel(const T* __restrict__ in, T* __restrict__ out,
+                             const float* __restrict__ scale, int64_t vecs, int64_t cols,
+                             bool per_row) {
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
+       v += int64_t(gridDim.x) * blockDim.x) {
+    const float s = scale[per_row ? v * N / cols : 0];
+    float x[N];
+    load<N>(in + v * N, x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] *= s;
+    store<N>(out + v * N, x);
+  }
+}
+
+enum class Reduction { kNone, kMean, kSum };
+
+Reduction parse_reduction(const std::string& reduction) {
+  TORCH_CHECK_VALUE(reduction == "none" || reduction == "mean" || reduction == "sum",
+                    "reduction must be 'none', 'mean' or 'sum', got '", reduction, "'");
+  if (reduction == "none") return Reduction::kNone;
+  return reduction == "sum" ? Reduction::kSum : Reduction::kMean;
+}
+
+at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
+
+at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+void check_labels(const at::Tensor& labels, const at::Tensor& like, at::IntArrayRef batch_shape) {
+  check_cuda(labels, "labels");
+  check_same_device(labels, like, "labels", "the logits");
+  TORCH_CHECK_TYPE(labels.scalar_type() == at::kLong, "labels must be int64, got ",
+                   labels.scalar_type());
+  TORCH_CHECK_VALUE(labels.sizes() == batch_shape, "labels must have shape ", batch_shape,
+                    ", got ", labels.sizes());
+}
+
+// The fused kernel over logits2 [rows, classes] (contiguous) and labels1 [rows]: losses
+// (float32 [rows]) receive the losses; grad is undefined (loss only) or a [rows, classes]
+// buffer, possibly logits2 itself; scale is a one-element float32 tensor, row_scale
+// undefined or float32 [rows].
+void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::Tensor& losses,
+                const at::Tensor& grad, const at::Tensor& scale, const at::Tensor& row_scale,
+                int64_t ignore_index, double label_smoothing) {
+  const int64_t rows = logits2.size(0), classes = logits2.size(1);
+  if (rows == 0) return;
+  dispatch(logits2.scalar_type(), "logits", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = kVec<T>;
+    const T* xp = ptr<T>(logits2);
+    T* gp = ptr<T>(grad);
+    // Each row's misalignment is then the same in both buffers.
+    const bool vector = all_aligned16(xp, gp);
+    const int threads = static_cast<int>(
+        std::min<int64_t>(kThreads, ceil_div(ceil_div(classes, vector ? V : 1), 32) * 32));
+    const auto stream = current_stream();
+    const float* rs = row_scale.defined() ? row_scale.data_ptr<float>() : nullptr;
+    if (vector)
+      cross_entropy_kernel<T, V><<<rows, threads, 0, stream>>>(
+          xp, labels1.data_ptr<int64_t>(), losses.data_ptr<float>(), gp, scale.data_ptr<float>(),
+          rs, classes, ignore_index, float(label_smoothing));
+    else
+      cross_entropy_kernel<T, 1><<<rows, threads, 0, stream>>>(
+          xp, labels1.data_ptr<int64_t>(), losses.data_ptr<float>(), gp, scale.data_ptr<float>(),
+          rs, classes, ignore_index, float(label_smoothing));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// src * scale rounded once to src's dtype; scale (float32 on the device) holds one value,
+// or one per row of src viewed as [scale.numel(), -1]. Undefined for an undefined src.
+at::Tensor scaled(const at::Tensor& src, const at::Tensor& scale) {
+  if (!src.defined()) return src;
+  auto in = src.contiguous();
+  auto out = at::empty_like(in);
+  const int64_t n = in.numel();
+  if (n == 0) return out;
+  const bool per_row = scale.numel() > 1;
+  const int64_t cols = per_row ? n / scale.numel() : n;
+  dispatch(in.scalar_type(), "the gradient", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = kVec<T>;
+    const T* ip = ptr<T>(in);
+    T* op = ptr<T>(out);
+    const bool vector = cols % V == 0 && all_aligned16(ip, op);
+    const int64_t vecs = vector ? n / V : n;
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>(ceil_div(vecs, threads), int64_t(multiprocessors()) * 8);
+    const auto stream = current_stream();
+    if (vector)
+      scale_kernel<T, V><<<blocks, threads, 0, stream>>>(ip, op, scale.data_ptr<float>(), vecs,
+                                                         cols, per_row);
+    else
+      scale_kernel<T, 1><<<blocks, threads, 0, stream>>>(ip, op, scale.data_ptr<float>(), vecs,
+                                                         cols, per_row);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+// The loss a reduction returns from the per-row losses (float32); labelled: how many rows
+// count for the mean (a device tensor, so nothing synchronises).
+at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, const at::Tensor& labelled) {
+  auto total = losses.sum(at::kDouble);
+  if (reduction == Reduction::kMean) total = total / labelled.clamp_min(1).to(at::kDouble);
+  return total.to(at::kFloat);
+}
+
+// The masked-LM head's inputs, flattened and checked.
+struct MlmInputs {
+  at::Tensor hidden;  // [rows, H]
+  at::Tensor weight;  // [V, H]
+  at::Tensor bias;    // [V] or undefined
+  at::Tensor labels;  // [rows]
+  at::Tensor labelled;  // int64 [n]: the rows whose label is not ignore_index
+  int64_t ignore_index;
+  double label_smoothing;
+  int64_t chunk_rows;
+};
+
+MlmInputs mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, const at::Tensor& labels,
+                     int64_t ignore_index, double label_smoothing, int64_t chunk_rows) {
+  check_cuda(hidden, "hidden");
+  check_cuda(weight, "weight");
+  check_same_device(weight, hidden, "weight", "hidden");
+  TORCH_CHECK_VALUE(hidden.dim() >= 1, "hidden must have at least 1 dimension");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(-1) && weight.size(0) > 0,
+                    "weight must have shape [vocab, ", hidden.size(-1), "], got ", weight.sizes());
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight must have dtype ",
+                   hidden.scalar_type(), ", got ", weight.scalar_type());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_cuda(*bias, "bias");
+    check_same_device(*bias, hidden, "bias", "hidden");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "bias must have shape [", weight.size(0), "], got ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(), "bias must have dtype ",
+                     hidden.scalar_type(), ", got ", bias->scalar_type());
+  }
+  check_labels(labels, hidden, hidden.sizes().slice(0, hidden.dim() - 1));
+  TORCH_CHECK_VALUE(chunk_rows > 0, "chunk_rows must be positive, got ", chunk_rows);
+  MlmInputs in{as_rows(hidden), weight.contiguous(), has_bias ? bias->contiguous() : at::Tensor(),
+               labels.contiguous().view(-1), at::Tensor(), ignore_index, label_smoothing,
+               chunk_rows};
+  // The one synchronisation of the op: the labelled rows' count sizes every chunk.
+  in.labelled = at::nonzero(in.labels != ignore_index).view(-1);
+  return in;
+}
+
+// Gradients folded in chunk by chunk; a gradient not asked for stays undefined.
+struct MlmGrads {
+  at::Tensor dhidden;  // [rows, H], zero on the rows that are not labelled
+  at::Tensor dweight;  // [V, H]
+  at::Tensor dbias;    // [V], float32
+};
+
+// Projects the labelled rows chunk by chunk and runs the fused kernel on each chunk.
+// Returns their losses (float32 [n]). With grads, each chunk's gradient,
+// scale * row_scale[row] * d(loss_row)/d(logits), is folded into the gradients asked for
+// (scale: one float32 on the device; row_scale: undefined, or float32 [rows]).
+at::Tensor project_chunks(const MlmInputs& in, const at::Tensor& scale, const at::Tensor& row_scale,
+                          MlmGrads* grads) {
+  const int64_t n = in.labelled.numel(), vocab = in.weight.size(0);
+  auto losses = at::empty({n}, in.hidden.options().dtype(at::kFloat));
+  if (n == 0) return losses;
+  const int64_t chunk = std::min(in.chunk_rows, n);
+  auto buffer = at::empty({chunk, vocab}, in.hidden.options());
+  const auto weight_t = in.weight.t();
+  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+    const int64_t m = std::min(chunk, n - c0);
+    const auto rows = in.labelled.narrow(0, c0, m);
+    const auto h = in.hidden.index_select(0, rows);
+    auto logits = buffer.narrow(0, 0, m);
+    if (in.bias.defined())
+      at::addmm_out(logits, in.bias, h, weight_t);
+    else
+      at::mm_out(logits, h, weight_t);
+    run_kernel(logits, in.labels.index_select(0, rows), losses.narrow(0, c0, m),
+               grads ? logits : at::Tensor(), scale,
+               row_scale.defined() ? row_scale.index_select(0, rows) : at::Tensor(),
+               in.ignore_index, in.label_smoothing);
+    if (!grads) continue;
+    // logits now holds the chunk's gradient.
+    if (grads->dhidden.defined()) grads->dhidden.index_copy_(0, rows, at::mm(logits, in.weight));
+    if (grads->dweight.defined()) {
+      if (c0 == 0)
+        at::mm_out(grads->dweight, logits.t(), h);
+      else
+        grads->dweight.addmm_(logits.t(), h);
+    }
+    if (grads->dbias.defined()) grads->dbias.add_(logits.sum(0, false, at::kFloat));
+  }
+  return losses;
+}
+
+MlmGrads mlm_grads(const MlmInputs& in, bool dhidden, bool dweight, bool dbias) {
+  MlmGrads g;
+  if (dhidden) g.dhidden = at::zeros_like(in.hidden);
+  // Written whole by the first chunk's product; zeros when no row is labelled.
+  if (dweight) g.dweight = in.labelled.numel() ? at::empty_like(in.weight) : at::zeros_like(in.weight);
+  if (dbias && in.bias.defined())
+    g.dbias = at::zeros({in.weight.size(0)}, in.hidden.options().dtype(at::kFloat));
+  return g;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grads_out(const MlmGrads& g, const at::Tensor& hidden,
+                                                         const at::Tensor& weight,
+                                                         const std::optional<at::Tensor>& bias) {
+  return {g.dhidden.defined() ? g.dhidden.view(hidden.sizes()) : nothing(hidden),
+          g.dweight.defined() ? g.dweight : nothing(weight),
+          g.dbias.defined() ? g.dbias.to(bias->scalar_type()) : nothing(weight)};
+}
+
+at::Tensor unit_scale(const at::Tensor& like, double value) {
+  return at::full({1}, value, like.options().dtype(at::kFloat));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
+                                                         const at::Tensor& labels,
+                                                         int64_t ignore_index,
+                                                         double label_smoothing,
+                                                         const std::string& reduction,
+                                                         bool with_grad) {
+  check_cuda(logits, "logits");
+  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) > 0,
+                    "logits must have a last dimension of at least one class, got shape ",
+                    logits.sizes());
+  check_labels(labels, logits, logits.sizes().slice(0, logits.dim() - 1));
+  const auto red = parse_reduction(reduction);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto x = as_rows(logits);
+  auto y = labels.contiguous().view(-1);
+  const auto labelled = (y != ignore_index).sum();
+  const auto scale = red == Reduction::kMean
+                         ? at::reciprocal(labelled.clamp_min(1).to(at::kFloat)).view({1})
+                         : unit_scale(x, 1.0);
+  auto losses = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  auto grad = with_grad ? at::empty_like(x) : at::Tensor();
+  run_kernel(x, y, losses, grad, scale, at::Tensor(), ignore_index, label_smoothing);
+  return {red == Reduction::kNone ? losses.view(labels.sizes()) : reduce_losses(losses, red, labelled),
+          with_grad ? grad.view(logits.sizes()) : nothing(logits)};
+}
+
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
+                                  const std::string& reduction) {
+  check_cuda(saved_grad, "saved_grad");
+  check_cuda(grad, "grad");
+  check_same_device(grad, saved_grad, "grad", "saved_grad");
+  TORCH_CHECK_VALUE(saved_grad.dim() >= 1 && saved_grad.size(-1) > 0,
+                    "saved_grad must have a non-empty last dimension");
+  const c10::cuda::CUDAGuard guard(saved_grad.device());
+  const int64_t rows = saved_grad.numel() / saved_grad.size(-1);
+  const int64_t scales = parse_reduction(reduction) == Reduction::kNone ? rows : 1;
+  TORCH_CHECK_VALUE(grad.numel() == scales, "grad must have ", scales, " elements, got ",
+                    grad.numel());
+  return scaled(saved_grad, grad.to(at::kFloat).contiguous());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
+    bool need_dbias) {
+  const auto red = parse_reduction(reduction);
+  check_cuda(hidden, "hidden");
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
+  const int64_t labelled = in.labelled.numel();
+  // With reduction "none" grad_output weighs each row: the gradients wait for the backward.
+  const bool with_grads = red != Reduction::kNone && (need_dhidden || need_dweight || need_dbias);
+  MlmGrads g = with_grads ? mlm_grads(in, need_dhidden, need_dweight, need_dbias) : MlmGrads();
+  const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
+  auto losses = project_chunks(in, unit_scale(in.hidden, grad_scale), at::Tensor(),
+                               with_grads ? &g : nullptr);
+  at::Tensor loss;
+  if (red == Reduction::kNone) {
+    loss = at::zeros({in.labels.numel()}, losses.options()).index_copy_(0, in.labelled, losses)
+               .view(labels.sizes());
+  } else {
+    auto total = losses.sum(at::kDouble);
+    if (red == Reduction::kMean) total = total / double(std::max<int64_t>(labelled, 1));
+    loss = total.to(at::kFloat);
+  }
+  auto [dh, dw, db] = grads_out(g, hidden, weight, bias);
+  return {loss, dh, dw, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
+    const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& dhidden,
+    const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
+    double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
+    bool need_dweight, bool need_dbias) {
+  check_cuda(hidden, "hidden");
+  check_same_device(grad, hidden, "grad", "hidden");
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  if (parse_reduction(reduction) != Reduction::kNone) {
+    TORCH_CHECK_VALUE(grad.numel() == 1, "grad must have one element, got ", grad.numel());
+    const auto s = grad.to(at::kFloat).contiguous().view({1});
+    return {scaled(dhidden, s), scaled(dweight, s), scaled(dbias, s)};
+  }
+  // Per-row grad_output: redo the chunks, each row's gradient scaled by its grad_output.
+  const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
+  TORCH_CHECK_VALUE(grad.numel() == in.labels.numel(), "grad must have ", in.labels.numel(),
+                    " elements, got ", grad.numel());
+  MlmGrads g = mlm_grads(in, need_dhidden, need_dweight, need_dbias);
+  project_chunks(in, unit_scale(in.hidden, 1.0), grad.to(at::kFloat).contiguous().view(-1), &g);
+  return grads_out(g, hidden, weight, bias);
+}
+
+}  // namespace fusedlm::cuda

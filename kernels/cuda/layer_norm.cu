@@ -1,0 +1,378 @@
+// add_layer_norm on CUDA: summed = dropout(x) + residual and out = LayerNorm(summed),
+// forward and backward.
+//
+// Forward: one block per row. Each thread holds up to kForwardCache 16-byte vectors of
+// the row in registers, so x and the residual are read once and out and summed written
+// once; rows longer than the block can hold (over 8192 float32 or 16384 bf16 elements)
+// read their remaining vectors back from summed, which this thread has just written
+// (L2). The statistics are of summed as stored, in three block reductions: the sum, the
+// centred sum (the rounding of the first mean, corrected: rows of equal values then
+// centre to exact zeros) and the centred sum of squares. Traffic: 2 reads and 2 writes
+// per element with a residual; it should run near the copy bandwidth.
+//
+// Backward: each block walks a contiguous range of rows, one row at a time with every
+// thread on it, and keeps its columns' shares of dweight and dbias in registers (columns
+// past the cached ones, in rows over 4096 float32 or 8192 bf16 elements, accumulate in
+// the block's row of partial sums directly). The shares land in a [blocks, hidden]
+// float32 buffer that a second kernel sums over blocks in order. The block count depends
+// only on the shape and the device: no atomics, and the parameter gradients repeat bit
+// for bit. Traffic: 2 or 3 reads (grad_out, summed, grad_summed) and 1 or 2 writes per
+// element.
+#include "common.cuh"
+#include "cuda/ops.h"
+
+namespace fusedlm::cuda {
+namespace {
+
+constexpr int kForwardCache = 4;   // vectors of the row a thread keeps in the forward
+constexpr int kBackwardCache = 2;  // and in the backward (4 values per element there)
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kRowThreads)
+    add_layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ residual,
+                                  const T* __restrict__ weight, const T* __restrict__ bias,
+                                  T* __restrict__ out, T* __restrict__ summed,
+                                  float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                  int64_t cols, float eps, Dropout dropout) {
+  __shared__ float shared[32];
+  const int64_t base = int64_t(blockIdx.x) * cols;
+  const int64_t vecs = cols / N;
+  const int stride = blockDim.x;
+
+  // summed at vector v: dropout(x) + residual, stored, and returned as stored.
+  auto make_summed = [&](int64_t v, float (&s)[N]) {
+    const int64_t at = base + v * N;
+    load<N>(x + at, s);
+    if (dropout.active) dropout.apply<N>(at, s);
+    if (residual) {
+      float r[N];
+      load<N>(residual + at, r);
+#pragma unroll
+      for (int i = 0; i < N; ++i) s[i] += r[i];
+    }
+    store<N>(summed + at, s);
+#pragma unroll
+    for (int i = 0; i < N; ++i) s[i] = rounded<T>(s[i]);
+  };
+
+  float cache[kForwardCache][N];
+  float stat[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kForwardCache; ++k) {
+    const int64_t v = threadIdx.x + int64_t(k) * stride;
+    if (v < vecs) {
+      make_summed(v, cache[k]);
+#pragma unroll
+      for (int i = 0; i < N; ++i) stat[0] += cache[k][i];
+    }
+  }
+  for (int64_t v = threadIdx.x + int64_t(kForwardCache) * stride; v < vecs; v += stride) {
+    float s[N];
+    make_summed(v, s);
+#pragma unroll
+    for (int i = 0; i < N; ++i) stat[0] += s[i];
+  }
+  block_sum(stat, shared);
+  const float first_mean = stat[0] / cols;
+
+  // Calls f(s, v) for each of this thread's vectors of summed, cached or read back.
+  auto each = [&](auto&& f) {
+#pragma unroll
+    for (int k = 0; k < kForwardCache; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * stride;
+      if (v < vecs) f(cache[k], v);
+    }
+    for (int64_t v = threadIdx.x + int64_t(kForwardCache) * stride; v < vecs; v += stride) {
+      float s[N];
+      load<N>(summed + base + v * N, s);
+      f(s, v);
+    }
+  };
+
+  stat[0] = 0.0f;
+  each([&](const float(&s)[N], int64_t) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) stat[0] += s[i] - first_mean;
+  });
+  block_sum(stat, shared);
+  const float mean = first_mean + stat[0] / cols;
+
+  stat[0] = 0.0f;
+  each([&](const float(&s)[N], int64_t) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) stat[0] += (s[i] - mean) * (s[i] - mean);
+  });
+  block_sum(stat, shared);
+  const float rstd = rsqrtf(stat[0] / cols + eps);
+
+  each([&](const float(&s)[N], int64_t v) {
+    float y[N], w[N], b[N];
+    if (weight) load<N>(weight + v * N, w);
+    if (bias) load<N>(bias + v * N, b);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      y[i] = (s[i] - mean) * rstd;
+      if (weight) y[i] *= w[i];
+      if (bias) y[i] += b[i];
+    }
+    store<N>(out + base + v * N, y);
+  });
+  if (threadIdx.x == 0) {
+    mean_out[blockIdx.x] = mean;
+    rstd_out[blockIdx.x] = rstd;
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
+    const T* __restrict__ dy, const T* __restrict__ grad_summed, const T* __restrict__ summed,
+    const float* __restrict__ mean, const float* __restrict__ rstd, const T* __restrict__ weight,
+    T* __restrict__ dsummed, T* __restrict__ dx, float* __restrict__ dw_part,
+    float* __restrict__ db_part, int64_t rows, int64_t cols, int64_t rows_per_block,
+    Dropout dropout) {
+  __shared__ float shared[2 * 32];
+  const int64_t vecs = cols / N;
+  const int stride = blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t last = std::min(rows, first + rows_per_block);
+  // This block's row of partial sums; a thread only ever touches its own columns.
+  float* dw_row = dw_part ? dw_part + int64_t(blockIdx.x) * cols : nullptr;
+  float* db_row = db_part ? db_part + int64_t(blockIdx.x) * cols : nullptr;
+
+  float dw[kBackwardCache][N] = {}, db[kBackwardCache][N] = {};
+  // Columns past the cached vectors (very long rows) accumulate in the partial row itself.
+  for (int64_t v = threadIdx.x + int64_t(kBackwardCache) * stride; v < vecs; v += stride) {
+    const float zero[N] = {};
+    if (dw_row) store<N>(dw_row + v * N, zero);
+    if (db_row) store<N>(db_row + v * N, zero);
+  }
+
+  for (int64_t row = first; row < last; ++row) {
+    const int64_t base = row * cols;
+    const float mu = mean[row], rs = rstd[row];
+
+    // xhat and weight * dy at vector v; adds dy * xhat and dy to the parameter shares.
+    auto grads_at = [&](int64_t v, float (&xhat)[N], float (&wdy)[N], float (&dw_acc)[N],
+                        float (&db_acc)[N]) {
+      float g[N], w[N];
+      load<N>(dy + base + v * N, g);
+      load<N>(summed + base + v * N, xhat);
+      if (weight) load<N>(weight + v * N, w);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        xhat[i] = (xhat[i] - mu) * rs;
+        wdy[i] = weight ? g[i] * w[i] : g[i];
+        dw_acc[i] += g[i] * xhat[i];
+        db_acc[i] += g[i];
+      }
+    };
+    // dsummed (and dx under dropout) at vector v from xhat, weight * dy and the row's sums.
+    auto write_at = [&](int64_t v, const float(&xhat)[N], const float(&wdy)[N], float c1,
+                        float c2) {
+      const int64_t at = base + v * N;
+      float ds[N];
+      if (grad_summed) load<N>(grad_summed + at, ds);
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        ds[i] = (wdy[i] - (xhat[i] * c1 + c2)) * rs + (grad_summed ? ds[i] : 0.0f);
+      if (dsummed) store<N>(dsummed + at, ds);
+      if (dropout.active) {
+        dropout.apply<N>(at, ds);
+        store<N>(dx + at, ds);
+      }
+    };
+
+    float xhat[kBackwardCache][N], wdy[kBackwardCache][N];
+    float sums[2] = {0.0f, 0.0f};  // of xhat * wdy and of wdy
+#pragma unroll
+    for (int k = 0; k < kBackwardCache; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * stride;
+      if (v < vecs) {
+        grads_at(v, xhat[k], wdy[k], dw[k], db[k]);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          sums[0] += xhat[k][i] * wdy[k][i];
+          sums[1] += wdy[k][i];
+        }
+      }
+    }
+    for (int64_t v = threadIdx.x + int64_t(kBackwardCache) * stride; v < vecs; v += stride) {
+      float xh[N], wg[N], dw_acc[N] = {}, db_acc[N] = {};
+      grads_at(v, xh, wg, dw_acc, db_acc);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        sums[0] += xh[i] * wg[i];
+        sums[1] += wg[i];
+      }
+      if (dw_row) {
+        float acc[N];
+        load<N>(dw_row + v * N, acc);
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] += dw_acc[i];
+        store<N>(dw_row + v * N, acc);
+      }
+      if (db_row) {
+        float acc[N];
+        load<N>(db_row + v * N, acc);
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] += db_acc[i];
+        store<N>(db_row + v * N, acc);
+      }
+    }
+    block_sum(sums, shared);
+    const float c1 = sums[0] / cols, c2 = sums[1] / cols;
+
+#pragma unroll
+    for (int k = 0; k < kBackwardCache; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * stride;
+      if (v < vecs) write_at(v, xhat[k], wdy[k], c1, c2);
+    }
+    for (int64_t v = threadIdx.x + int64_t(kBackwardCache) * stride; v < vecs; v += stride) {
+      float xh[N], wg[N], unused_dw[N] = {}, unused_db[N] = {};
+      grads_at(v, xh, wg, unused_dw, unused_db);
+      write_at(v, xh, wg, c1, c2);
+    }
+  }
+
+#pragma unroll
+  for (int k = 0; k < kBackwardCache; ++k) {
+    const int64_t v = threadIdx.x + int64_t(k) * stride;
+    if (v < vecs) {
+      if (dw_row) store<N>(dw_row + v * N, dw[k]);
+      if (db_row) store<N>(db_row + v * N, db[k]);
+    }
+  }
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* name, const char* other) {
+  check_cuda(t, name);
+  check_same_device(t, like, name, other);
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", other, " ",
+                    like.sizes(), ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", other,
+                   " (", like.scalar_type(), "), got ", t.scalar_type());
+}
+
+// A contiguous [hidden] parameter checked against x, or an undefined tensor.
+at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  check_cuda(*t, name);
+  check_same_device(*t, x, name, "x");
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == x.size(-1), name, " must have shape [",
+                    x.size(-1), "], got ", t->sizes());
+  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
+                   x.scalar_type(), "), got ", t->scalar_type());
+  return t->contiguous();
+}
+
+at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
+
+// The stored statistics' checks: contiguous float32 [rows] on x's device.
+void check_stat(const at::Tensor& t, const at::Tensor& like, int64_t rows, const char* name) {
+  check_cuda(t, name);
+  check_same_device(t, like, name, "summed");
+  TORCH_CHECK_VALUE(t.numel() == rows && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                    " must be a contiguous [", rows, "] float32 tensor");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    double dropout_p, const at::Tensor& seed) {
+  check_cuda(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dimension");
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_residual) check_like(*residual, x, "residual", "x");
+  const auto w = param(weight, x, "weight"), b = param(bias, x, "bias");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Dropout dropout = dropout_stream(seed, dropout_p);
+
+  auto x2 = as_rows(x);
+  auto r2 = has_residual ? as_rows(*residual) : at::Tensor();
+  const int64_t rows = x2.size(0), cols = x2.size(1);
+  auto out = at::empty_like(x2), summed = at::empty_like(x2);
+  auto mean = at::empty({rows}, x2.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
+  dispatch(x.scalar_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    if (rows == 0) return;
+    const T *xp = ptr<T>(x2), *rp = ptr<T>(r2), *wp = ptr<T>(w), *bp = ptr<T>(b);
+    T *op = ptr<T>(out), *sp = ptr<T>(summed);
+    const auto stream = current_stream();
+    constexpr int V = kVec<T>;
+    if (cols % V == 0 && all_aligned16(xp, rp, wp, bp, op, sp)) {
+      add_layer_norm_forward_kernel<T, V><<<rows, row_threads(cols / V, kForwardCache), 0, stream>>>(
+          xp, rp, wp, bp, op, sp, ptr<float>(mean), ptr<float>(rstd), cols, float(eps), dropout);
+    } else {
+      add_layer_norm_forward_kernel<T, 1><<<rows, row_threads(cols, kForwardCache), 0, stream>>>(
+          xp, rp, wp, bp, op, sp, ptr<float>(mean), ptr<float>(rstd), cols, float(eps), dropout);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out.view(x.sizes()), summed.view(x.sizes()), mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_summed,
+    const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
+    const at::Tensor& seed) {
+  check_cuda(summed, "summed");
+  TORCH_CHECK_VALUE(summed.dim() >= 1 && summed.size(-1) > 0,
+                    "summed must have a non-empty last dimension");
+  check_like(grad_out, summed, "grad_out", "summed");
+  const bool has_grad_summed = grad_summed.has_value() && grad_summed->defined();
+  if (has_grad_summed) check_like(*grad_summed, summed, "grad_summed", "summed");
+  const auto w = param(weight, summed, "weight");
+  const c10::cuda::CUDAGuard guard(summed.device());
+  const Dropout dropout = dropout_stream(seed, dropout_p);
+
+  auto s2 = as_rows(summed);
+  const int64_t rows = s2.size(0), cols = s2.size(1);
+  check_stat(mean, summed, rows, "mean");
+  check_stat(rstd, summed, rows, "rstd");
+  auto g2 = as_rows(grad_out);
+  auto gs2 = has_grad_summed ? as_rows(*grad_summed) : at::Tensor();
+  // Without dropout dx is dsummed itself (the caller hands one tensor to both x and
+  // residual); with it, dsummed is written only for a residual.
+  auto dsummed = !dropout.active || has_residual ? at::empty_like(s2) : at::Tensor();
+  auto dx = dropout.active ? at::empty_like(s2) : at::Tensor();
+  at::Tensor dweight, dbias;
+  dispatch(summed.scalar_type(), "summed", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = kVec<T>;
+    const T *gp = ptr<T>(g2), *gsp = ptr<T>(gs2), *sp = ptr<T>(s2), *wp = ptr<T>(w);
+    T *dsp = ptr<T>(dsummed), *dxp = ptr<T>(dx);
+    const bool vector = cols % V == 0 && all_aligned16(gp, gsp, sp, wp, dsp, dxp);
+    const int threads = row_threads(vector ? cols / V : cols, kBackwardCache);
+    // Enough blocks to fill the device, but at least 8 rows each, so the partial sums
+    // stay small next to the rows themselves. Fixed per shape and device.
+    const int64_t resident = int64_t(multiprocessors()) * std::max(1, std::min(16, 2048 / threads));
+    const int64_t rows_per_block = std::max<int64_t>(8, ceil_div(rows, resident));
+    const int64_t blocks = ceil_div(rows, rows_per_block);
+    auto partial = s2.options().dtype(at::kFloat);
+    auto dw_part = at::empty({w.defined() ? blocks : 0, cols}, partial);
+    auto db_part = at::empty({has_bias ? blocks : 0, cols}, partial);
+    if (rows > 0) {
+      float *dwp = w.defined() ? ptr<float>(dw_part) : nullptr;
+      float *dbp = has_bias ? ptr<float>(db_part) : nullptr;
+      const auto stream = current_stream();
+      if (vector)
+        add_layer_norm_backward_kernel<T, V><<<blocks, threads, 0, stream>>>(
+            gp, gsp, sp, ptr<float>(mean), ptr<float>(rstd), wp, dsp, dxp, dwp, dbp, rows, cols,
+            rows_per_block, dropout);
+      else
+        add_layer_norm_backward_kernel<T, 1><<<blocks, threads, 0, stream>>>(
+            gp, gsp, sp, ptr<float>(mean), ptr<float>(rstd), wp, dsp, dxp, dwp, dbp, rows, cols,
+            rows_per_block, dropout);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (w.defined()) dweight = sum_partials<T>(dw_part, summed.scalar_type());
+    if (has_bias) dbias = sum_partials<T>(db_part, summed.scalar_type());
+  });
+  auto shaped = [&](const at::Tensor& t) { return t.defined() ? t.view(summed.sizes()) : t; };
+  return {shaped(dsummed), shaped(dx), dweight, dbias};
+}
+
+}  // namespace fusedlm::cuda

@@ -1,0 +1,69 @@
+"""One small run of every cuda-backend kernel, forward and backward, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python scripts/cuda_sanitize_run.py
+
+Shapes take each kernel through its vector and one-element paths, rows longer than the
+layer norm's register cache, dropout, ignored labels and the masked-LM chunks. It checks
+no values (the tests do): it exits non-zero when the cuda backend cannot run.
+"""
+import sys
+
+import torch
+
+import fusedlm
+from fusedlm.ops import cross_entropy as ce_module
+
+
+def grads(outputs, inputs):
+    present = [t for t in inputs if t is not None]
+    used = [o for o in outputs if o.requires_grad]
+    torch.autograd.grad(used, present, [torch.randn_like(o) for o in used])
+
+
+def main() -> int:
+    status = fusedlm.backends()["cuda"]
+    if status is not True:
+        print(f"the cuda backend cannot run: {status}", file=sys.stderr)
+        return 1
+    cuda = dict(device="cuda", requires_grad=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        # add_layer_norm: 64 (vectors), 33 (one element per load), 9000 (past the cache).
+        for hidden in (64, 33, 9000):
+            x, r = (torch.randn(5, hidden, dtype=dtype, **cuda) for _ in range(2))
+            w, b = (torch.randn(hidden, dtype=dtype, **cuda) for _ in range(2))
+            for p in (0.0, 0.2):
+                grads(fusedlm.ops.add_layer_norm(x, r, w, b, dropout_p=p, backend="cuda"), (x, r, w, b))
+        # bias_gelu
+        for width in (64, 33):
+            x = torch.randn(40, width, dtype=dtype, **cuda)
+            b = torch.randn(width, dtype=dtype, **cuda)
+            for approximate in ("none", "tanh"):
+                grads([fusedlm.ops.bias_gelu(x, b, approximate, backend="cuda")], (x, b))
+        # cross_entropy: 203 classes (unaligned rows), ignored labels, label smoothing.
+        logits = torch.randn(7, 203, dtype=dtype, **cuda)
+        labels = torch.tensor([0, 5, -100, 202, 17, -100, 100], device="cuda")
+        for reduction in ("mean", "none"):
+            loss = fusedlm.ops.cross_entropy(logits, labels, label_smoothing=0.1,
+                                             reduction=reduction, backend="cuda")
+            grads([loss], (logits,))
+        # masked_lm_loss in chunks of 2 rows.
+        hidden = torch.randn(7, 16, dtype=dtype, **cuda)
+        weight = torch.randn(203, 16, dtype=dtype, **cuda)
+        bias = torch.randn(203, dtype=dtype, **cuda)
+        saved = ce_module.LOGITS_CHUNK_BYTES
+        ce_module.LOGITS_CHUNK_BYTES = 2 * 203 * hidden.element_size()
+        try:
+            for reduction in ("sum", "none"):
+                loss = fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, reduction=reduction,
+                                                  backend="cuda")
+                grads([loss], (hidden, weight, bias))
+        finally:
+            ce_module.LOGITS_CHUNK_BYTES = saved
+    fusedlm._C.cuda.dropout_mask(torch.tensor(3), 5, [3, 7], 0.5, torch.cuda.current_device())
+    torch.cuda.synchronize()
+    print("ran every cuda kernel")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
