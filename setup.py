@@ -160,6 +160,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.6"],
         "hf": ["transformers", "tokenizers", "safetensors"],
+        "elmo": ["h5py"],
         "test": ["pytest", "pytest-benchmark", "hypothesis"],
     },
     zip_safe=False,

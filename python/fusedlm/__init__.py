@@ -7,10 +7,10 @@ pretraining era.
     fusedlm.explain("attention", q, k, v)   # which backend runs this call, and why
 """
 from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on a bad build)
-from . import nn, ops
+from . import models, nn, ops
 from .backends import backends, explain, get_backend, set_backend
 from .patching import patch, patch_report
 
 __version__ = "0.1.0"
-__all__ = ["nn", "ops", "backends", "explain", "get_backend", "patch", "patch_report", "set_backend",
+__all__ = ["models", "nn", "ops", "backends", "explain", "get_backend", "patch", "patch_report", "set_backend",
            "__version__"]

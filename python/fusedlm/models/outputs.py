@@ -1,0 +1,37 @@
+"""What the models return: dataclasses with the field names ``transformers`` uses, so
+code written against its outputs (``out.loss``, ``out.logits``, ...) reads these too.
+Fields a model does not compute are None."""
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import Tensor
+
+
+@dataclass
+class ModelOutput:
+    loss: Optional[Tensor] = None
+    # None in training with labels when the loss came from a fused head that never
+    # builds the full logits; real logits otherwise.
+    logits: Optional[Tensor] = None
+    last_hidden_state: Optional[Tensor] = None
+    pooler_output: Optional[Tensor] = None
+    hidden_states: Optional[tuple] = None  # the embeddings' output and each layer's
+
+
+@dataclass
+class PreTrainingOutput(ModelOutput):
+    """BERT's masked LM + next-sentence heads; ELECTRA's generator + discriminator."""
+
+    prediction_logits: Optional[Tensor] = None
+    seq_relationship_logits: Optional[Tensor] = None
+
+
+@dataclass
+class CausalLMOutput(ModelOutput):
+    past_key_values: Optional[object] = None
+
+
+@dataclass
+class QuestionAnsweringOutput(ModelOutput):
+    start_logits: Optional[Tensor] = None
+    end_logits: Optional[Tensor] = None
