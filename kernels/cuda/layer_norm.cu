@@ -5,10 +5,15 @@
 // the row in registers, so x and the residual are read once and out and summed written
 // once; rows longer than the block can hold (over 8192 float32 or 16384 bf16 elements)
 // read their remaining vectors back from summed, which this thread has just written
-// (L2). The statistics are of summed as stored, in three block reductions: the sum, the
-// centred sum (the rounding of the first mean, corrected: rows of equal values then
-// centre to exact zeros) and the centred sum of squares. Traffic: 2 reads and 2 writes
-// per element with a residual; it should run near the copy bandwidth.
+// (L2). out normalises summed before rounding, as the reference does; the saved
+// statistics are those of summed as stored, since the backward rebuilds xhat from it and
+// xhat must have mean 0 and variance 1 exactly there (else rows of near-zero variance turn
+// bf16/fp16 rounding into gradients of 1/sqrt(eps) times it). Both sets come from the
+// same three block reductions: the sum, the centred sum (the rounding of the first mean,
+// corrected: rows of equal values then centre to exact zeros) and the centred sum of
+// squares. Vectors read back from summed have only their stored values, so in rows past
+// the register cache out normalises those. Traffic: 2 reads and 2 writes per element
+// with a residual; it should run near the copy bandwidth.
 //
 // Backward: each block walks a contiguous range of rows, one row at a time with every
 // thread on it, and keeps its columns' shares of dweight and dbias in registers (columns
@@ -34,12 +39,12 @@ __global__ void __launch_bounds__(kRowThreads)
                                   T* __restrict__ out, T* __restrict__ summed,
                                   float* __restrict__ mean_out, float* __restrict__ rstd_out,
                                   int64_t cols, float eps, Dropout dropout) {
-  __shared__ float shared[32];
+  __shared__ float shared[2 * 32];
   const int64_t base = int64_t(blockIdx.x) * cols;
   const int64_t vecs = cols / N;
   const int stride = blockDim.x;
 
-  // summed at vector v: dropout(x) + residual, stored, and returned as stored.
+  // summed at vector v: dropout(x) + residual, stored, and returned before rounding.
   auto make_summed = [&](int64_t v, float (&s)[N]) {
     const int64_t at = base + v * N;
     load<N>(x + at, s);
@@ -51,29 +56,34 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int i = 0; i < N; ++i) s[i] += r[i];
     }
     store<N>(summed + at, s);
-#pragma unroll
-    for (int i = 0; i < N; ++i) s[i] = rounded<T>(s[i]);
   };
 
+  // stat[0] accumulates over summed before rounding, stat[1] over summed as stored.
   float cache[kForwardCache][N];
-  float stat[1] = {0.0f};
+  float stat[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int k = 0; k < kForwardCache; ++k) {
     const int64_t v = threadIdx.x + int64_t(k) * stride;
     if (v < vecs) {
       make_summed(v, cache[k]);
 #pragma unroll
-      for (int i = 0; i < N; ++i) stat[0] += cache[k][i];
+      for (int i = 0; i < N; ++i) {
+        stat[0] += cache[k][i];
+        stat[1] += rounded<T>(cache[k][i]);
+      }
     }
   }
   for (int64_t v = threadIdx.x + int64_t(kForwardCache) * stride; v < vecs; v += stride) {
     float s[N];
     make_summed(v, s);
 #pragma unroll
-    for (int i = 0; i < N; ++i) stat[0] += s[i];
+    for (int i = 0; i < N; ++i) {
+      stat[0] += s[i];
+      stat[1] += rounded<T>(s[i]);
+    }
   }
   block_sum(stat, shared);
-  const float first_mean = stat[0] / cols;
+  const float first_mean[2] = {stat[0] / cols, stat[1] / cols};
 
   // Calls f(s, v) for each of this thread's vectors of summed, cached or read back.
   auto each = [&](auto&& f) {
@@ -89,21 +99,30 @@ __global__ void __launch_bounds__(kRowThreads)
     }
   };
 
-  stat[0] = 0.0f;
+  stat[0] = stat[1] = 0.0f;
   each([&](const float(&s)[N], int64_t) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) stat[0] += s[i] - first_mean;
+    for (int i = 0; i < N; ++i) {
+      stat[0] += s[i] - first_mean[0];
+      stat[1] += rounded<T>(s[i]) - first_mean[1];
+    }
   });
   block_sum(stat, shared);
-  const float mean = first_mean + stat[0] / cols;
+  const float mean = first_mean[0] + stat[0] / cols;
+  const float mean_stored = first_mean[1] + stat[1] / cols;
 
-  stat[0] = 0.0f;
+  stat[0] = stat[1] = 0.0f;
   each([&](const float(&s)[N], int64_t) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) stat[0] += (s[i] - mean) * (s[i] - mean);
+    for (int i = 0; i < N; ++i) {
+      const float d = s[i] - mean, d_stored = rounded<T>(s[i]) - mean_stored;
+      stat[0] += d * d;
+      stat[1] += d_stored * d_stored;
+    }
   });
   block_sum(stat, shared);
   const float rstd = rsqrtf(stat[0] / cols + eps);
+  const float rstd_stored = rsqrtf(stat[1] / cols + eps);
 
   each([&](const float(&s)[N], int64_t v) {
     float y[N], w[N], b[N];
@@ -118,8 +137,8 @@ __global__ void __launch_bounds__(kRowThreads)
     store<N>(out + base + v * N, y);
   });
   if (threadIdx.x == 0) {
-    mean_out[blockIdx.x] = mean;
-    rstd_out[blockIdx.x] = rstd;
+    mean_out[blockIdx.x] = mean_stored;
+    rstd_out[blockIdx.x] = rstd_stored;
   }
 }
 

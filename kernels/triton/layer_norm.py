@@ -25,6 +25,17 @@ def _configs():
     return [triton.Config({}, num_warps=w) for w in (4, 8, 16, 2)]
 
 
+@triton.jit
+def _row_stats(s, mask, N, eps):
+    """The row's mean and 1/sqrt(variance + eps), in two passes over registers."""
+    mean = tl.sum(s, axis=0) / N
+    # The rounding of that sum, corrected from the centred values: rows of equal values
+    # (variance 0, where rstd = 1/sqrt(eps) magnifies any error) centre to exact zeros.
+    mean += tl.sum(tl.where(mask, s - mean, 0.0), axis=0) / N
+    centred = tl.where(mask, s - mean, 0.0)
+    return mean, tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
+
+
 @autotune(_configs(), key=["N", "HAS_RESIDUAL", "DROPOUT"])
 @triton.jit(do_not_specialize=["seed"])
 def _forward_kernel(X, R, W, B, OUT, SUMMED, MEAN, RSTD, N, eps, p, seed,
@@ -39,18 +50,16 @@ def _forward_kernel(X, R, W, B, OUT, SUMMED, MEAN, RSTD, N, eps, p, seed,
         s = tl.where(keep(seed, offsets, p), s / (1.0 - p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + offsets, mask=mask, other=0.0).to(tl.float32)
-    # The norm is of summed as stored, so the backward (which reads it back) sees
-    # exactly the values the forward normalised.
     stored = s.to(SUMMED.dtype.element_ty)
     tl.store(SUMMED + offsets, stored, mask=mask)
-    s = stored.to(tl.float32)
-    mean = tl.sum(s, axis=0) / N
-    # The rounding of that sum, corrected from the centred values: rows of equal values
-    # (variance 0, where rstd = 1/sqrt(eps) magnifies any error) centre to exact zeros.
-    mean += tl.sum(tl.where(mask, s - mean, 0.0), axis=0) / N
-    centred = tl.where(mask, s - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
-    out = centred * rstd
+    # out normalises summed before rounding, as the reference does. The saved statistics
+    # are those of summed as stored: the backward rebuilds xhat from it, and xhat must
+    # have mean 0 and variance 1 exactly there, or rows of near-zero variance turn
+    # bf16/fp16 rounding into gradients of 1/sqrt(eps) times it. In float32 the two agree.
+    mean, rstd = _row_stats(s, mask, N, eps)
+    out = tl.where(mask, s - mean, 0.0) * rstd
+    if SUMMED.dtype.element_ty != tl.float32:
+        mean, rstd = _row_stats(stored.to(tl.float32), mask, N, eps)
     if HAS_WEIGHT:
         out *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
