@@ -9,7 +9,7 @@ import torch
 
 import fusedlm
 from fusedlm.models import GPTConfig, GPTLMHeadModel, GPTModel
-from fusedlm.models.gpt import filter_logits
+from fusedlm.models.gpt import KVCache, filter_logits
 from test_readme import _python_block
 
 transformers = pytest.importorskip("transformers")
@@ -85,14 +85,17 @@ def test_parity_with_transformers(tmp_path):
         _assert_near(grad, theirs[name].grad, f"grad of {name}")
 
 
-def test_gpt_model_parity_and_training_logits(tmp_path):
+def test_training_with_labels_builds_no_logits():
     model = GPTLMHeadModel(_config()).train()
     ids = _tokens(2, 9, 101)
     out = model(ids, labels=ids)
     assert out.logits is None and out.loss is not None  # the fused loss never built them
     assert model(ids, labels=ids, return_logits=True).logits.shape == (2, 9, 101)
     assert model.eval()(ids, labels=ids).logits.shape == (2, 9, 101)
-    # The bare transformer, written by transformers' GPT2Model, loads into GPTModel.
+
+
+def test_gpt_model_loads_transformers_gpt2_model(tmp_path):
+    ids = _tokens(2, 9, 101)
     hf_body = transformers.GPT2Model(transformers.GPT2Config(**_hf_fields(_config())))
     hf_body.save_pretrained(tmp_path)
     body = GPTModel.from_pretrained(tmp_path)
@@ -209,6 +212,12 @@ def test_autocast_bfloat16():
 
 # --- generation ----------------------------------------------------------------------------------
 
+def _generator_model():
+    """A model whose greedy continuations vary with the context: at GPT-2's initial scale a
+    tiny model mostly repeats its last token, which no position or padding error changes."""
+    return GPTLMHeadModel(_config(initializer_range=0.5)).eval()
+
+
 def _left_padded(vocab=101):
     ids = _tokens(3, 7, vocab)
     mask = torch.ones_like(ids)
@@ -219,7 +228,7 @@ def _left_padded(vocab=101):
 
 
 def test_greedy_generation_with_cache_equals_recomputation_and_transformers(tmp_path):
-    model = GPTLMHeadModel(_config()).eval()
+    model = _generator_model()
     hf = _hf_copy(model, tmp_path).eval()
     ids, mask = _left_padded()
     cached = model.generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
@@ -243,7 +252,7 @@ def test_greedy_generation_with_cache_equals_recomputation_and_transformers(tmp_
 
 
 def test_sampling_is_reproducible_and_filters():
-    model = GPTLMHeadModel(_config()).eval()
+    model = _generator_model()
     ids, mask = _left_padded()
 
     def sample(seed, **options):
@@ -256,6 +265,15 @@ def test_sampling_is_reproducible_and_filters():
     greedy = model.generate(ids, mask, max_new_tokens=10, eos_token_id=[])
     assert torch.equal(sample(5, top_k=1), greedy)
     assert torch.equal(sample(5, top_p=1e-6), greedy)
+
+    # Each token drawn with top_k=3 is among the 3 most likely after its prefix.
+    tokens = sample(6, top_k=3, temperature=3.0)
+    full_mask = torch.cat([mask, torch.ones(3, 10, dtype=mask.dtype)], dim=1)
+    positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(tokens, full_mask, positions).logits[:, 6:-1]  # predicting tokens 7..
+    top3 = logits.topk(3, dim=-1).indices
+    assert (top3 == tokens[:, 7:, None]).any(-1).all()
 
     logits = torch.randn(4, 50)
     kept = filter_logits(logits, top_k=7).isfinite()
@@ -271,8 +289,6 @@ def test_sampling_is_reproducible_and_filters():
 
 def test_generation_under_torch_compile_matches():
     # One decoding step through attention_with_kvcache traces without graph breaks.
-    from fusedlm.models.gpt import KVCache
-
     model = GPTLMHeadModel(_config()).eval()
     ids = _tokens(2, 5, 101)
     with torch.no_grad():
@@ -306,7 +322,12 @@ def test_errors_name_the_argument():
         model(ids, position_ids=torch.arange(4)[None])
     right_padded = torch.ones_like(ids)
     right_padded[0, -1] = 0
+    all_padding = torch.ones_like(ids)
+    all_padding[1] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, torch.ones_like(ids), kv_cache=KVCache.empty(model.config, 2, 8, ids.float()))
     bad = [({"attention_mask": right_padded}, "attention_mask"),
+           ({"attention_mask": all_padding}, "attention_mask"),
            ({"max_new_tokens": 0}, "max_new_tokens"),
            ({"max_new_tokens": 44}, "max_new_tokens"),
            ({"temperature": 0.0}, "temperature"),

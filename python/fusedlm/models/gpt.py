@@ -286,6 +286,8 @@ class GPTLMHeadModel(PreTrainedModel):
         _padding(attention_mask, (B, T))
         attention_mask = attention_mask.to(torch.bool)
         leftpad = (T - attention_mask.sum(1)).to(torch.int32)  # (B,)
+        if bool((leftpad == T).any()):
+            raise ValueError("attention_mask: every sequence needs at least one token")
         if not torch.equal(attention_mask, torch.arange(T, device=input_ids.device) >= leftpad[:, None]):
             raise ValueError("attention_mask must pad on the left only (0s, then 1s): generate "
                              "appends tokens at the right")
