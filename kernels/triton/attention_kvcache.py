@@ -40,8 +40,8 @@ def _append_kernel(NEW, CACHE, SEQLENS, heads, dim, snb, sns, snh, snd, scb, scs
 def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, heads, dk, dv,
                     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                     sob, sos, soh, sod, HAS_LEFTPAD: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
+                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     b = (tl.program_id(0) // heads).to(tl.int64)
     h = tl.program_id(0) % heads
     i0 = tl.program_id(1) * BLOCK_M

@@ -84,7 +84,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, padding: Optional[Tensor], cache: Optional[KVCache],
                 layer: int) -> Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # (B, T, nh, hs)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.unbind(2)  # (B, T, nh, hs)
         if cache is None:
             y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                               key_padding_mask=padding,
@@ -288,7 +289,8 @@ class GPTLMHeadModel(PreTrainedModel):
         leftpad = (T - attention_mask.sum(1)).to(torch.int32)  # (B,)
         if bool((leftpad == T).any()):
             raise ValueError("attention_mask: every sequence needs at least one token")
-        if not torch.equal(attention_mask, torch.arange(T, device=input_ids.device) >= leftpad[:, None]):
+        real = torch.arange(T, device=input_ids.device) >= leftpad[:, None]  # (B, T)
+        if not torch.equal(attention_mask, real):
             raise ValueError("attention_mask must pad on the left only (0s, then 1s): generate "
                              "appends tokens at the right")
         positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
@@ -365,7 +367,8 @@ def _padding(attention_mask: Optional[Tensor], shape: tuple) -> Optional[Tensor]
 
 def _check_generation(max_new_tokens, temperature, top_k, top_p, prompt: int,
                       config: GPTConfig) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1):
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if prompt + max_new_tokens > config.n_positions:
         raise ValueError(f"the prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) "

@@ -20,8 +20,9 @@ def _check_lengths(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], seq_n
                    max_len: int) -> None:
     cached = cache_seqlens.cpu().long()
     total = cached + seq_new
-    if (cached < 0).any() or (total > max_len).any():
-        b = int(((cached < 0) | (total > max_len)).nonzero()[0])
+    bad = (cached < 0) | (total > max_len)
+    if bad.any():
+        b = int(bad.nonzero()[0])
         raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(cached[b])} + {seq_new} must lie "
                          f"in [0, max_cache_len = {max_len}]")
     if cache_leftpad is not None:
@@ -38,8 +39,8 @@ def _check_no_grad(**tensors: Optional[Tensor]) -> None:
         return
     for name, t in tensors.items():
         if t is not None and t.requires_grad:
-            raise RuntimeError(f"attention_with_kvcache has no backward (an inference op), but {name} "
-                               f"requires grad: call it under torch.no_grad() or "
+            raise RuntimeError(f"attention_with_kvcache has no backward (an inference op), but "
+                               f"{name} requires grad: call it under torch.no_grad() or "
                                f"torch.inference_mode()")
 
 
