@@ -102,6 +102,18 @@ def test_gpt_model_loads_transformers_gpt2_model(tmp_path):
     _assert_near(body(ids).last_hidden_state, hf_body(ids).last_hidden_state, "last_hidden_state")
 
 
+@pytest.mark.parametrize("setting", [dict(scale_attn_by_inverse_layer_idx=True),
+                                     dict(scale_attn_weights=False, n_inner=40)],
+                         ids=["inverse_layer_scale", "unscaled_n_inner"])
+def test_parity_with_transformers_attention_settings(tmp_path, setting):
+    model = GPTLMHeadModel(_config(**setting)).eval()
+    hf = _hf_copy(model, tmp_path)
+    ids = _tokens(2, 13, 101)
+    _assert_near(model(ids).logits, hf(ids).logits, "logits")
+    for name, value in setting.items():
+        assert getattr(hf.config, name) == value
+
+
 def _hf_fields(config):
     return {k: v for k, v in config.to_dict().items() if k != "model_type"}
 
@@ -310,6 +322,8 @@ def test_errors_name_the_argument():
         _config(n_embd=30)
     with pytest.raises(ValueError, match="activation_function"):
         _config(activation_function="relu")
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        _config(tie_word_embeddings=False)
     with pytest.raises(TypeError, match="input_ids"):
         model(ids.float())
     with pytest.raises(ValueError, match="input_ids"):

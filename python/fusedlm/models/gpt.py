@@ -45,8 +45,13 @@ class GPTConfig(Config):
     initializer_range: float = 0.02
     bos_token_id: int = 50256
     eos_token_id: int = 50256
+    scale_attn_weights: bool = True  # False: scores are q.k, unscaled
+    scale_attn_by_inverse_layer_idx: bool = False  # layer i's scores also divided by i + 1
+    tie_word_embeddings: bool = True
 
     def __post_init__(self):
+        if not self.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings must be True: GPT's head is its token embedding")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         # GPT-2's "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation.
@@ -74,12 +79,15 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.attn_pdrop
+        self.scale = (config.n_embd // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer + 1
 
     def forward(self, x: Tensor, padding: Optional[Tensor], cache: Optional[KVCache],
                 layer: int) -> Tensor:
@@ -88,14 +96,14 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.unbind(2)  # (B, T, nh, hs)
         if cache is None:
             y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                              key_padding_mask=padding,
+                              key_padding_mask=padding, scale=self.scale,
                               dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
             y = y.transpose(1, 2)
         else:
             keys, values = cache.keys[layer], cache.values[layer]  # (B, max_len, nh, hs)
             q, k, v = (t.to(keys.dtype) for t in (q, k, v))
             y = ops.attention_with_kvcache(q, keys, values, cache.seqlens, k, v,
-                                           cache_leftpad=cache.leftpad)
+                                           cache_leftpad=cache.leftpad, scale=self.scale)
         return self.c_proj(y.reshape(B, T, C))
 
 
@@ -121,15 +129,15 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, dropout_in: float):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
         # Dropout of what enters the residual stream here: the embeddings' for the first
         # block, the previous MLP's output for the others.
-        self.dropout_in = dropout_in
+        self.dropout_in = config.embd_pdrop if layer == 0 else config.resid_pdrop
         self.dropout = config.resid_pdrop
 
     def forward(self, x: Tensor, residual: Optional[Tensor], padding: Optional[Tensor] = None,
@@ -159,8 +167,7 @@ class GPTModel(PreTrainedModel):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(Block(config, config.embd_pdrop if i == 0 else config.resid_pdrop)
-                               for i in range(config.n_layer))
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.gradient_checkpointing = False
         self.apply(self._init_weights)
