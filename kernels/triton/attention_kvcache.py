@@ -24,20 +24,23 @@ BLOCK_N = 64
 
 
 @triton.jit
-def _append_kernel(NEW, CACHE, SEQLENS, heads, dim, snb, sns, snh, snd, scb, scs, sch, scd,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _append_kernel(NEW, CACHE, SEQLENS, heads, dim, max_len, snb, sns, snh, snd, scb, scs, sch,
+                   scd, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     pos = tl.load(SEQLENS + b).to(tl.int64) + t
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < heads) & (d < dim)
-    x = tl.load(NEW + b * snb + t * sns + h * snh + d * snd, mask=mask)
-    tl.store(CACHE + b * scb + pos * scs + h * sch + d * scd, x, mask=mask)
+    # Lengths are checked on the host only under FUSEDLM_DEBUG (it costs a sync): past the
+    # cache, a write is dropped rather than landing in another sequence's memory.
+    if pos < max_len:
+        x = tl.load(NEW + b * snb + t * sns + h * snh + d * snd, mask=mask)
+        tl.store(CACHE + b * scb + pos * scs + h * sch + d * scd, x, mask=mask)
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, heads, dk, dv,
+def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, max_len, heads, dk, dv,
                     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                     sob, sos, soh, sod, HAS_LEFTPAD: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -45,7 +48,7 @@ def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, heads
     b = (tl.program_id(0) // heads).to(tl.int64)
     h = tl.program_id(0) % heads
     i0 = tl.program_id(1) * BLOCK_M
-    total = tl.load(SEQLENS + b) + seq_new
+    total = tl.minimum(tl.load(SEQLENS + b) + seq_new, max_len)
     first = tl.load(LEFTPAD + b) if HAS_LEFTPAD else 0
     rows = i0 + tl.arange(0, BLOCK_M)
     ck = tl.arange(0, BLOCK_DK)
@@ -107,7 +110,7 @@ def _append(new, cache, seqlens):
     if batch == 0 or seq_new == 0:
         return
     _append_kernel[(batch, seq_new)](
-        new, cache, seqlens, heads, dim, *new.stride(), *cache.stride(),
+        new, cache, seqlens, heads, dim, cache.shape[1], *new.stride(), *cache.stride(),
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim))
 
 
@@ -125,8 +128,8 @@ def attention_with_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k_new, v_
     _forward_kernel[grid](
         q, k_cache, v_cache, out, cache_seqlens,
         cache_leftpad if cache_leftpad is not None else cache_seqlens, scale, seq_q,
-        0 if k_new is None else k_new.shape[1], heads, dk, dv, *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *out.stride(), HAS_LEFTPAD=cache_leftpad is not None,
+        0 if k_new is None else k_new.shape[1], k_cache.shape[1], heads, dk, dv, *q.stride(),
+        *k_cache.stride(), *v_cache.stride(), *out.stride(), HAS_LEFTPAD=cache_leftpad is not None,
         PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))
     return out

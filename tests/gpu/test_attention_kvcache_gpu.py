@@ -59,3 +59,15 @@ def test_a_decoding_step_replays_from_a_cuda_graph():
     expected = reference.attention_with_kvcache(q.float(), *ref_caches, seqlens, k_new.float(),
                                                 v_new.float(), cache_leftpad=pad)
     assert_relative_error(out, expected, torch.bfloat16, "out")
+
+
+def test_lengths_past_the_cache_write_nothing_outside_it():
+    # Unchecked on the GPU (without FUSEDLM_DEBUG): sequence 0's append past its end must
+    # not land at sequence 1's first positions, which follow it in memory.
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, _ = _step(torch.float32, 1, 1, False)
+    seqlens[0] = MAX_LEN
+    before = k_cache.clone()
+    out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                             backend="triton")
+    assert torch.equal(k_cache[1:, :int(seqlens[1])], before[1:, :int(seqlens[1])])
+    assert torch.equal(k_cache[0], before[0]) and out[0].isfinite().all()

@@ -94,6 +94,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     right); keys before cache_leftpad[b] (int32 [batch]) are padding. Returns out [batch,
     seqlen_q, heads, head_dim]; rows that see no key are zeros. scale defaults to 1 /
     sqrt(head_dim). No backward.
+
+    Lengths past max_cache_len raise for CPU tensors; on a GPU they are checked only under
+    FUSEDLM_DEBUG=1 (the check copies them to the host), and otherwise the triton kernel
+    drops the writes and keys past the cache.
     """
     choice = plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                          cache_leftpad=cache_leftpad, scale=scale, backend=backend)
