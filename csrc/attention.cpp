@@ -570,6 +570,89 @@ void check_saved(const at::Tensor& out, const at::Tensor& lse, const at::Tensor&
                     "lse must be the forward's log-sum-exp");
 }
 
+// attention_with_kvcache: appends k_new/v_new to the caches at each sequence's length,
+// then poses the decoding step as a padded, causal Problem over the caches read in place
+// ([batch, max_cache_len, heads, dim] seen as [batch, heads, seq, dim]): sequence b's keys
+// are positions [leftpad_b, total_b), total_b = cache_seqlens[b] + seqlen_new, and the
+// causal limit aligns its queries to total_b (the bottom right of its own keys).
+Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                        const std::optional<at::Tensor>& v_new,
+                        const std::optional<at::Tensor>& cache_leftpad, double scale) {
+  check_inputs(q, k_cache, v_cache, 4);
+  const int64_t batch = q.size(0), seq_q = q.size(1), heads = q.size(2), dk = q.size(3);
+  const int64_t max_len = k_cache.size(1), dv = v_cache.size(3);
+  TORCH_CHECK_VALUE(k_cache.size(0) == batch && k_cache.size(2) == heads && k_cache.size(3) == dk,
+                    "k_cache must have shape [batch, max_cache_len, heads, head_dim] = ",
+                    at::IntArrayRef{batch, max_len, heads, dk});
+  TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3).equals(k_cache.sizes().slice(0, 3)),
+                    "v_cache must match k_cache in batch, max_cache_len and heads");
+  auto lengths = [&](const at::Tensor& t, const char* name) {
+    check_cpu(t, name);
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == batch, name,
+                      " must be a 1-d int32 tensor [batch] = [", batch, "]");
+    std::vector<int64_t> values(batch);
+    for (int64_t b = 0; b < batch; ++b) values[b] = t.data_ptr<int32_t>()[b * t.stride(0)];
+    return values;
+  };
+  const std::vector<int64_t> cached = lengths(cache_seqlens, "cache_seqlens");
+  const bool append = k_new.has_value() && k_new->defined();
+  TORCH_CHECK_VALUE(append == (v_new.has_value() && v_new->defined()),
+                    "k_new and v_new must be given together");
+  const int64_t seq_new = append ? k_new->size(1) : 0;
+  if (append) {
+    check_cpu(*k_new, "k_new");
+    check_cpu(*v_new, "v_new");
+    TORCH_CHECK_TYPE(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type(),
+                     "k_new and v_new must have q's dtype");
+    TORCH_CHECK_VALUE(k_new->dim() == 4 && k_new->size(0) == batch && k_new->size(2) == heads &&
+                          k_new->size(3) == dk,
+                      "k_new must have shape [batch, seqlen_new, heads, head_dim]");
+    TORCH_CHECK_VALUE(v_new->dim() == 4 && v_new->size(0) == batch && v_new->size(1) == seq_new &&
+                          v_new->size(2) == heads && v_new->size(3) == dv,
+                      "v_new must have shape [batch, seqlen_new, heads, v's head_dim]");
+  }
+  Problem pb;
+  pb.dtype = kernel_dtype(q);
+  pb.acc = acc_dtype(q.scalar_type());
+  pb.batch = batch;
+  pb.heads = heads;
+  pb.dk = dk;
+  pb.dv = dv;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(cached[b] >= 0 && cached[b] + seq_new <= max_len, "cache_seqlens[", b,
+                      "] + seqlen_new = ", cached[b], " + ", seq_new,
+                      " must lie in [0, max_cache_len = ", max_len, "]");
+    pb.k_len.push_back(cached[b] + seq_new);
+  }
+  at::Tensor mask;
+  if (cache_leftpad && cache_leftpad->defined()) {
+    const std::vector<int64_t> pad = lengths(*cache_leftpad, "cache_leftpad");
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK_VALUE(pad[b] >= 0 && pad[b] <= pb.k_len[b], "cache_leftpad[", b, "] = ", pad[b],
+                        " must lie in [0, cache_seqlens[", b, "] + seqlen_new = ", pb.k_len[b], "]");
+    mask = at::arange(max_len, cache_leftpad->options().dtype(at::kLong)).unsqueeze(0) <
+           cache_leftpad->unsqueeze(1);
+  }
+  // Only now that every check has passed do the caches change.
+  if (append)
+    for (int64_t b = 0; b < batch; ++b) {
+      k_cache[b].narrow(0, cached[b], seq_new).copy_((*k_new)[b]);
+      v_cache[b].narrow(0, cached[b], seq_new).copy_((*v_new)[b]);
+    }
+  pb.q_row0.assign(batch, 0);
+  pb.k_row0.assign(batch, 0);
+  pb.q_len.assign(batch, seq_q);
+  pb.causal = true;
+  pb.scale = scale;
+  pb.q = padded_rows(q.transpose(1, 2));
+  pb.k = padded_rows(k_cache.transpose(1, 2));
+  pb.v = padded_rows(v_cache.transpose(1, 2));
+  pb.direct = q.scalar_type() == pb.acc;
+  pb.gather_keys(mask);
+  return pb;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(
@@ -644,6 +727,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   backward(pb, Grads{packed_rows(out), lse_rows(lse, true), packed_rows(grad), packed_rows(dq),
                      packed_rows(dk), packed_rows(dv), nullptr});
   return {dq, dk, dv};
+}
+
+at::Tensor attention_kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                     const std::optional<at::Tensor>& k_new,
+                                     const std::optional<at::Tensor>& v_new,
+                                     const std::optional<at::Tensor>& cache_leftpad, double scale) {
+  const Problem pb =
+      kvcache_problem(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale);
+  auto out = at::empty({pb.batch, q.size(1), pb.heads, pb.dv}, q.options());
+  auto lse = at::empty({pb.batch, pb.heads, q.size(1)}, q.options().dtype(pb.acc));
+  forward(pb, padded_rows(out.transpose(1, 2)), lse_rows(lse, false));
+  return out;
 }
 
 }  // namespace fusedlm

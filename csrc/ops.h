@@ -102,6 +102,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
     double dropout_p, double scale, const at::Tensor& seed);
 
+// Decoding attention over a KV cache: q [batch, seqlen_q, heads, head_dim], caches
+// [batch, max_cache_len, heads, head_dim]. k_new/v_new [batch, seqlen_new, ...] are first
+// written into the caches at positions cache_seqlens[b] (int32 [batch]) onwards; query i
+// then attends causally (bottom right) to keys [cache_leftpad[b], cache_seqlens[b] +
+// seqlen_new). Returns out [batch, seqlen_q, heads, v's head_dim].
+at::Tensor attention_kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                     const std::optional<at::Tensor>& k_new,
+                                     const std::optional<at::Tensor>& v_new,
+                                     const std::optional<at::Tensor>& cache_leftpad, double scale);
+
 // (packed [tokens, ...], indices int64 [tokens] into batch * seq, cu_seqlens int32
 // [batch + 1], longest sequence) of the non-padding tokens of hidden [batch, seq, ...].
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(

@@ -14,6 +14,7 @@ BACKEND = register(
             "masked_lm_loss": Kernel(_C.masked_lm_loss_forward, _C.masked_lm_loss_backward),
             "attention": Kernel(_C.attention_forward, _C.attention_backward),
             "attention_varlen": Kernel(_C.attention_varlen_forward, _C.attention_varlen_backward),
+            "attention_with_kvcache": Kernel(_C.attention_kvcache_forward),
             # unpad's backward is the pad op.
             "unpad": Kernel(_C.unpad_forward),
             "pad": Kernel(_C.pad_forward, _C.pad_backward),

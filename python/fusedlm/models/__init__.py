@@ -5,7 +5,9 @@ Each reads and writes checkpoints in the Hugging Face layout (``from_pretrained`
 written here loads in ``transformers``.
 """
 from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
+from .gpt import GPTConfig, GPTLMHeadModel, GPTModel
 from .outputs import CausalLMOutput, ModelOutput, PreTrainingOutput, QuestionAnsweringOutput
 
-__all__ = ["CausalLMOutput", "Config", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
-           "PreTrainingOutput", "QuestionAnsweringOutput"]
+__all__ = ["CausalLMOutput", "Config", "GPTConfig", "GPTLMHeadModel", "GPTModel", "KeyMap",
+           "KeyRule", "ModelOutput", "PreTrainedModel", "PreTrainingOutput",
+           "QuestionAnsweringOutput"]

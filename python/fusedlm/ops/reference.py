@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "attention", "attention_varlen", "unpad", "pad", "add_layer_norm",
+    "attention", "attention_varlen", "attention_with_kvcache", "unpad", "pad", "add_layer_norm",
     "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss",
 ]
 
@@ -36,23 +36,55 @@ def attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, d
     key_padding_mask is bool [batch, seq_k], True = padding. causal aligns to the
     bottom right when seq_q != seq_k. Rows with every key masked are zeros.
     """
-    acc = _acc(q.dtype)
     seq_q, seq_k = q.shape[-2], k.shape[-2]
+    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    return _attend(q, k, v, allowed, attn_bias, scale, dropout_p, dropout_mask)
+
+
+def _attend(q, k, v, allowed, attn_bias=None, scale=None, dropout_p=0.0, dropout_mask=None):
+    """softmax(q k^T * scale + bias) v over the keys `allowed` (bool, broadcastable to the
+    scores [batch, heads, seq_q, seq_k]); rows with no allowed key are zeros."""
+    acc = _acc(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if attn_bias is not None:
         scores = scores + attn_bias.to(acc)
-    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
     allowed = allowed.expand(scores.shape)
-    if key_padding_mask is not None:
-        allowed = allowed & ~key_padding_mask[:, None, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
     probs = _dropout(probs, dropout_p, dropout_mask)
     return torch.matmul(probs, v.to(acc)).to(q.dtype)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
+                           cache_leftpad=None, scale=None):
+    """One decoding step: q [batch, seqlen_q, heads, head_dim] over caches [batch,
+    max_cache_len, heads, head_dim].
+
+    k_new/v_new [batch, seqlen_new, ...] are written into the caches (in place) at
+    positions cache_seqlens[b] onwards; query i then sees the keys in
+    [cache_leftpad[b], total_b - seqlen_q + i], total_b = cache_seqlens[b] + seqlen_new.
+    """
+    batch, seq_q = q.shape[:2]
+    seq_new = 0 if k_new is None else k_new.shape[1]
+    if seq_new:
+        rows = torch.arange(batch, device=q.device)[:, None]
+        cols = cache_seqlens.long()[:, None] + torch.arange(seq_new, device=q.device)
+        k_cache[rows, cols] = k_new
+        v_cache[rows, cols] = v_new
+    total = cache_seqlens.long() + seq_new
+    first = torch.zeros_like(total) if cache_leftpad is None else cache_leftpad.long()
+    last = total[:, None] - seq_q + torch.arange(seq_q, device=q.device)  # [batch, seq_q]
+    pos = torch.arange(k_cache.shape[1], device=q.device)
+    allowed = (pos >= first[:, None, None]) & (pos <= last[:, :, None])  # [batch, seq_q, keys]
+    out = _attend(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                  allowed[:, None], scale=scale)
+    return out.transpose(1, 2)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

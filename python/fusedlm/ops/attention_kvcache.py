@@ -1,0 +1,122 @@
+"""attention_with_kvcache: one decoding step of causal attention over a preallocated KV cache.
+
+The layout and semantics are flash-attn's op of the same name. Shapes are static (the
+caches keep max_cache_len, the lengths are data), so a decoding step can be captured in
+a CUDA graph and compiled once. It is an inference op: it writes into the caches and has
+no backward, so calling it on tensors that require grad (with grad mode on) raises.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import choose, kernel, planner
+from . import _validate as check
+from . import reference
+from .attention import _check_head_dims, _resolve_scale, check_index_data
+
+
+def _check_lengths(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], seq_new: int,
+                   max_len: int) -> None:
+    cached = cache_seqlens.cpu().long()
+    total = cached + seq_new
+    bad = (cached < 0) | (total > max_len)
+    if bad.any():
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(cached[b])} + {seq_new} must lie "
+                         f"in [0, max_cache_len = {max_len}]")
+    if cache_leftpad is not None:
+        pad = cache_leftpad.cpu().long()
+        bad = (pad < 0) | (pad > total)
+        if bad.any():
+            b = int(bad.nonzero()[0])
+            raise ValueError(f"cache_leftpad[{b}] = {int(pad[b])} must lie in [0, cache_seqlens[{b}]"
+                             f" + seqlen_new = {int(total[b])}]")
+
+
+def _check_no_grad(**tensors: Optional[Tensor]) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"attention_with_kvcache has no backward (an inference op), but "
+                               f"{name} requires grad: call it under torch.no_grad() or "
+                               f"torch.inference_mode()")
+
+
+@planner("attention_with_kvcache")
+def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
+                                cache_leftpad=None, scale=None, backend=None):
+    check.tensor("q", q, ndim=4)
+    check.tensor("k_cache", k_cache, ndim=4)
+    check.tensor("v_cache", v_cache, ndim=4)
+    check.tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32,))
+    check.tensor("k_new", k_new, ndim=4, optional=True)
+    check.tensor("v_new", v_new, ndim=4, optional=True)
+    check.tensor("cache_leftpad", cache_leftpad, ndim=1, dtypes=(torch.int32,), optional=True)
+    batch, _, heads, head_dim = q.shape
+    max_len, head_dim_v = k_cache.shape[1], v_cache.shape[3]
+    check.shape("k_cache", k_cache, (batch, max_len, heads, head_dim))
+    check.shape("v_cache", v_cache, (batch, max_len, heads, head_dim_v))
+    check.shape("cache_seqlens", cache_seqlens, (batch,))
+    check.shape("cache_leftpad", cache_leftpad, (batch,))
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (or neither)")
+    seq_new = 0 if k_new is None else k_new.shape[1]
+    check.shape("k_new", k_new, (batch, seq_new, heads, head_dim))
+    check.shape("v_new", v_new, (batch, seq_new, heads, head_dim_v))
+    if seq_new > max_len:
+        raise ValueError(f"k_new has seqlen_new = {seq_new}, more than max_cache_len = {max_len}")
+    _check_head_dims(q, v_cache)
+    _resolve_scale(scale, head_dim)
+    check.same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+    device = check.same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                               k_new=k_new, v_new=v_new, cache_leftpad=cache_leftpad)
+    _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+    choice = choose("attention_with_kvcache", device, backend, dtype=q.dtype, head_dim=head_dim)
+    if check_index_data(device, choice.backend):
+        _check_lengths(cache_seqlens, cache_leftpad, seq_new, max_len)
+    return choice
+
+
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                           k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None, *,
+                           cache_leftpad: Optional[Tensor] = None, scale: Optional[float] = None,
+                           backend: Optional[str] = None) -> Tensor:
+    """Causal attention of q [batch, seqlen_q, heads, head_dim] over a KV cache.
+
+    k_cache/v_cache are [batch, max_cache_len, heads, head_dim]; cache_seqlens (int32
+    [batch]) counts the tokens already in each sequence's cache. k_new/v_new [batch,
+    seqlen_new, heads, head_dim] are written IN PLACE into the caches at positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens itself is not
+    changed: the caller advances it). Query i then attends to the keys up to total_b -
+    seqlen_q + i, total_b = cache_seqlens[b] + seqlen_new (causal, aligned to the bottom
+    right); keys before cache_leftpad[b] (int32 [batch]) are padding. Returns out [batch,
+    seqlen_q, heads, head_dim]; rows that see no key are zeros. scale defaults to 1 /
+    sqrt(head_dim). No backward.
+
+    Lengths past max_cache_len raise for CPU tensors; on a GPU they are checked only under
+    FUSEDLM_DEBUG=1 (the check copies them to the host), and otherwise the triton kernel
+    drops the writes and keys past the cache.
+    """
+    choice = plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                         cache_leftpad=cache_leftpad, scale=scale, backend=backend)
+    if choice.backend == "reference":
+        return reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                cache_leftpad=cache_leftpad, scale=scale)
+    return torch.ops.fusedlm.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad,
+        _resolve_scale(scale, q.shape[-1]), choice.backend)
+
+
+@torch.library.custom_op("fusedlm::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                            k_new: Optional[Tensor], v_new: Optional[Tensor],
+                            cache_leftpad: Optional[Tensor], scale: float, backend: str) -> Tensor:
+    return kernel(backend, "attention_with_kvcache").forward(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale)
+
+
+@_attention_with_kvcache.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale, backend):
+    return q.new_empty((*q.shape[:3], v_cache.shape[3]))

@@ -1,0 +1,170 @@
+"""attention_with_kvcache against the reference, on every backend that has it."""
+import pytest
+import torch
+
+import fusedlm
+from fusedlm.ops import reference
+from conftest import assert_close, backend_device, backends_for, fresh
+
+CASES = {
+    # name: (batch, heads, seq_q, seq_new, max_len, head_dim, cached lengths, left padding)
+    "decode": (4, 2, 1, 1, 40, 16, [0, 17, 39, 5], None),
+    "prefill": (3, 2, 6, 6, 20, 16, [0, 9, 14], None),
+    "read_only": (3, 3, 1, 0, 33, 8, [1, 33, 20], None),
+    "queries_only": (2, 2, 5, 0, 24, 16, [3, 24], None),  # the first rows of short ones see nothing
+    "fewer_queries_than_new": (2, 2, 2, 5, 30, 16, [0, 25], None),
+    "left_padded": (4, 2, 1, 1, 36, 16, [7, 20, 35, 3], [3, 0, 30, 4]),
+    "left_padded_prefill": (3, 2, 4, 4, 25, 24, [0, 10, 21], [2, 9, 0]),
+    "long": (2, 2, 3, 3, 300, 32, [150, 297], [40, 0]),  # several key blocks
+}
+
+
+def _case(name, dtype, device):
+    batch, heads, seq_q, seq_new, max_len, head_dim, cached, leftpad = CASES[name]
+    q = fresh((batch, seq_q, heads, head_dim), dtype, device, requires_grad=False)
+    caches = [fresh((batch, max_len, heads, head_dim), dtype, device, requires_grad=False)
+              for _ in range(2)]
+    new = [fresh((batch, seq_new, heads, head_dim), dtype, device, requires_grad=False)
+           for _ in range(2)] if seq_new else [None, None]
+    seqlens = torch.tensor(cached, dtype=torch.int32, device=device)
+    pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device=device)
+    return q, caches, new, seqlens, pad
+
+
+def _double(t):
+    return None if t is None else t.double()
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
+@pytest.mark.parametrize("case", CASES)
+def test_attention_with_kvcache_matches_reference(backend, case):
+    device = backend_device(backend)
+    dtype = torch.float32
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case(case, dtype, device)
+    ref_caches = [k_cache.double(), v_cache.double()]
+    before = [k_cache.clone(), v_cache.clone()]
+
+    out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                             cache_leftpad=pad, backend=backend)
+    expected = reference.attention_with_kvcache(q.double(), *ref_caches, seqlens, _double(k_new),
+                                                _double(v_new), cache_leftpad=pad)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, expected, name="out")
+    # The append: the new tokens land at each sequence's length, nothing else moves.
+    seq_new = 0 if k_new is None else k_new.shape[1]
+    for cache, old, new in zip((k_cache, v_cache), before, (k_new, v_new)):
+        for b, n in enumerate(seqlens.tolist()):
+            assert torch.equal(cache[b, :n], old[b, :n])
+            assert torch.equal(cache[b, n + seq_new:], old[b, n + seq_new:])
+            if seq_new:
+                assert torch.equal(cache[b, n:n + seq_new], new[b])
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
+def test_attention_with_kvcache_low_precision(backend):
+    device = backend_device(backend)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded_prefill", dtype,
+                                                                    device)
+        ref_caches = [k_cache.double(), v_cache.double()]
+        out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                                 cache_leftpad=pad, backend=backend)
+        expected = reference.attention_with_kvcache(q.double(), *ref_caches, seqlens,
+                                                    k_new.double(), v_new.double(),
+                                                    cache_leftpad=pad)
+        assert out.dtype == dtype
+        assert_close(out, expected, name=f"out ({dtype})")
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache") + ["reference"])
+def test_attention_with_kvcache_equals_attention_over_the_sequence(backend):
+    # Each sequence's step is causal attention of its queries over its own keys
+    # [leftpad, total), written out explicitly.
+    device = backend_device(backend) if backend != "reference" else torch.device("cpu")
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded_prefill",
+                                                                torch.float32, device)
+    out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                             cache_leftpad=pad, backend=backend)
+    for b in range(q.shape[0]):
+        first, total = int(pad[b]), int(seqlens[b]) + k_new.shape[1]
+        k = k_cache[b:b + 1, first:total].transpose(1, 2)
+        v = v_cache[b:b + 1, first:total].transpose(1, 2)
+        expected = fusedlm.ops.attention(q[b:b + 1].transpose(1, 2), k, v, causal=True,
+                                         backend="cpu" if device.type == "cpu" else None)
+        assert_close(out[b:b + 1], expected.transpose(1, 2).double(), name=f"sequence {b}")
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
+def test_decoding_token_by_token_equals_one_causal_pass(backend):
+    # Prefill 5 tokens, then append 4 one at a time: each step's output is that row of
+    # causal attention over the whole sequence.
+    device = backend_device(backend)
+    batch, heads, dim, steps = 2, 2, 16, 9
+    q, k, v = (fresh((batch, steps, heads, dim), torch.float32, device, requires_grad=False)
+               for _ in range(3))
+    k_cache = torch.zeros(batch, 12, heads, dim, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+    outs = [fusedlm.ops.attention_with_kvcache(q[:, :5], k_cache, v_cache, seqlens, k[:, :5],
+                                               v[:, :5], backend=backend)]
+    seqlens += 5
+    for t in range(5, steps):
+        outs.append(fusedlm.ops.attention_with_kvcache(q[:, t:t + 1], k_cache, v_cache, seqlens,
+                                                       k[:, t:t + 1], v[:, t:t + 1],
+                                                       backend=backend))
+        seqlens += 1
+    expected = reference.attention(*(t.double().transpose(1, 2) for t in (q, k, v)), causal=True)
+    assert_close(torch.cat(outs, dim=1), expected.transpose(1, 2), name="out")
+
+
+def test_attention_with_kvcache_compiles_without_graph_breaks():
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded", torch.float32, "cpu")
+    ref_caches = [k_cache.double(), v_cache.double()]
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                                 cache_leftpad=pad, backend="cpu")
+        return out * 2
+
+    out = torch.compile(step, fullgraph=True)(q, k_cache, v_cache, k_new, v_new)
+    expected = reference.attention_with_kvcache(q.double(), *ref_caches, seqlens, k_new.double(),
+                                                v_new.double(), cache_leftpad=pad) * 2
+    assert_close(out, expected)
+    # The compiled step wrote into the caches the caller holds.
+    assert_close(k_cache, ref_caches[0], name="k_cache")
+    assert_close(v_cache, ref_caches[1], name="v_cache")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_attention_with_kvcache_rejects_bad_input(backend):
+    # The lengths are checked on the CPU whatever the backend: in the C++ op, or in Python.
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded", torch.float32, "cpu")
+    ok = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, k_new=k_new,
+              v_new=v_new, cache_leftpad=pad)
+    int32 = dict(dtype=torch.int32)
+    cases = [
+        (ValueError, "q", dict(q=q[0])),
+        (ValueError, "k_cache", dict(k_cache=k_cache[:, :, :1])),
+        (ValueError, "v_cache", dict(v_cache=v_cache[:, :5])),
+        (TypeError, "v_cache", dict(v_cache=v_cache.double())),
+        (TypeError, "cache_seqlens", dict(cache_seqlens=seqlens.long())),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=seqlens[:2])),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=torch.tensor([7, 20, 36, 3], **int32))),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=torch.tensor([7, -1, 3, 3], **int32))),
+        (TypeError, "cache_leftpad", dict(cache_leftpad=pad.float())),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([3, 0, 37, 4], **int32))),
+        (ValueError, "k_new", dict(k_new=k_new[:, :, :1])),
+        (ValueError, "k_new and v_new", dict(v_new=None)),
+        (ValueError, "scale", dict(scale=float("inf"))),
+        (RuntimeError, "q requires grad", dict(q=q.clone().requires_grad_())),
+    ]
+    for error, name, change in cases:
+        args = ok | change
+        before = k_cache.clone()
+        with pytest.raises(error, match=name):
+            fusedlm.ops.attention_with_kvcache(*list(args.values())[:6], backend=backend,
+                                               **{k: v for k, v in list(args.items())[6:]})
+        assert torch.equal(k_cache, before), f"{name}: a rejected call changed the cache"
+    with torch.no_grad():  # no grad mode: a tensor that requires grad is fine
+        fusedlm.ops.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, seqlens,
+                                           backend=backend)
