@@ -157,9 +157,11 @@ setup(
     ext_modules=[extension(sources, with_cuda)],
     cmdclass={"build_clib": BuildIsaLibraries, "build_ext": BuildExtension},
     install_requires=["torch>=2.11", "numpy"],
+    entry_points={"console_scripts": ["fusedlm = fusedlm.cli:main"]},
     extras_require={
         "triton": ["triton>=3.6"],
         "hf": ["transformers", "tokenizers", "safetensors"],
+        "cli": ["tokenizers", "safetensors", "tqdm", "matplotlib"],
         "elmo": ["h5py"],
         "test": ["pytest", "pytest-benchmark", "hypothesis"],
     },

@@ -1,0 +1,77 @@
+"""Training checkpoints: ``OUT/checkpoint-<step>/`` holds the model in the
+``save_pretrained`` layout, its ``tokenizer.json`` and ``trainer_state.pt`` (optimizer,
+schedule, loss scaler, random generators, data position, settings).
+
+A checkpoint is written into a hidden temporary folder and renamed into place, so a
+kill leaves either the old checkpoint or the new one, never half of one. The model and
+tokenizer are also exported to OUT itself (each file replaced atomically), so that
+``--model OUT`` reads the latest weights.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..models._pretrained import CONFIG_NAME, _atomic_write
+from . import tokenizer as tok
+
+STATE_NAME = "trainer_state.pt"
+_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+def checkpoints(out) -> list:
+    """The complete checkpoints in ``out``, oldest first."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and (p / STATE_NAME).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(out) -> Optional[Path]:
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def holds_model(out) -> bool:
+    """Whether ``out`` already holds a checkpoint or an exported model."""
+    return latest(out) is not None or (Path(out) / CONFIG_NAME).is_file()
+
+
+def save(out, step: int, model, tokenizer, state: dict, keep: int = 1) -> Path:
+    """Writes checkpoint-<step> (then deletes all but the newest ``keep``) and exports
+    the model and tokenizer to ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    final = out / f"checkpoint-{step}"
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{final.name}."))
+    try:
+        model.save_pretrained(tmp)
+        _write_tokenizer(tmp, tokenizer)
+        _atomic_write(tmp / STATE_NAME, lambda f: torch.save(state, f))
+        if final.exists():  # saved at this step before (a re-run of the last step)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoints(out)[:-keep]:
+        shutil.rmtree(old)
+    model.save_pretrained(out)
+    _write_tokenizer(out, tokenizer)
+    return final
+
+
+def load_state(directory) -> dict:
+    return torch.load(Path(directory) / STATE_NAME, map_location="cpu", weights_only=True)
+
+
+def _write_tokenizer(directory: Path, tokenizer) -> None:
+    _atomic_write(directory / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))

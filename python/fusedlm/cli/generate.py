@@ -1,0 +1,49 @@
+"""fusedlm generate: continues a prompt with a GPT checkpoint."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .common import load_model, positive_int, resolve_device
+from .errors import UsageError
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("generate", help="continue a prompt with a GPT checkpoint",
+                            description="Continues --prompt with the model in --model (greedy "
+                                        "with --temperature 0, else sampled) and prints the text.")
+    p.add_argument("--model", required=True, metavar="DIR", help="a GPT checkpoint directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=positive_int, default=50)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 picks the most probable token (default 1.0)")
+    p.add_argument("--top-k", type=positive_int, help="sample among the k most probable tokens")
+    p.add_argument("--top-p", type=float, help="sample among the most probable tokens of total "
+                                               "probability p (nucleus sampling)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must not be negative, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    device = resolve_device(args.device)
+    _, model, tokenizer = load_model(args.model, "generate", device)
+    ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    if not ids:
+        raise UsageError("--prompt is empty")
+    room = model.config.n_positions
+    if len(ids) + args.max_new_tokens > room:
+        raise UsageError(f"--prompt is {len(ids)} tokens: with --max-new-tokens "
+                         f"{args.max_new_tokens} that is more than the model's {room} positions")
+    sample = args.temperature > 0
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
+                         do_sample=sample, temperature=args.temperature if sample else 1.0,
+                         top_k=args.top_k, top_p=args.top_p,
+                         generator=torch.Generator(device).manual_seed(args.seed))
+    print(args.prompt + tokenizer.decode(out[0, len(ids):].tolist()))
+    return 0

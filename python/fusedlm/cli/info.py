@@ -1,0 +1,53 @@
+"""fusedlm info: what this installation can run."""
+from __future__ import annotations
+
+import argparse
+import platform
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("info", help="versions, backends and devices",
+                            description="Prints fusedlm's version, which backends can run and "
+                                        "why not, the CUDA architectures compiled in, the torch "
+                                        "and triton versions and the devices found.")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import fusedlm
+    from fusedlm import _build_info
+
+    lines = [("fusedlm", fusedlm.__version__),
+             ("python", platform.python_version()),
+             ("torch", torch.__version__ + (f" (CUDA {torch.version.cuda})" if torch.version.cuda
+                                            else "")),
+             ("triton", _version("triton")),
+             ("compiled against", f"torch {_build_info.torch_version}, CUDA "
+                                  f"{_build_info.cuda_version or 'none'}"),
+             ("CUDA arches", _build_info.cuda_arches or "none")]
+    for name, ok in fusedlm.backends().items():
+        lines.append((f"backend {name}", "available" if ok is True else f"unavailable: {ok}"))
+    lines.append(("device", _devices(torch)))
+    width = max(len(name) for name, _ in lines)
+    for name, value in lines:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def _version(module: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices(torch) -> str:
+    if torch.cuda.is_available():
+        names = [f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+                 for i in range(torch.cuda.device_count())]
+        return ", ".join(names)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -1,0 +1,235 @@
+"""fusedlm pretrain: trains a model from scratch on a corpus (by default the docstrings
+of Python's standard library), with checkpoints that --resume continues exactly."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, registry
+from . import tokenizer as tok
+from .common import DTYPES, positive_int, resolve_device
+from .corpus import default_corpus, read_corpus
+from .data import BlockOrder, fingerprint
+from .distributed import Processes
+from .errors import UsageError
+from .train import MetricsLog, Progress, Trainer, inputs_to, plot_losses, rows
+
+# Settings a resumed run takes from its checkpoint (a different value given is an error,
+# as it would change the losses); None here: no default, derived at the start.
+FIXED = {"model": None, "size": "tiny", "corpus": None, "tokenizer": None, "vocab_size": None,
+         "seq_len": 128, "grad_accum": 1, "lr": None, "warmup": None, "clip": 1.0,
+         "dropout": None, "dtype": "fp32", "seed": 0}
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "pretrain", help="train a model from scratch on a corpus",
+        description="Pretrains a model from scratch. Without --corpus it trains on the "
+                    "docstrings of Python's standard library. Writes checkpoints, "
+                    "metrics.jsonl and loss.png to --out. Under torchrun, every process "
+                    "trains on its share of each batch (DistributedDataParallel).")
+    p.add_argument("--model", choices=sorted(registry.SPECS), help="the model to train")
+    p.add_argument("--size", choices=list(registry.SIZES),
+                   help="tiny: 2 layers, hidden 128; small: 12 layers, hidden 256; base: "
+                        "BERT-base / GPT-2 small (default tiny)")
+    p.add_argument("--corpus", nargs="+", metavar="FILE_OR_DIR",
+                   help="text files or folders of them (default: Python's docstrings)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="a tokenizer.json (or a folder with one) to use instead of training one")
+    p.add_argument("--vocab-size", type=positive_int,
+                   help="the most tokens the trained tokenizer may have (default by --size)")
+    p.add_argument("--steps", type=positive_int, help="optimizer steps in all (default 1000)")
+    p.add_argument("--batch-size", type=positive_int,
+                   help="sequences per process per micro-batch (default 8)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 128)")
+    p.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (default 1)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default by --size)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default: a tenth of --steps)")
+    p.add_argument("--clip", type=float, help="gradient norm clip, 0 for none (default 1.0)")
+    p.add_argument("--dropout", type=float, help="dropout probability (default the model's)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
+    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--out", help="output folder (default <model>-<size>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out, with its settings")
+    p.add_argument("--save-every", type=positive_int,
+                   help="steps between checkpoints (default 500; one is always saved at the end)")
+    p.add_argument("--log-every", type=positive_int, default=10,
+                   help="steps between metrics records (default 10)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    processes = Processes.from_env()
+    device = resolve_device(args.device)
+    if processes.world > 1 and device.type == "cuda":
+        device = torch.device("cuda", processes.local_rank)
+    resumed, settings, state = _settings(args, processes)
+    spec, size = registry.SPECS[settings["model"]], registry.SIZES[settings["size"]]
+    out = Path(settings["out"])
+    corpus = read_corpus(settings["corpus"]) if settings["corpus"] else default_corpus()
+    if corpus.replaced_bytes and processes.main:
+        print(f"fusedlm pretrain: warning: {corpus.replaced_bytes} undecodable bytes in the "
+              "corpus were replaced by U+FFFD", file=sys.stderr)
+    processes.start(device)
+    try:
+        return _train(args, processes, device, resumed, settings, state, spec, size, out, corpus)
+    finally:
+        processes.stop()
+
+
+def _settings(args, processes: Processes) -> tuple:
+    """(checkpoint resumed or None, settings, its trainer state or None)."""
+    given = {name: getattr(args, name) for name in FIXED}
+    if given["corpus"]:
+        given["corpus"] = [str(Path(c).resolve()) for c in given["corpus"]]
+    if given["tokenizer"]:
+        given["tokenizer"] = str(Path(given["tokenizer"]).resolve())
+    if args.resume:
+        out = args.out or (args.model and f"{args.model}-{args.size or 'tiny'}")
+        if not out:
+            raise UsageError("--resume needs --out, the folder of the run to continue")
+        found = checkpoint.latest(out)
+        if found is None:
+            raise UsageError(f"--resume: {out} holds no checkpoint to continue")
+        state = checkpoint.load_state(found)
+        settings = dict(state["settings"])
+        for name, value in given.items():
+            if value is not None and value != settings[name]:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} {value} differs from the checkpoint's "
+                                 f"{settings[name]}: a resumed run keeps its settings")
+        if args.batch_size is not None and args.batch_size * processes.world != settings["global_batch"]:
+            raise UsageError(f"--batch-size {args.batch_size} x {processes.world} processes differs "
+                             f"from the checkpoint's global batch of {settings['global_batch']}")
+        if settings["global_batch"] % processes.world:
+            raise UsageError(f"the checkpoint's global batch of {settings['global_batch']} does "
+                             f"not split between {processes.world} processes")
+        settings["steps"] = args.steps or settings["steps"]
+        if settings["steps"] <= state["step"]:
+            raise UsageError(f"--steps {settings['steps']}: {found} is already at step "
+                             f"{state['step']}")
+        settings["out"] = str(out)
+        return found, settings, state
+    if args.model is None:
+        raise UsageError("--model is needed (one of " + ", ".join(sorted(registry.SPECS)) + ")")
+    settings = {name: FIXED[name] if value is None else value for name, value in given.items()}
+    size = registry.SIZES[settings["size"]]
+    settings["steps"] = args.steps or 1000
+    settings["lr"] = size.lr if settings["lr"] is None else settings["lr"]
+    settings["warmup"] = settings["steps"] // 10 if settings["warmup"] is None else settings["warmup"]
+    settings["vocab_size"] = settings["vocab_size"] or size.vocab
+    settings["global_batch"] = (args.batch_size or 8) * processes.world
+    settings["out"] = args.out or f"{settings['model']}-{settings['size']}"
+    for name in ("warmup", "clip"):
+        if settings[name] < 0:
+            raise UsageError(f"--{name} must not be negative, got {settings[name]}")
+    if not settings["lr"] > 0:
+        raise UsageError(f"--lr must be positive, got {settings['lr']}")
+    if settings["dropout"] is not None and not 0 <= settings["dropout"] < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {settings['dropout']}")
+    if checkpoint.holds_model(settings["out"]):
+        raise UsageError(f"--out {settings['out']} already holds a checkpoint: pass --resume to "
+                         "continue it, or choose another --out")
+    return None, settings, None
+
+
+def _tokenizer(spec, settings, resumed, corpus, processes: Processes):
+    if resumed is not None:
+        return tok.load(resumed)
+    if settings["tokenizer"]:
+        return tok.load(settings["tokenizer"])
+    # One process trains it; the others take its JSON, so all share one vocabulary.
+    text = tok.train(spec.tokenizer, corpus.documents, settings["vocab_size"]).to_str() \
+        if processes.main else None
+    return tok.from_json(processes.broadcast(text))
+
+
+def _train(args, processes, device, resumed, settings, state, spec, size, out, corpus) -> int:
+    tokenizer = _tokenizer(spec, settings, resumed, corpus, processes)
+    torch.manual_seed(settings["seed"])
+    if resumed is None:
+        model = spec.build(size, tokenizer, settings["dropout"])
+    else:
+        model = spec.heads["pretrain"].from_pretrained(resumed)
+    positions = spec.positions(model.config)
+    if settings["seq_len"] > positions:
+        raise UsageError(f"--seq-len {settings['seq_len']} is more than the model's {positions} "
+                         "positions")
+    ids = [e.ids for e in tokenizer.encode_batch(corpus.documents, add_special_tokens=False)]
+    blocks = spec.blocks(ids, tokenizer, settings["seq_len"])
+    if blocks.shape[0] == 0:
+        raise UsageError(f"the corpus has {sum(map(len, ids))} tokens, too few for one "
+                         f"--seq-len {settings['seq_len']} sequence")
+    if resumed is not None and fingerprint(blocks) != state["data"]:
+        raise UsageError(f"--resume: the corpus or tokenizer differs from the one {resumed} "
+                         "was trained on")
+
+    model.to(device)
+    trainer = Trainer(processes.wrap(model, device), lr=settings["lr"], warmup=settings["warmup"],
+                      steps=settings["steps"], clip=settings["clip"],
+                      dtype=DTYPES[settings["dtype"]], device=device, processes=processes)
+    start = 0
+    if resumed is not None:
+        trainer.load_state_dict(state["trainer"])
+        _set_rng(state["rng"][processes.rank], device)
+        start = state["step"]
+    order = BlockOrder(blocks, settings["seed"])
+    metrics = MetricsLog(out, keep_until=start) if processes.main else None
+    global_batch, accum = settings["global_batch"], settings["grad_accum"]
+    tokens_per_step = global_batch * accum * settings["seq_len"]
+    progress = Progress(settings["steps"], start, args.log_every, enabled=processes.main)
+    save_every = args.save_every or 500
+    began, since_log = time.perf_counter(), []
+    for step in range(start, settings["steps"]):
+        tick = time.perf_counter()
+        micro = []
+        for m in range(accum):
+            generator = torch.Generator().manual_seed(hash((settings["seed"], step, m)) % 2**63)
+            inputs = spec.batch(order.take((step * accum + m) * global_batch, global_batch),
+                                tokenizer, generator)
+            micro.append(inputs_to(rows(inputs, processes.rank, processes.world), device))
+        lr = trainer.lr
+        loss = trainer.step(micro, spec.loss)
+        done = step + 1
+        tokens_per_s = tokens_per_step / (time.perf_counter() - tick)
+        since_log.append(loss)
+        progress.update(done, loss, tokens_per_s)
+        if metrics is not None and (done % args.log_every == 0 or done == settings["steps"]):
+            metrics.write({"step": done, "loss": sum(since_log) / len(since_log), "lr": lr,
+                           "tokens": done * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
+                           "elapsed_s": round(time.perf_counter() - began, 3)})
+            since_log = []
+        if done % save_every == 0 or done == settings["steps"]:
+            _save(out, done, model, tokenizer, trainer, settings, blocks, device, processes)
+    progress.close()
+    if processes.main:
+        plot_losses(out)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"{spec.name} ({params / 1e6:.1f}M parameters) trained to step {settings['steps']}, "
+              f"loss {loss:.4f}: {out}")
+    return 0
+
+
+def _save(out, step, model, tokenizer, trainer, settings, blocks, device, processes) -> None:
+    rng = processes.gather(_rng(device))  # every process's, so each resumes its own stream
+    if processes.main:
+        checkpoint.save(out, step, model, tokenizer, {
+            "step": step, "settings": settings, "trainer": trainer.state_dict(), "rng": rng,
+            "data": fingerprint(blocks)})
+
+
+def _rng(device: torch.device) -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,106 @@
+"""What the command line knows about each model: one :class:`ModelSpec` per model.
+
+A spec says how to build the model at a ``--size``, which tokenizer it uses, how token
+blocks become a training batch and a loss, and which classes serve each command. The
+commands read specs only; adding a model is adding an entry here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from .. import models
+from . import tokenizer as tok
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int  # the tokenizer trained on the corpus has at most this many tokens
+    lr: float
+
+
+SIZES = {
+    "tiny": Size(layers=2, hidden=128, heads=2, vocab=8000, lr=1e-3),
+    "small": Size(layers=12, hidden=256, heads=4, vocab=16000, lr=5e-4),  # ELECTRA-Small
+    "base": Size(layers=12, hidden=768, heads=12, vocab=32000, lr=1e-4),  # BERT-base, GPT-2 small
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """``build(size, tokenizer, dropout)``: a fresh model to pretrain.
+    ``blocks(documents, tokenizer, seq_len)``: the corpus as a [blocks, seq_len] tensor.
+    ``batch(blocks, tokenizer, generator)``: the inputs of a global micro-batch (dict of
+    tensors whose first dimension is the batch; rows are split between processes).
+    ``loss(model, inputs)``: the training loss of one process's rows.
+    ``heads``: the model class each command loads (``pretrain``, ``generate``, ...).
+    ``positions(config)``: the longest sequence the model takes."""
+
+    name: str
+    model_type: str
+    tokenizer: str
+    build: Callable
+    blocks: Callable
+    batch: Callable
+    loss: Callable
+    heads: Dict[str, type]
+    positions: Callable
+
+
+def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=()) -> Tensor:
+    """The documents' tokens as one stream (``separator`` between documents) cut into
+    [n, length] blocks, each framed by ``prefix`` and ``suffix``; the last partial
+    block is dropped."""
+    stream = []
+    for ids in documents:
+        stream.extend(ids)
+        if separator is not None:
+            stream.append(separator)
+    body = length - len(prefix) - len(suffix)
+    n = len(stream) // body
+    blocks = torch.tensor(stream[:n * body], dtype=torch.long).view(n, body)
+    frame = [torch.tensor(list(t), dtype=torch.long).expand(n, len(t)) for t in (prefix, suffix)]
+    return torch.cat([frame[0], blocks, frame[1]], dim=1)
+
+
+# GPT: byte-level BPE, documents separated by <|endoftext|>, every position a target.
+
+def _gpt_build(size: Size, tokenizer, dropout: Optional[float]):
+    eos = tok.special_id(tokenizer, tok.ENDOFTEXT)
+    extra = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout,
+                                            attn_pdrop=dropout)
+    config = models.GPTConfig(vocab_size=tokenizer.get_vocab_size(), n_positions=1024,
+                              n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
+                              bos_token_id=eos, eos_token_id=eos, **extra)
+    return models.GPTLMHeadModel(config)
+
+
+def _gpt_blocks(documents, tokenizer, seq_len: int) -> Tensor:
+    return pack(documents, seq_len, tok.special_id(tokenizer, tok.ENDOFTEXT))
+
+
+def _gpt_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
+    return {"input_ids": blocks}
+
+
+def _lm_loss(model, inputs: dict) -> Tensor:
+    return model(inputs["input_ids"], labels=inputs.get("labels", inputs["input_ids"])).loss
+
+
+GPT = ModelSpec(
+    name="gpt", model_type="gpt2", tokenizer="bpe", build=_gpt_build, blocks=_gpt_blocks,
+    batch=_gpt_batch, loss=_lm_loss,
+    heads={"pretrain": models.GPTLMHeadModel, "generate": models.GPTLMHeadModel},
+    positions=lambda config: config.n_positions)
+
+SPECS = {spec.name: spec for spec in (GPT,)}
+
+
+def by_model_type(model_type: str) -> Optional[ModelSpec]:
+    return next((s for s in SPECS.values() if s.model_type == model_type), None)

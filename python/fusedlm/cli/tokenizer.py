@@ -1,0 +1,79 @@
+"""Tokenizers from Hugging Face ``tokenizers`` (an optional dependency), trained on the
+corpus and saved with the model as ``tokenizer.json``.
+
+``wordpiece``: BERT's (lower-cased, [CLS] text [SEP]); ``bpe``: GPT-2's byte-level BPE,
+whose <|endoftext|> separates documents.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .errors import UsageError
+
+FILE_NAME = "tokenizer.json"
+WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ENDOFTEXT = "<|endoftext|>"
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise UsageError("the Hugging Face `tokenizers` package is needed for this "
+                         "(pip install tokenizers)") from None
+    return tokenizers
+
+
+def train(kind: str, documents: Sequence[str], vocab_size: int):
+    """A ``kind`` tokenizer ("wordpiece" or "bpe") of at most vocab_size tokens."""
+    tk = _tokenizers()
+    if kind == "wordpiece":
+        tokenizer = tk.Tokenizer(tk.models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = tk.normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+        tokenizer.decoder = tk.decoders.WordPiece()
+        trainer = tk.trainers.WordPieceTrainer(vocab_size=vocab_size,
+                                               special_tokens=list(WORDPIECE_SPECIALS),
+                                               show_progress=False)
+        tokenizer.train_from_iterator(documents, trainer)
+        cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+        tokenizer.post_processor = tk.processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    elif kind == "bpe":
+        tokenizer = tk.Tokenizer(tk.models.BPE())
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[ENDOFTEXT],
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+                                         show_progress=False)
+        tokenizer.train_from_iterator(documents, trainer)
+    else:
+        raise ValueError(f"no tokenizer of kind {kind!r}")
+    return tokenizer
+
+
+def load(path):
+    """The tokenizer of a file, or of a folder's tokenizer.json."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / FILE_NAME
+    if not path.is_file():
+        raise UsageError(f"{path}: no tokenizer file")
+    tk = _tokenizers()
+    try:
+        return tk.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise UsageError(f"{path}: not a tokenizers file ({e})") from None
+
+
+def from_json(text: str):
+    return _tokenizers().Tokenizer.from_str(text)
+
+
+def special_id(tokenizer, token: str) -> int:
+    index = tokenizer.token_to_id(token)
+    if index is None:
+        raise UsageError(f"the tokenizer has no {token} token")
+    return index
