@@ -45,14 +45,16 @@ def holds_model(out) -> bool:
     return latest(out) is not None or (Path(out) / CONFIG_NAME).is_file()
 
 
-def save(out, step: int, model, tokenizer, state: dict, keep: int = 1) -> Path:
+def save(out, step: int, model, export, tokenizer, state: dict, keep: int = 1) -> Path:
     """Writes checkpoint-<step> (then deletes all but the newest ``keep``) and exports
-    the model and tokenizer to ``out``."""
+    ``export`` (the model, or the part of it that is used after pretraining) and the
+    tokenizer to ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     final = out / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{final.name}."))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the checkpoint need not be
         model.save_pretrained(tmp)
         _write_tokenizer(tmp, tokenizer)
         _atomic_write(tmp / STATE_NAME, lambda f: torch.save(state, f))
@@ -64,7 +66,7 @@ def save(out, step: int, model, tokenizer, state: dict, keep: int = 1) -> Path:
         raise
     for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
-    model.save_pretrained(out)
+    export.save_pretrained(out)
     _write_tokenizer(out, tokenizer)
     return final
 
@@ -75,3 +77,9 @@ def load_state(directory) -> dict:
 
 def _write_tokenizer(directory: Path, tokenizer) -> None:
     _atomic_write(directory / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -3,6 +3,7 @@ of Python's standard library), with checkpoints that --resume continues exactly.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -190,12 +191,17 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
         tick = time.perf_counter()
         micro = []
         for m in range(accum):
-            generator = torch.Generator().manual_seed(hash((settings["seed"], step, m)) % 2**63)
+            # Drawn from the step alone, as the blocks are: the same on every process (which
+            # takes its rows) and after a resume. The loss's own draws differ per process.
+            draw = torch.Generator().manual_seed(hash((settings["seed"], step, m)) % 2**63)
             inputs = spec.batch(order.take((step * accum + m) * global_batch, global_batch),
-                                tokenizer, generator)
-            micro.append(inputs_to(rows(inputs, processes.rank, processes.world), device))
+                                tokenizer, draw)
+            inputs = inputs_to(rows(inputs, processes.rank, processes.world), device)
+            draw = torch.Generator(device).manual_seed(
+                hash((settings["seed"], step, m, processes.rank)) % 2**63)
+            micro.append(functools.partial(spec.loss, inputs=inputs, generator=draw))
         lr = trainer.lr
-        loss = trainer.step(micro, spec.loss)
+        loss = trainer.step(micro)
         done = step + 1
         tokens_per_s = tokens_per_step / (time.perf_counter() - tick)
         since_log.append(loss)
@@ -206,7 +212,7 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
                            "elapsed_s": round(time.perf_counter() - began, 3)})
             since_log = []
         if done % save_every == 0 or done == settings["steps"]:
-            _save(out, done, model, tokenizer, trainer, settings, blocks, device, processes)
+            _save(out, done, spec, model, tokenizer, trainer, settings, blocks, device, processes)
     progress.close()
     if processes.main:
         plot_losses(out)
@@ -216,10 +222,10 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     return 0
 
 
-def _save(out, step, model, tokenizer, trainer, settings, blocks, device, processes) -> None:
+def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, processes) -> None:
     rng = processes.gather(_rng(device))  # every process's, so each resumes its own stream
     if processes.main:
-        checkpoint.save(out, step, model, tokenizer, {
+        checkpoint.save(out, step, model, spec.export(model), tokenizer, {
             "step": step, "settings": settings, "trainer": trainer.state_dict(), "rng": rng,
             "data": fingerprint(blocks)})
 

@@ -38,9 +38,11 @@ class ModelSpec:
     ``blocks(documents, tokenizer, seq_len)``: the corpus as a [blocks, seq_len] tensor.
     ``batch(blocks, tokenizer, generator)``: the inputs of a global micro-batch (dict of
     tensors whose first dimension is the batch; rows are split between processes).
-    ``loss(model, inputs)``: the training loss of one process's rows.
+    ``loss(model, inputs, generator)``: the training loss of one process's rows.
     ``heads``: the model class each command loads (``pretrain``, ``generate``, ...).
-    ``positions(config)``: the longest sequence the model takes."""
+    ``positions(config)``: the longest sequence the model takes.
+    ``export(model)``: what pretraining leaves in the output folder for the other
+    commands (the model itself, or the part of it that is used afterwards)."""
 
     name: str
     model_type: str
@@ -51,6 +53,7 @@ class ModelSpec:
     loss: Callable
     heads: Dict[str, type]
     positions: Callable
+    export: Callable = lambda model: model
 
 
 def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=()) -> Tensor:
@@ -89,7 +92,7 @@ def _gpt_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
     return {"input_ids": blocks}
 
 
-def _lm_loss(model, inputs: dict) -> Tensor:
+def _lm_loss(model, inputs: dict, generator: torch.Generator) -> Tensor:
     return model(inputs["input_ids"], labels=inputs.get("labels", inputs["input_ids"])).loss
 
 

@@ -54,18 +54,18 @@ class Trainer:
         self.scheduler = linear_schedule(self.optimizer, warmup, steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-    def step(self, micro_batches: List[dict], loss_fn: Callable) -> float:
-        """Runs forward and backward over every micro-batch, then the optimizer: the mean
-        loss over micro-batches and processes."""
+    def step(self, micro_losses: List[Callable]) -> float:
+        """Runs forward and backward of every micro-batch (``loss(model)`` each), then the
+        optimizer: the mean loss over micro-batches and processes."""
         self.model.train()
         total = torch.zeros((), device=self.device)
-        for i, inputs in enumerate(micro_batches):
-            sync = i == len(micro_batches) - 1 or not hasattr(self.model, "no_sync")
+        for i, micro_loss in enumerate(micro_losses):
+            sync = i == len(micro_losses) - 1 or not hasattr(self.model, "no_sync")
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with torch.autocast(self.device.type, dtype=self.dtype,
                                     enabled=self.dtype != torch.float32):
-                    loss = loss_fn(self.model, inputs)
-                self.scaler.scale(loss / len(micro_batches)).backward()
+                    loss = micro_loss(self.model)
+                self.scaler.scale(loss / len(micro_losses)).backward()
             total += loss.detach().float()
         self.scaler.unscale_(self.optimizer)
         if self.clip > 0:
@@ -74,7 +74,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return float(self.processes.mean(total / len(micro_batches)))
+        return float(self.processes.mean(total / len(micro_losses)))
 
     @property
     def lr(self) -> float:
