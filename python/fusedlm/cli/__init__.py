@@ -1,4 +1,5 @@
-"""The ``fusedlm`` command: pretrain, generate, info (``fusedlm --help``).
+"""The ``fusedlm`` command: pretrain, finetune, fill-mask, generate, embed, info
+(``fusedlm --help``).
 
 Each command is a module with ``add_parser(commands)`` and ``run(args) -> exit code``;
 what they know about the models is in :mod:`fusedlm.cli.registry`. Bad input raises
@@ -12,7 +13,7 @@ from typing import Optional, Sequence
 
 from .errors import UsageError
 
-COMMANDS = ("pretrain", "generate", "info")
+COMMANDS = ("pretrain", "finetune", "fill-mask", "generate", "embed", "info")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """Pieces the commands share: devices, dtypes, and loading a model directory."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -61,9 +62,10 @@ def read_model_type(directory) -> str:
 
 
 def load_model(directory, command: str, device: torch.device, *, strict: bool = True,
-               **kwargs):
+               **config_changes):
     """(spec, model, tokenizer) of a checkpoint directory, the model being the class that
-    serves ``command``, in eval mode on ``device``."""
+    serves ``command``, in eval mode on ``device``. ``strict=False`` lets a head the
+    checkpoint lacks start from its initialisation (fine-tuning a pretrained encoder)."""
     model_type = read_model_type(directory)
     spec = registry.by_model_type(model_type)
     if spec is None:
@@ -74,9 +76,11 @@ def load_model(directory, command: str, device: torch.device, *, strict: bool = 
         raise UsageError(f"--model {directory}: {command} needs a {' or '.join(can)} model, "
                          f"not {spec.name}")
     tokenizer = tok.load(directory)
+    model_class = spec.heads[command]
     try:
-        model = spec.heads[command].from_pretrained(directory, strict=strict, **kwargs)
-    except (ValueError, OSError) as e:
+        config = dataclasses.replace(model_class.config_class.load(directory), **config_changes)
+        model = model_class.from_pretrained(directory, config=config, strict=strict)
+    except (ValueError, TypeError, OSError) as e:
         raise UsageError(f"--model {directory}: {e}") from None
     return spec, model.to(device).eval(), tokenizer
 

@@ -42,7 +42,8 @@ class ModelSpec:
     ``heads``: the model class each command loads (``pretrain``, ``generate``, ...).
     ``positions(config)``: the longest sequence the model takes.
     ``export(model)``: what pretraining leaves in the output folder for the other
-    commands (the model itself, or the part of it that is used afterwards)."""
+    commands (the model itself, or the part of it that is used afterwards).
+    ``encoder(model)``: the part of the ``embed`` head whose last_hidden_state embeds."""
 
     name: str
     model_type: str
@@ -54,6 +55,7 @@ class ModelSpec:
     heads: Dict[str, type]
     positions: Callable
     export: Callable = lambda model: model
+    encoder: Callable = lambda model: model
 
 
 def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=()) -> Tensor:

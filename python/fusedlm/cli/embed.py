@@ -1,0 +1,84 @@
+"""fusedlm embed: one vector per line of a text file, from a BERT or ELECTRA encoder,
+written as .npy or .safetensors."""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+
+import torch
+
+from ..models._pretrained import _atomic_write
+from . import tokenizer as tok
+from .common import load_model, positive_int, resolve_device
+from .corpus import decode
+from .errors import UsageError
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("embed", help="vectors of the lines of a text file",
+                            description="Encodes each non-empty line of FILE and writes one "
+                                        "vector per line ([lines, hidden] float32) to --out.")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory")
+    p.add_argument("file", metavar="FILE", help="text, one sentence or passage per line")
+    p.add_argument("--out", help="FILE.npy or FILE.safetensors (default: FILE with .npy)")
+    p.add_argument("--pool", choices=("mean", "cls"), default="mean",
+                   help="mean of the token vectors, or the first ([CLS]) token's (default mean)")
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    source = Path(args.file)
+    out = Path(args.out) if args.out else source.with_suffix(".npy")
+    if out.suffix not in (".npy", ".safetensors"):
+        raise UsageError(f"--out {out}: the name must end in .npy or .safetensors")
+    if not source.is_file():
+        raise UsageError(f"{source}: no such file")
+    text, replaced = decode(source.read_bytes())
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"{source}: the file has no text")
+    if replaced:
+        print(f"fusedlm embed: warning: {replaced} undecodable bytes in {source} were replaced "
+              "by U+FFFD", file=sys.stderr)
+    device = resolve_device(args.device)
+    spec, model, tokenizer = load_model(args.model, "embed", device)
+    positions = spec.positions(model.config)
+    tokenizer.enable_truncation(positions)
+    tokenizer.enable_padding(pad_id=tok.special_id(tokenizer, "[PAD]"), pad_token="[PAD]")
+    encoder = spec.encoder(model)
+    vectors, truncated = [], 0
+    with torch.no_grad():
+        for start in range(0, len(lines), args.batch_size):
+            batch = tokenizer.encode_batch(lines[start:start + args.batch_size])
+            truncated += sum(bool(e.overflowing) for e in batch)
+            ids = torch.tensor([e.ids for e in batch], device=device)
+            real = torch.tensor([e.attention_mask for e in batch], device=device)
+            hidden = encoder(ids, attention_mask=real).last_hidden_state.float()  # [B, T, H]
+            if args.pool == "cls":
+                vectors.append(hidden[:, 0])
+            else:
+                weights = real[..., None].float()
+                vectors.append((hidden * weights).sum(1) / weights.sum(1))
+    vectors = torch.cat(vectors).cpu().contiguous()
+    _write(out, vectors)
+    note = f" ({truncated} lines cut to {positions} tokens)" if truncated else ""
+    print(f"{tuple(vectors.shape)} vectors of {len(lines)} lines -> {out}{note}")
+    return 0
+
+
+def _write(path: Path, vectors: torch.Tensor) -> None:
+    if path.suffix == ".npy":
+        import numpy as np
+
+        buffer = io.BytesIO()
+        np.save(buffer, vectors.numpy())
+        data = buffer.getvalue()
+    else:
+        from safetensors.torch import save
+
+        data = save({"embeddings": vectors})
+    _atomic_write(path, lambda f: f.write(data))

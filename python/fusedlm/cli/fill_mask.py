@@ -1,0 +1,46 @@
+"""fusedlm fill-mask: the most probable tokens at each [MASK] of a text (BERT)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from . import tokenizer as tok
+from .common import load_model, positive_int, resolve_device
+from .errors import UsageError
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("fill-mask", help="predict the [MASK] tokens of a text",
+                            description="Prints, for each [MASK] in TEXT, the --top-k most "
+                                        "probable tokens and their probabilities, then TEXT "
+                                        "with the best of each filled in.")
+    p.add_argument("--model", required=True, metavar="DIR", help="a BERT checkpoint directory")
+    p.add_argument("text", help='e.g. "Paris is the [MASK] of France."')
+    p.add_argument("--top-k", type=positive_int, default=5, help="candidates per mask (default 5)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    spec, model, tokenizer = load_model(args.model, "fill-mask", device)
+    mask = tok.special_id(tokenizer, "[MASK]")
+    ids = tokenizer.encode(args.text).ids
+    positions = spec.positions(model.config)
+    if len(ids) > positions:
+        raise UsageError(f"the text is {len(ids)} tokens, more than the model's {positions} "
+                         "positions")
+    where = [i for i, t in enumerate(ids) if t == mask]
+    if not where:
+        raise UsageError("the text has no [MASK] token")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=device)).logits[0, where]  # [masks, vocab]
+    probs, best = logits.float().softmax(-1).topk(min(args.top_k, logits.shape[-1]), dim=-1)
+    filled = list(ids)
+    for n, (position, p, b) in enumerate(zip(where, probs.tolist(), best.tolist()), 1):
+        candidates = ", ".join(f"{tokenizer.id_to_token(t)} ({q:.3f})" for t, q in zip(b, p))
+        print(f"[MASK] {n}: {candidates}")
+        filled[position] = b[0]
+    print(tokenizer.decode(filled))
+    return 0
