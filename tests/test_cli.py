@@ -149,3 +149,20 @@ def test_bad_input_is_one_line_exit_2_and_leaves_checkpoints_alone(capsys, tmp_p
         assert not (tmp_path / "fresh").exists(), name
     assert snapshot(out) == before
     assert checkpoint.latest(out).name == "checkpoint-2"
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_a_corpus_always_trains_the_same_tokenizer(kind):
+    from fusedlm.cli import tokenizer
+
+    documents = list(corpus_module.default_documents()[:150])
+    first = tokenizer.train(kind, documents, 400)
+    assert first.get_vocab_size() == 400
+    for _ in range(3):  # the trainer's hash maps are seeded afresh for each training
+        assert tokenizer.train(kind, documents, 400).to_str() == first.to_str()
+    if kind == "wordpiece":
+        assert [first.token_to_id(t) for t in tokenizer.WORDPIECE_SPECIALS] == [0, 1, 2, 3, 4]
+        assert first.encode("Return the [MASK].").tokens == ["[CLS]", "return", "the", "[MASK]",
+                                                             ".", "[SEP]"]
+    else:
+        assert first.decode(first.encode("Return the value.").ids) == "Return the value."

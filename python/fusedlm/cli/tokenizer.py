@@ -37,6 +37,13 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
                                                special_tokens=list(WORDPIECE_SPECIALS),
                                                show_progress=False)
         tokenizer.train_from_iterator(documents, trainer)
+        # The trainer numbers its alphabet in hash-map order, which changes from run to
+        # run: renumber the tokens after the specials in sorted order, so that one corpus
+        # always gives one tokenizer.
+        vocab = tokenizer.get_vocab()
+        ordered = list(WORDPIECE_SPECIALS) + sorted(set(vocab) - set(WORDPIECE_SPECIALS))
+        tokenizer.model = tk.models.WordPiece({t: i for i, t in enumerate(ordered)},
+                                              unk_token="[UNK]")
         cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
         tokenizer.post_processor = tk.processors.TemplateProcessing(
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
