@@ -8,7 +8,7 @@ import torch
 
 from cli_helpers import TINY, run_cli, snapshot, write_corpus
 from fusedlm.cli import corpus as corpus_module
-from fusedlm.cli import checkpoint
+from fusedlm.cli import COMMANDS, checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -36,11 +36,11 @@ def test_module_help_runs_as_a_subprocess():
     done = subprocess.run([sys.executable, "-m", "fusedlm", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    for command in ("pretrain", "generate", "info"):
+    for command in COMMANDS:
         assert command in done.stdout
 
 
-@pytest.mark.parametrize("command", ["pretrain", "generate", "info"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help(capsys, command):
     code, out, _ = run_cli(capsys, command, "--help")
     assert code == 0 and out.startswith("usage: fusedlm " + command)
