@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from ..models._pretrained import _atomic_write
-from . import tokenizer as tok
 from .common import load_model, positive_int, resolve_device
 from .corpus import decode
 from .errors import UsageError
@@ -23,8 +22,9 @@ def add_parser(commands) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory")
     p.add_argument("file", metavar="FILE", help="text, one sentence or passage per line")
     p.add_argument("--out", help="FILE.npy or FILE.safetensors (default: FILE with .npy)")
-    p.add_argument("--pool", choices=("mean", "cls"), default="mean",
-                   help="mean of the token vectors, or the first ([CLS]) token's (default mean)")
+    p.add_argument("--pool", choices=("mean", "first"), default="mean",
+                   help="mean of the token vectors, or the first token's ([CLS] for BERT) "
+                        "(default mean)")
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
     p.set_defaults(run=run)
@@ -46,26 +46,20 @@ def run(args: argparse.Namespace) -> int:
               "by U+FFFD", file=sys.stderr)
     device = resolve_device(args.device)
     spec, model, tokenizer = load_model(args.model, "embed", device)
-    positions = spec.positions(model.config)
-    tokenizer.enable_truncation(positions)
-    tokenizer.enable_padding(pad_id=tok.special_id(tokenizer, "[PAD]"), pad_token="[PAD]")
-    encoder = spec.encoder(model)
     vectors, truncated = [], 0
     with torch.no_grad():
         for start in range(0, len(lines), args.batch_size):
-            batch = tokenizer.encode_batch(lines[start:start + args.batch_size])
-            truncated += sum(bool(e.overflowing) for e in batch)
-            ids = torch.tensor([e.ids for e in batch], device=device)
-            real = torch.tensor([e.attention_mask for e in batch], device=device)
-            hidden = encoder(ids, attention_mask=real).last_hidden_state.float()  # [B, T, H]
-            if args.pool == "cls":
+            hidden, mask, cut = spec.hidden(model, tokenizer, lines[start:start + args.batch_size],
+                                            device)  # [B, T, H], [B, T]
+            truncated += cut
+            if args.pool == "first":
                 vectors.append(hidden[:, 0])
             else:
-                weights = real[..., None].float()
+                weights = mask[..., None].float()
                 vectors.append((hidden * weights).sum(1) / weights.sum(1))
     vectors = torch.cat(vectors).cpu().contiguous()
     _write(out, vectors)
-    note = f" ({truncated} lines cut to {positions} tokens)" if truncated else ""
+    note = f" ({truncated} lines cut to the model's positions)" if truncated else ""
     print(f"{tuple(vectors.shape)} vectors of {len(lines)} lines -> {out}{note}")
     return 0
 

@@ -43,7 +43,9 @@ class ModelSpec:
     ``positions(config)``: the longest sequence the model takes.
     ``export(model)``: what pretraining leaves in the output folder for the other
     commands (the model itself, or the part of it that is used afterwards).
-    ``encoder(model)``: the part of the ``embed`` head whose last_hidden_state embeds."""
+    ``hidden(model, tokenizer, texts, device)``: the ``embed`` head's token vectors of a
+    batch of texts: (float [batch, seq, width], bool mask [batch, seq] True = token,
+    number of texts cut to the model's positions)."""
 
     name: str
     model_type: str
@@ -55,7 +57,7 @@ class ModelSpec:
     heads: Dict[str, type]
     positions: Callable
     export: Callable = lambda model: model
-    encoder: Callable = lambda model: model
+    hidden: Optional[Callable] = None
 
 
 def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=()) -> Tensor:
