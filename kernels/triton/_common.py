@@ -29,7 +29,8 @@ def upcast_products(dtype: torch.dtype) -> bool:
 
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 products are exact float32 unless torch allows TF32 for its own."""
-    if upcast_products(dtype) or (dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32):
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    if upcast_products(dtype) or exact:
         return "ieee"
     return "tf32"
 

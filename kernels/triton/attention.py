@@ -98,11 +98,15 @@ def _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, cols, width):
-    """The [rows, cols] tile of head h of sequence b (zeros outside the sequence)."""
+def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, cols, width, UPCAST: tl.constexpr):
+    """The [rows, cols] tile of head h of sequence b (zeros outside the sequence), in
+    float32 when UPCAST (the products then take float32 operands)."""
     offsets = (b * sb + h * sh + (start + rows).to(tl.int64)[:, None] * ss
                + cols[None, :] * sd)
-    return tl.load(PTR + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
+    x = tl.load(PTR + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -114,19 +118,11 @@ def _store_tile(PTR, value, b, h, start, rows, sb, sh, ss, sd, length, cols, wid
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
 def _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
             HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            PRECISION: tl.constexpr):
     """Scores of queries `rows` against keys `cols` in log2 units, -inf where not allowed."""
-    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     allowed = (rows[:, None] < q_len) & (cols[None, :] < k_len)
     if HAS_BIAS:
         offsets = (b * sbb + h * sbh + rows.to(tl.int64)[:, None] * sbq
@@ -142,7 +138,8 @@ def _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk, BIAS,
 
 @triton.jit
 def _kept(seed, p, b, h, heads, rows, cols, pitch_q, pitch_k):
-    """Dropout's keep mask of the tile: stream element ((b * heads + h) * pitch_q + i) * pitch_k + j."""
+    """Dropout's keep mask of the tile: element ((b * heads + h) * pitch_q + i) * pitch_k + j
+    of the stream."""
     first = (b * heads + h) * pitch_q
     offsets = (first + rows.to(tl.int64)[:, None]) * pitch_k + cols[None, :]
     return keep(seed, offsets, p)
@@ -179,17 +176,17 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
     rows = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim)
+    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim)
-        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v)
+        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
+        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
         s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
-                    BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION, UPCAST)
+                    BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key yet subtracts 0, so its exp2(-inf) stay zeros.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -199,7 +196,9 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
         if DROPOUT:
             kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
             prob = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
-        acc = acc * alpha[:, None] + _dot(prob.to(V.dtype.element_ty), v, PRECISION, UPCAST)
+        # P rounded to V's dtype, as the tensor cores take it.
+        prob = prob.to(V.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -221,8 +220,8 @@ def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs,
     q_start, q_len, _, _ = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims_v = tl.arange(0, BLOCK_DV)
-    o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v)
-    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v)
+    o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v, False)
+    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b * slb + h * slh + q_start + rows, delta, mask=rows < q_len)
 
@@ -231,13 +230,12 @@ def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs,
 def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len, qk_scale, p, seed,
                  PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
                  HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                 DROPOUT: tl.constexpr, EXACT_DELTA: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 DROPOUT: tl.constexpr, EXACT_DELTA: tl.constexpr, PRECISION: tl.constexpr):
     """(P after dropout, dS) of a tile: P recomputed from the log-sum-exp, dS = P (dP - delta)."""
     s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
-                BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION, UPCAST)
+                BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
     prob = tl.math.exp2(s - lse[:, None] * LOG2E)
-    dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     dropped = prob
     if DROPOUT:
         kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
@@ -270,8 +268,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
     cols = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim)
-    v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v)
+    k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
+    v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     m_first = 0
@@ -279,17 +277,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
         m_first = tl.maximum(n0 - (k_len - q_len), 0) // BLOCK_M * BLOCK_M
     for m0 in range(m_first, q_len, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim)
-        do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v)
+        q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
+        do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, UPCAST)
         stats = b * slb + h * slh + q_start + rows
         lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
         delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
         dropped, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
                                    qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
                                    seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
-                                   PRECISION, UPCAST)
-        dv += _dot(tl.trans(dropped.to(DO.dtype.element_ty)), do, PRECISION, UPCAST)
-        dk += _dot(tl.trans(ds.to(Q.dtype.element_ty)), q, PRECISION, UPCAST)
+                                   PRECISION)
+        # P and dS rounded to the inputs' dtype, as the tensor cores take them.
+        dropped = dropped.to(DO.dtype.element_ty).to(do.dtype)
+        dv += tl.dot(tl.trans(dropped), do, input_precision=PRECISION)
+        ds = ds.to(Q.dtype.element_ty).to(q.dtype)
+        dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
     _store_tile(DK, dk * scale, b, h, k_start, cols, sdkb, sdkh, sdks, sdkd, k_len, dims, head_dim)
     _store_tile(DV, dv, b, h, k_start, cols, sdvb, sdvh, sdvs, sdvd, k_len, dims_v, head_dim_v)
 
@@ -317,24 +318,25 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
     rows = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim)
-    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v)
+    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
+    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, UPCAST)
     stats = b * slb + h * slh + q_start + rows
     lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
     delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim)
-        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v)
+        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
+        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
         _, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
                              qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
                              seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
-                             PRECISION, UPCAST)
+                             PRECISION)
         if WRITE_DS:  # a dense float32 [batch, heads, seq_q, seq_k] buffer
             offsets = (bh.to(tl.int64) * seq_q + rows)[:, None] * seq_k + cols[None, :]
             tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
-        dq += _dot(ds.to(K.dtype.element_ty), k, PRECISION, UPCAST)
+        ds = ds.to(K.dtype.element_ty).to(k.dtype)
+        dq += tl.dot(ds, k, input_precision=PRECISION)
     _store_tile(DQ, dq * scale, b, h, q_start, rows, sdqb, sdqh, sdqs, sdqd, q_len, dims, head_dim)
 
 
