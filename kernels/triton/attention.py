@@ -82,6 +82,17 @@ def _exact_delta(args):
 # --- shared pieces -------------------------------------------------------------------------------
 
 @triton.jit
+def _position(seq, heads, BLOCK: tl.constexpr):
+    """(block index, batch, head) of this program. The grid is flat (batch * heads can pass
+    the 65535 limit of a second axis), and one head's blocks run side by side, sharing its
+    K and V in L2."""
+    blocks = tl.cdiv(seq, BLOCK)
+    pid = tl.program_id(0)
+    bh = pid // blocks
+    return pid % blocks, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+
+
+@triton.jit
 def _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
     """(first row, length) of sequence b's queries and keys."""
     if VARLEN:
@@ -166,11 +177,9 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
                     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    block, b, h = _position(seq_q, heads, BLOCK_M)
     q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = block * BLOCK_M
     if m0 >= q_len:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -214,11 +223,9 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
 def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs, sgd, slb, slh,
                   heads, seq_q, seq_k, head_dim_v, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_DV: tl.constexpr):
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    block, b, h = _position(seq_q, heads, BLOCK_M)
     q_start, q_len, _, _ = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims_v = tl.arange(0, BLOCK_DV)
     o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v, False)
     do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, False)
@@ -258,11 +265,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
                  DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    block, b, h = _position(seq_k, heads, BLOCK_N)
     q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    n0 = tl.program_id(0) * BLOCK_N
+    n0 = block * BLOCK_N
     if n0 >= k_len:
         return
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -308,11 +313,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    block, b, h = _position(seq_q, heads, BLOCK_M)
     q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = block * BLOCK_M
     if m0 >= q_len:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -333,7 +336,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                              seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
                              PRECISION)
         if WRITE_DS:  # a dense float32 [batch, heads, seq_q, seq_k] buffer
-            offsets = (bh.to(tl.int64) * seq_q + rows)[:, None] * seq_k + cols[None, :]
+            offsets = ((b * heads + h) * seq_q + rows)[:, None] * seq_k + cols[None, :]
             tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
         ds = ds.to(K.dtype.element_ty).to(k.dtype)
         dq += tl.dot(ds, k, input_precision=PRECISION)
@@ -388,7 +391,7 @@ class _Problem:
 
     def grid(self, over_keys=False):
         seq, block = (self.seq_k, "BLOCK_N") if over_keys else (self.seq_q, "BLOCK_M")
-        return lambda meta: (triton.cdiv(seq, meta[block]), self.batch * self.heads)
+        return lambda meta: (triton.cdiv(seq, meta[block]) * self.batch * self.heads,)
 
     def common(self):
         """The arguments every kernel after the pointers takes, in order."""
@@ -425,7 +428,7 @@ class _Problem:
         delta = torch.empty_like(lse)
         flags = self.flags()
         if self.seq_q:
-            _delta_kernel[(triton.cdiv(self.seq_q, 64), self.batch * self.heads)](
+            _delta_kernel[(triton.cdiv(self.seq_q, 64) * self.batch * self.heads,)](
                 out, grad, delta, self.cu_q, self.cu_k, *self.strides(out), *self.strides(grad),
                 *self.lse_strides(lse), self.heads, self.seq_q, self.seq_k, self.head_dim_v,
                 VARLEN=flags["VARLEN"], BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"])
