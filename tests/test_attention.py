@@ -168,6 +168,17 @@ def test_attention_large_logits_do_not_overflow(backend, dtype, seq_k):
         assert error < bound * eps, f"{name}: relative error {error:.3g} ({error / eps:.1f} eps)"
 
 
+@pytest.mark.parametrize("backend", [b for b in backends_for("attention") if b.id == "triton"])
+def test_triton_attention_refuses_head_dims_past_256(backend):
+    device = backend_device(backend)
+    q, k = (torch.randn(1, 1, 4, 264, device=device) for _ in range(2))
+    with pytest.raises(RuntimeError, match="head_dim up to 256, got 264"):
+        fusedlm.ops.attention(q, k, torch.randn(1, 1, 4, 16, device=device), backend=backend)
+    with pytest.raises(RuntimeError, match="v's head_dim up to 256, got 300"):
+        fusedlm.ops.attention(q[..., :16], k[..., :16], torch.randn(1, 1, 4, 300, device=device),
+                              backend=backend)
+
+
 def test_attention_gradcheck():
     q, k, v = (fresh((2, 2, s, 5), torch.float64, "cpu") for s in (4, 6, 6))
     bias = fresh((2, 1, 6), torch.float64, "cpu")
