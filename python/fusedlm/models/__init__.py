@@ -5,7 +5,12 @@ Each reads and writes checkpoints in the Hugging Face layout (``from_pretrained`
 written here loads in ``transformers``.
 """
 from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
+from .bert import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
+                   BertForSequenceClassification, BertForTokenClassification, BertModel)
+from .masking import mask_tokens
 from .outputs import CausalLMOutput, ModelOutput, PreTrainingOutput, QuestionAnsweringOutput
 
-__all__ = ["CausalLMOutput", "Config", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
-           "PreTrainingOutput", "QuestionAnsweringOutput"]
+__all__ = ["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
+           "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
+           "CausalLMOutput", "Config", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
+           "PreTrainingOutput", "QuestionAnsweringOutput", "mask_tokens"]
