@@ -452,6 +452,12 @@ class BertForTokenClassification(BertPreTrainedModel):
                            hidden_states=out.hidden_states)
 
 
+def check_span_labels(config: BertConfig) -> None:
+    # transformers sizes qa_outputs by num_labels and reads it as (start, end).
+    if config.num_labels != 2:
+        raise ValueError(f"question answering needs num_labels == 2 (start and end), got {config.num_labels}")
+
+
 def span_logits(logits: Tensor, attention_mask: Optional[Tensor]) -> tuple:
     """[batch, seq, 2] -> start and end logits [batch, seq]; padding can never be an answer
     (its logits are the dtype's lowest value)."""
@@ -479,6 +485,7 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     def __init__(self, config: BertConfig):
         super().__init__()
+        check_span_labels(config)
         self.config = config
         self.bert = BertModel(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
