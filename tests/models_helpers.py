@@ -71,6 +71,24 @@ def _pad(rows, types, nsp) -> dict:
     return batch
 
 
+def parity_batch(vocab_size: int, lengths: tuple) -> dict:
+    """Random ids padded to the longest of ``lengths``, with labels for every head:
+    ``labels`` (masked LM), next_sentence_label, class_labels, tag_labels and QA spans."""
+    batch, seq = len(lengths), max(lengths)
+    mask = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(len(SPECIALS), vocab_size, (batch, seq)).masked_fill(mask == 0, PAD)
+    types = (torch.arange(seq) >= 4).long().expand(batch, seq) * mask
+    labels = torch.where((torch.rand(batch, seq) < 0.4) & (mask == 1), ids, -100)
+    labels[0, 1] = ids[0, 1]
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
+            "next_sentence_label": torch.randint(2, (batch,)),
+            "class_labels": torch.randint(3, (batch,)),
+            "tag_labels": torch.randint(3, (batch, seq)).masked_fill(mask == 0, -100),
+            # one start lies past the sequence: clamped to seq and ignored
+            "start_positions": torch.tensor([3, 2, seq + 4][:batch]),
+            "end_positions": torch.tensor([7, 8, 4][:batch])}
+
+
 def masked(batch: dict, vocab_size: int, generator: torch.Generator) -> dict:
     ids, labels = mask_tokens(batch["input_ids"], mask_token_id=MASK, vocab_size=vocab_size,
                               special_token_ids=SPECIALS, attention_mask=batch["attention_mask"],
@@ -169,3 +187,50 @@ def qa_reference_loss(start, end, batch) -> torch.Tensor:
         logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
         losses.append(F.cross_entropy(logits, positions.clamp(0, seq), ignore_index=seq))
     return (losses[0] + losses[1]) / 2
+
+
+def _compare_outputs(ours, theirs, batch, per_token, per_sequence):
+    real = batch["attention_mask"].bool()
+    for field in per_token:
+        assert_rel(getattr(ours, field)[real], getattr(theirs, field)[real], field)
+    for field in per_sequence:
+        assert_rel(getattr(ours, field), getattr(theirs, field), field)
+
+
+def assert_matches_transformers(cls, hf_cls, hf_config, batch: dict, loss_of, per_token: tuple,
+                                per_sequence: tuple, layers: int, tmp_path) -> None:
+    """A transformers model (random weights, dropout off) saved by transformers loads
+    into ``cls``; on a padded batch both give the same loss (``loss_of(output)``), the
+    same gradient for every parameter, the same hidden states, and the same outputs
+    (``per_token`` fields compared at real tokens, ``per_sequence`` whole); saved by
+    fusedlm, it loads in transformers, which then gives the same outputs."""
+    theirs = hf_cls(hf_config).eval()
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = cls.from_pretrained(tmp_path / "theirs")
+
+    expected = call(theirs, batch, output_hidden_states=True)
+    loss_of(expected).backward()
+    # Training mode with dropout 0: the masked-LM heads take their fused, labelled-rows path.
+    ours.train()
+    out = call(ours, batch, output_hidden_states=True)
+    loss = loss_of(out)
+    assert_rel(loss, loss_of(expected), "loss")
+    loss.backward()
+    assert_same_grads(ours, theirs)
+    real = batch["attention_mask"].bool()
+    assert len(out.hidden_states) == len(expected.hidden_states) == layers + 1
+    for i, (a, b) in enumerate(zip(out.hidden_states, expected.hidden_states)):
+        assert_rel(a[real], b[real], f"hidden_states[{i}]")
+
+    ours.eval()
+    with torch.no_grad():
+        evaluated = call(ours, batch)
+    _compare_outputs(evaluated, expected, batch, per_token, per_sequence)
+
+    ours.save_pretrained(tmp_path / "ours")
+    again, info = hf_cls.from_pretrained(tmp_path / "ours", output_loading_info=True,
+                                         attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        _compare_outputs(evaluated, call(again.eval(), batch), batch, per_token, per_sequence)

@@ -5,8 +5,9 @@ import copy
 import pytest
 import torch
 
-from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_rel, assert_same_grads,  # noqa: F401
-                            assert_trains, call, masked, one_thread, perturb, qa_reference_loss)
+from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_matches_transformers,  # noqa: F401
+                            assert_rel, assert_trains, call, masked, one_thread, parity_batch,
+                            perturb, qa_reference_loss)
 from fusedlm.models import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
                             mask_tokens)
@@ -28,19 +29,7 @@ def _configs(**changes):
 
 
 def _batch():
-    batch, seq = len(LENGTHS), max(LENGTHS)
-    mask = (torch.arange(seq) < torch.tensor(LENGTHS)[:, None]).long()
-    ids = torch.randint(len(SPECIALS), VOCAB, (batch, seq)).masked_fill(mask == 0, PAD)
-    types = (torch.arange(seq) >= 4).long().expand(batch, seq) * mask
-    labels = torch.where((torch.rand(batch, seq) < 0.4) & (mask == 1), ids, -100)
-    labels[0, 1] = ids[0, 1]
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
-            "next_sentence_label": torch.randint(2, (batch,)),
-            "class_labels": torch.randint(3, (batch,)),
-            "tag_labels": torch.randint(3, (batch, seq)).masked_fill(mask == 0, -100),
-            # one start lies past the sequence: clamped to seq and ignored
-            "start_positions": torch.tensor([3, 2, seq + 4]),
-            "end_positions": torch.tensor([7, 8, 4])}
+    return parity_batch(VOCAB, LENGTHS)
 
 
 def _hidden_loss(out, batch, weight):
@@ -77,52 +66,15 @@ def _loss(case, out, batch, weight):
     return out.loss
 
 
-def _compare_outputs(ours, theirs, batch, per_token, per_sequence):
-    real = batch["attention_mask"].bool()
-    for field in per_token:
-        assert_rel(getattr(ours, field)[real], getattr(theirs, field)[real], field)
-    for field in per_sequence:
-        assert_rel(getattr(ours, field), getattr(theirs, field), field)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, tmp_path):
     cls, hf_name, renames, per_token, per_sequence = CASES[case]
     ours_config, hf_config = _configs(**({"num_labels": 2} if case == "qa" else {}))
-    theirs = getattr(transformers, hf_name)(hf_config).eval()
-    perturb(theirs)
-    theirs.save_pretrained(tmp_path / "theirs")
-    ours = cls.from_pretrained(tmp_path / "theirs")
-
     batch = _inputs(_batch(), renames)
     weight = torch.randn(int(batch["attention_mask"].sum()), TINY["hidden_size"])
-    expected = call(theirs, batch, output_hidden_states=True)
-    _loss(case, expected, batch, weight).backward()
-
-    # Training mode with dropout 0: the masked-LM heads take their fused, labelled-rows path.
-    ours.train()
-    out = call(ours, batch, output_hidden_states=True)
-    loss = _loss(case, out, batch, weight)
-    assert_rel(loss, _loss(case, expected, batch, weight), "loss")
-    loss.backward()
-    assert_same_grads(ours, theirs)
-    real = batch["attention_mask"].bool()
-    assert len(out.hidden_states) == len(expected.hidden_states) == TINY["num_hidden_layers"] + 1
-    for i, (a, b) in enumerate(zip(out.hidden_states, expected.hidden_states)):
-        assert_rel(a[real], b[real], f"hidden_states[{i}]")
-
-    ours.eval()
-    with torch.no_grad():
-        evaluated = call(ours, batch)
-    _compare_outputs(evaluated, expected, batch, per_token, per_sequence)
-
-    # ... and back: what fusedlm writes, transformers loads to the same outputs.
-    ours.save_pretrained(tmp_path / "ours")
-    again, info = getattr(transformers, hf_name).from_pretrained(
-        tmp_path / "ours", output_loading_info=True, attn_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    with torch.no_grad():
-        _compare_outputs(evaluated, call(again.eval(), batch), batch, per_token, per_sequence)
+    assert_matches_transformers(cls, getattr(transformers, hf_name), hf_config, batch,
+                                lambda out: _loss(case, out, batch, weight), per_token, per_sequence,
+                                TINY["num_hidden_layers"], tmp_path)
 
 
 def test_masked_lm_in_training_builds_no_logits_unless_asked():
