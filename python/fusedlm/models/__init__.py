@@ -7,10 +7,17 @@ written here loads in ``transformers``.
 from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
 from .bert import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                    BertForSequenceClassification, BertForTokenClassification, BertModel)
+from .electra import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
+                      ElectraForQuestionAnswering, ElectraForSequenceClassification,
+                      ElectraForTokenClassification, ElectraGenerator, ElectraModel)
 from .masking import mask_tokens
-from .outputs import CausalLMOutput, ModelOutput, PreTrainingOutput, QuestionAnsweringOutput
+from .outputs import (CausalLMOutput, ElectraPreTrainingOutput, ModelOutput, PreTrainingOutput,
+                      QuestionAnsweringOutput)
 
 __all__ = ["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
-           "CausalLMOutput", "Config", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
+           "CausalLMOutput", "Config", "ElectraConfig", "ElectraDiscriminator", "ElectraForPreTraining",
+           "ElectraForQuestionAnswering", "ElectraForSequenceClassification",
+           "ElectraForTokenClassification", "ElectraGenerator", "ElectraModel",
+           "ElectraPreTrainingOutput", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
            "PreTrainingOutput", "QuestionAnsweringOutput", "mask_tokens"]
