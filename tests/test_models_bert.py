@@ -77,6 +77,14 @@ def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(c
                                 TINY["num_hidden_layers"], tmp_path)
 
 
+def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
+    _, hf_config = _configs()
+    batch = parity_batch(VOCAB, (12, 12, 12))
+    assert_matches_transformers(BertForMaskedLM, transformers.BertForMaskedLM, hf_config, batch,
+                                lambda out: out.loss, ("logits",), (), TINY["num_hidden_layers"],
+                                tmp_path)
+
+
 def test_masked_lm_in_training_builds_no_logits_unless_asked():
     ours_config, _ = _configs()
     model = BertForMaskedLM(ours_config).train()

@@ -3,8 +3,8 @@ generator/discriminator pretraining, checkpoints and training."""
 import pytest
 import torch
 
-from models_helpers import (SPECIALS, Corpus, assert_matches_transformers, assert_rel,  # noqa: F401
-                            assert_trains, call, masked, one_thread, parity_batch, qa_reference_loss)
+from models_helpers import (Corpus, assert_matches_transformers, assert_rel, assert_trains,  # noqa: F401
+                            call, masked, one_thread, parity_batch, qa_reference_loss)
 from fusedlm.models import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
                             ElectraForQuestionAnswering, ElectraForSequenceClassification,
                             ElectraForTokenClassification, ElectraGenerator, ElectraModel)

@@ -295,8 +295,9 @@ class BertPreTrainedModel(PreTrainedModel):
 def check_inputs(input_ids: Tensor, attention_mask: Optional[Tensor], token_type_ids: Optional[Tensor],
                  max_positions: int) -> None:
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        found = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor)
+                 else type(input_ids).__name__)
+        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {found}")
     if input_ids.shape[1] > max_positions:
         raise ValueError(f"input_ids has {input_ids.shape[1]} positions, more than "
                          f"max_position_embeddings ({max_positions})")

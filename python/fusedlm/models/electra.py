@@ -42,7 +42,8 @@ class ElectraConfig(BertConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.embedding_size, bool) or not isinstance(self.embedding_size, int) or self.embedding_size < 1:
+        size = self.embedding_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"embedding_size must be a positive int, got {self.embedding_size!r}")
         if not isinstance(self.generator_size, (int, float)) or not 0.0 < self.generator_size <= 1.0:
             raise ValueError(f"generator_size must be in (0, 1], got {self.generator_size!r}")
@@ -54,9 +55,9 @@ class ElectraConfig(BertConfig):
         """The generator's config: the same embeddings, a narrower encoder."""
         heads = max(1, round(self.num_attention_heads * self.generator_size))
         head_dim = self.hidden_size // self.num_attention_heads
+        intermediate = max(1, round(self.intermediate_size * self.generator_size))
         return dataclasses.replace(self, hidden_size=heads * head_dim, num_attention_heads=heads,
-                                   intermediate_size=max(1, round(self.intermediate_size * self.generator_size)),
-                                   generator_size=1.0)
+                                   intermediate_size=intermediate, generator_size=1.0)
 
 
 class ElectraPreTrainedModel(BertPreTrainedModel):
@@ -194,9 +195,10 @@ class ElectraForPreTraining(ElectraPreTrainedModel):
         if labels is None or tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels must be given with input_ids' shape {tuple(input_ids.shape)} "
                              f"(original ids at masked positions, -100 elsewhere)")
-        hidden = self.generator.electra(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
+        generated = self.generator.electra(input_ids, attention_mask, token_type_ids, position_ids)
         masked = labels != IGNORE_INDEX
-        _, logits = self.generator.head(hidden[masked], self.generator.electra.embeddings.word_embeddings.weight)
+        word_embeddings = self.generator.electra.embeddings.word_embeddings.weight
+        _, logits = self.generator.head(generated.last_hidden_state[masked], word_embeddings)
         generator_loss = ops.cross_entropy(logits, labels[masked])  # logits [masked, vocab]
 
         originals = torch.where(masked, labels, input_ids)

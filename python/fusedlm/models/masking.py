@@ -31,7 +31,8 @@ def mask_tokens(input_ids: Tensor, *, mask_token_id: int, vocab_size: int,
                          f"{tuple(attention_mask.shape)}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab_size:
+    if (isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int)
+            or not 0 <= mask_token_id < vocab_size):
         raise ValueError(f"mask_token_id must be an int in [0, vocab_size), got {mask_token_id!r}")
     for name, value in (("probability", probability), ("mask_fraction", mask_fraction),
                         ("random_fraction", random_fraction)):
