@@ -140,6 +140,18 @@ def test_the_parts_save_in_transformers_layout_and_the_whole_round_trips(tmp_pat
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_pretraining_runs_under_bf16_autocast():
+    config, _ = _configs()
+    model = ElectraForPreTraining(config).train()
+    batch = _pretraining_batch(config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(model, batch, generator=torch.Generator().manual_seed(0))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
 # --- training ----------------------------------------------------------------------------------
 
 CORPUS = Corpus()
