@@ -38,9 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # add+LayerNorm bandwidth target (65536 tokens x hidden 1024).
 REAL = dict(tokens=32 * 128, gpt_tokens=8 * 1024, hidden=768, ffn=3072, vocab=30522,
             gpt_vocab=50257, ln_tokens=65536, ln_hidden=1024, heads=12, seq=128,
+            attn_bert_seqs=(128, 256, 512), attn_long_seqs=(2048, 4096, 8192),
+            attn_long_dims=(64, 128), attn_long_hidden=2048, attn_long_tokens=8192,
             copy_bytes=2 << 30, matmul=8192)
 DRY = dict(tokens=16, gpt_tokens=24, hidden=32, ffn=64, vocab=300, gpt_vocab=500, ln_tokens=16,
-           ln_hidden=48, heads=2, seq=8, copy_bytes=1 << 20, matmul=64)
+           ln_hidden=48, heads=2, seq=8, attn_bert_seqs=(8,), attn_long_seqs=(24,),
+           attn_long_dims=(16,), attn_long_hidden=32, attn_long_tokens=24, copy_bytes=1 << 20,
+           matmul=64)
 
 
 @dataclass
@@ -219,17 +223,86 @@ def masked_lm_loss(bench, ceiling):
                     [*inputs, labels])
 
 
+def _attention_flops(pairs, heads, head_dim, pass_):
+    """Matrix-product FLOPs over `pairs` (query, key) pairs: QK^T and PV forward, and 2.5
+    times that again backward (dV, dP, dS K, dS^T Q)."""
+    forward = 4 * pairs * heads * head_dim
+    return forward if pass_.endswith("forward") else 3.5 * forward
+
+
+def _with_tflops(results, pairs, heads, head_dim):
+    for r in results:
+        flops = _attention_flops(pairs, heads, head_dim, r.name)
+        r.notes["TFLOPs"] = flops / r.times_ms["fusedlm"] / 1e9
+    return results
+
+
+def _eager_attention(q, k, v, allowed=None, causal=False):
+    """The unfused composition: scores, mask, softmax, product."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        seq_q, seq_k = scores.shape[-2:]
+        scores = scores.masked_fill(
+            torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).triu(seq_k - seq_q + 1),
+            float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def attention(bench, ceiling):
-    if "attention" not in _REGISTRY["triton"].kernels:
-        print("attention: skipped, the triton backend has no attention kernel yet")
-        return []
+    """BERT lengths with mixed padding (fusedlm packs the tokens and runs attention_varlen;
+    torch gets the padded batch and a mask), and long causal sequences."""
+    results = []
     s = bench.shapes
-    batch, heads, seq = s["tokens"] // s["seq"], s["heads"], s["seq"]
-    head_dim = s["hidden"] // heads
-    inputs = [bench.tensor(batch, heads, seq, head_dim, grad=True) for _ in range(3)]
-    fns = {"fusedlm": lambda q, k, v: fusedlm.ops.attention(q, k, v, backend="triton"),
-           "sdpa": F.scaled_dot_product_attention}
-    return _compare(bench, "attention", f"{batch}x{heads}x{seq}x{head_dim}", fns, inputs)
+    heads, head_dim = s["heads"], s["hidden"] // s["heads"]
+    generator = torch.Generator().manual_seed(0)
+    for seq in s["attn_bert_seqs"]:
+        batch = s["tokens"] // seq
+        lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=generator).tolist()
+        lengths[0] = seq  # the longest fills the padded batch
+        allowed = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]
+        allowed = allowed.to(bench.device)[:, None, None, :]
+        inputs = [bench.tensor(batch, heads, seq, head_dim, grad=True) for _ in range(3)]
+        cu = torch.tensor([0] + lengths, device=bench.device).cumsum(0).to(torch.int32)
+        packed = [bench.tensor(sum(lengths), heads, head_dim, grad=True) for _ in range(3)]
+
+        def varlen(q, k, v, cu=cu, seq=seq):
+            return fusedlm.ops.attention_varlen(q, k, v, cu, cu, seq, seq, backend="triton")
+
+        def sdpa(q, k, v, allowed=allowed):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+        def eager(q, k, v, allowed=allowed):
+            return _eager_attention(q, k, v, allowed)
+
+        pairs = sum(n * n for n in lengths)
+        shape = f"{batch}x{heads}x{seq}x{head_dim}, lengths {seq // 2}-{seq}"
+        # fusedlm's inputs are the packed tokens; torch's the padded batch.
+        fused = _compare(bench, "attention_varlen", shape, {"fusedlm": varlen}, packed)
+        baselines = _compare(bench, "attention_varlen", shape,
+                             {"sdpa": sdpa, "eager": eager, "compiled": bench.compile(eager)},
+                             inputs)
+        for r, other in zip(fused, baselines):
+            r.times_ms.update(other.times_ms)
+        results += _with_tflops(fused, pairs, heads, head_dim)
+    for head_dim in s["attn_long_dims"]:
+        heads = s["attn_long_hidden"] // head_dim
+        for seq in s["attn_long_seqs"]:
+            batch = max(1, s["attn_long_tokens"] // seq)
+            inputs = [bench.tensor(batch, heads, seq, head_dim, grad=True) for _ in range(3)]
+
+            def eager_causal(q, k, v):
+                return _eager_attention(q, k, v, causal=True)
+
+            fns = {"fusedlm": lambda q, k, v: fusedlm.ops.attention(q, k, v, causal=True,
+                                                                    backend="triton"),
+                   "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                   "eager": eager_causal, "compiled": bench.compile(eager_causal)}
+            timed = _compare(bench, "attention causal", f"{batch}x{heads}x{seq}x{head_dim}", fns,
+                             inputs)
+            results += _with_tflops(timed, batch * seq * (seq + 1) // 2, heads, head_dim)
+    return results
 
 
 SECTIONS = (add_layer_norm, bias_gelu, gelu_ffn, cross_entropy, masked_lm_loss, attention)

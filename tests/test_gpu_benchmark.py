@@ -28,7 +28,8 @@ def test_gpu_benchmark_dry_run(tmp_path):
     report = json.loads(path.read_text())
     assert {"device", "date", "commit", "versions", "ceilings", "targets"} <= set(report)
     names = {b["name"] for b in report["benchmarks"]}
-    for op in ("add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss"):
+    for op in ("add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss",
+               "attention_varlen", "attention causal"):
         assert {f"{op} forward", f"{op} forward+backward"} <= names
     for b in report["benchmarks"]:
         assert b["times_ms"]["fusedlm"] > 0 and set(b["speedups"]) == set(b["times_ms"]) - {"fusedlm"}

@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -14,3 +16,10 @@ def _python_block(section: str) -> str:
 def test_drop_in_modules_example_runs(capsys):
     exec(compile(_python_block("Drop-in modules"), "README.md", "exec"), {})
     assert "torch.nn.TransformerEncoder -> fusedlm.nn.TransformerEncoder" in capsys.readouterr().out
+
+
+def test_models_example_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_python_block("Models"), "README.md", "exec"), {})
+    transformers.BertForMaskedLM.from_pretrained(tmp_path / "tiny-bert-trained")

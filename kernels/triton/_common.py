@@ -15,10 +15,24 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def autotune(configs, key):
+def autotune(configs, key, **options):
     """triton.autotune over ``configs``; in the interpreter only the first (with one config
     Triton benchmarks nothing), so CPU tests do not time every configuration."""
-    return triton.autotune(configs[:1] if interpreting() else configs, key=key)
+    return triton.autotune(configs[:1] if interpreting() else configs, key=key, **options)
+
+
+def upcast_products(dtype: torch.dtype) -> bool:
+    """Triton's interpreter (3.9) multiplies bfloat16 blocks wrongly: there the operands go
+    through float32, which holds their products exactly."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 products are exact float32 unless torch allows TF32 for its own."""
+    exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    if upcast_products(dtype) or exact:
+        return "ieee"
+    return "tf32"
 
 
 def rows_of(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, gelu, gelu_grad, interpreting, keep, rows_of, seed_of
+from ._common import (autotune, dot_precision, gelu, gelu_grad, keep, rows_of, seed_of,
+                      upcast_products)
 
 # Rows per tile of the elementwise kernels, and so per partial sum of dbias.
 ROWS_PER_TILE = 32
@@ -181,19 +182,6 @@ def _matmul_gelu_kernel(A, B, PRE, OUT, BIAS, DB_PART, M, N, K, stride_am, strid
         tl.store(DB_PART + tile_m * N + rn, tl.sum(out, axis=0), mask=rn < N)
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    """Triton's interpreter (3.9) multiplies bfloat16 blocks wrongly: there the operands go
-    through float32, which holds their products exactly."""
-    return interpreting() and dtype == torch.bfloat16
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """float32 products are exact float32 unless torch allows TF32 for its own."""
-    if _upcast(dtype) or (dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"
-
-
 def _matmul_gelu(a, b, pre, out, bias, db_part, approx_tanh, p, seed, backward):
     """a [M, K] @ b [K, N] (any strides) with the GELU epilogue into pre and out [M, N]."""
     (m, k), n = a.shape, b.shape[1]
@@ -203,7 +191,7 @@ def _matmul_gelu(a, b, pre, out, bias, db_part, approx_tanh, p, seed, backward):
     _matmul_gelu_kernel[grid](
         a, b, pre, out, bias, db_part, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         p, seed, BACKWARD=backward, HAS_BIAS=bias is not None, APPROX_TANH=approx_tanh,
-        DROPOUT=p > 0, PRECISION=_precision(a.dtype), UPCAST=_upcast(a.dtype),
+        DROPOUT=p > 0, PRECISION=dot_precision(a.dtype), UPCAST=upcast_products(a.dtype),
         BLOCK_M=MATMUL_BLOCK_M)
 
 

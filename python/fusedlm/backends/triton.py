@@ -64,8 +64,12 @@ def _dtype_limits(dtype=None, **_features):
     return None
 
 
-def _kernel(op: str, module: str) -> Kernel:
-    return Kernel(_lazy(module, f"{op}_forward"), _lazy(module, f"{op}_backward"), _dtype_limits)
+def _attention_limits(dtype=None, **features):
+    return _dtype_limits(dtype) or _kernels_module("attention").limits(**features)
+
+
+def _kernel(op: str, module: str, limits=_dtype_limits) -> Kernel:
+    return Kernel(_lazy(module, f"{op}_forward"), _lazy(module, f"{op}_backward"), limits)
 
 
 BACKEND = register(Backend("triton", _devices, _unavailable, {
@@ -74,5 +78,7 @@ BACKEND = register(Backend("triton", _devices, _unavailable, {
     "gelu_ffn": _kernel("gelu_ffn", "gelu"),
     "cross_entropy": _kernel("cross_entropy", "cross_entropy"),
     "masked_lm_loss": _kernel("masked_lm_loss", "cross_entropy"),
+    "attention": _kernel("attention", "attention", _attention_limits),
+    "attention_varlen": _kernel("attention_varlen", "attention", _attention_limits),
     "attention_with_kvcache": _kernel("attention_with_kvcache", "attention_kvcache"),
 }))

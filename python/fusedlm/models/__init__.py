@@ -5,9 +5,21 @@ Each reads and writes checkpoints in the Hugging Face layout (``from_pretrained`
 written here loads in ``transformers``.
 """
 from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
+from .bert import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
+                   BertForSequenceClassification, BertForTokenClassification, BertModel)
+from .electra import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
+                      ElectraForQuestionAnswering, ElectraForSequenceClassification,
+                      ElectraForTokenClassification, ElectraGenerator, ElectraModel)
 from .gpt import GPTConfig, GPTLMHeadModel, GPTModel
-from .outputs import CausalLMOutput, ModelOutput, PreTrainingOutput, QuestionAnsweringOutput
+from .masking import mask_tokens
+from .outputs import (CausalLMOutput, ElectraPreTrainingOutput, ModelOutput, PreTrainingOutput,
+                      QuestionAnsweringOutput)
 
-__all__ = ["CausalLMOutput", "Config", "GPTConfig", "GPTLMHeadModel", "GPTModel", "KeyMap",
-           "KeyRule", "ModelOutput", "PreTrainedModel", "PreTrainingOutput",
-           "QuestionAnsweringOutput"]
+__all__ = ["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
+           "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
+           "CausalLMOutput", "Config", "ElectraConfig", "ElectraDiscriminator",
+           "ElectraForPreTraining", "ElectraForQuestionAnswering",
+           "ElectraForSequenceClassification", "ElectraForTokenClassification",
+           "ElectraGenerator", "ElectraModel", "ElectraPreTrainingOutput", "GPTConfig",
+           "GPTLMHeadModel", "GPTModel", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
+           "PreTrainingOutput", "QuestionAnsweringOutput", "mask_tokens"]

@@ -35,3 +35,16 @@ class CausalLMOutput(ModelOutput):
 class QuestionAnsweringOutput(ModelOutput):
     start_logits: Optional[Tensor] = None
     end_logits: Optional[Tensor] = None
+
+
+@dataclass
+class ElectraPreTrainingOutput(PreTrainingOutput):
+    """ELECTRA's joint step: ``loss`` = generator_loss + weight * discriminator_loss;
+    ``logits`` are the discriminator's [batch, seq] (replaced or not); ``replaced_ids``
+    is its input (the generator's samples at the masked positions) and
+    ``replaced_labels`` its targets (1 where a sample differs from the original)."""
+
+    generator_loss: Optional[Tensor] = None
+    discriminator_loss: Optional[Tensor] = None
+    replaced_ids: Optional[Tensor] = None
+    replaced_labels: Optional[Tensor] = None

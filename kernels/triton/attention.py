@@ -1,0 +1,517 @@
+"""attention and attention_varlen in Triton: FlashAttention-2.
+
+Forward: one program per (block of BLOCK_M queries, batch * head) walks the key blocks
+with the online softmax (scores in log2 units, scale * log2(e) folded into one multiply,
+exp2), stopping at the last block a causal row can see, and writes O / l and each row's
+log-sum-exp (float32, +inf for a row that sees no key, which makes backward's
+probabilities zeros). Q, K and V are read once per query block: HBM traffic is
+O(seq * head_dim) per query block, and the kernel is bound by its two products.
+
+Backward recomputes the probabilities from the log-sum-exp. A preprocess kernel forms
+delta = rowsum(dO * O); one program per key block accumulates dK and dV over the query
+blocks that see it, and a second kernel, one program per query block, accumulates dQ
+over the key blocks. Every sum stays inside one program (no atomics), so gradients are
+the same bit for bit on every run. When a row's keys fit one key block, delta is taken
+from the exact probabilities (rowsum(P * dP)) instead of from the rounded output.
+
+A bias gradient is dS summed over the bias's broadcast dimensions: the dQ kernel,
+which visits every (query, key) pair once, writes dS into a float32
+[batch, heads, seq_q, seq_k] buffer that torch then sums; that buffer (4 bytes per
+score) is the cost of a bias that requires grad.
+
+attention_varlen runs the same kernels with per-sequence row offsets (VARLEN): the
+batch stride is 0 and each program reads its sequence's bounds from cu_seqlens.
+
+Products of float32 inputs use TF32 when torch.backends.cuda.matmul.allow_tf32 is
+set, exact float32 ("ieee") otherwise; every product accumulates in float32 and the
+softmax runs in float32. Head dims up to 256 (padded to a power of two with masks).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from fusedlm.ops.attention import _like
+
+from ._common import autotune, dot_precision, keep, seed_of, upcast_products
+
+MAX_HEAD_DIM = 256
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# Sequences up to this length (BERT's) tune over smaller query blocks: more programs.
+_SHORT = 512
+
+
+def limits(dtype=None, head_dim=None, head_dim_v=None, **_features):
+    """Why the attention kernels cannot run a call, or None."""
+    for name, dim in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
+        if dim is not None and dim > MAX_HEAD_DIM:
+            return f"the triton attention takes a {name} up to {MAX_HEAD_DIM}, got {dim}"
+    return None
+
+
+def _configs():
+    # The first is the interpreter's: 32 keys per block gives the tests several key blocks.
+    shapes = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+              (128, 32, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Short sequences take 64-query blocks, long ones 128; head dims past 128 the smaller
+    tiles (their registers)."""
+    args = {**named_args, **kwargs}
+    short = args["seq_bucket"] <= _SHORT
+    wide = args["BLOCK_D"] > 128 or args["BLOCK_DV"] > 128
+    kept = [c for c in configs
+            if (c.kwargs["BLOCK_M"] == 64) == (short or wide)
+            and not (wide and c.kwargs["BLOCK_N"] > 64)]
+    return kept or configs
+
+
+def _tuned(kernel):
+    return autotune(_configs(), key=["BLOCK_D", "BLOCK_DV", "seq_bucket", "CAUSAL", "DROPOUT"],
+                    prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+def _exact_delta(args):
+    """Whether one key block holds every row's keys."""
+    return args["seq_k"] <= args["BLOCK_N"]
+
+
+# --- shared pieces -------------------------------------------------------------------------------
+
+@triton.jit
+def _position(seq, heads, BLOCK: tl.constexpr):
+    """(block index, batch, head) of this program. The grid is flat (batch * heads can pass
+    the 65535 limit of a second axis), and one head's blocks run side by side, sharing its
+    K and V in L2."""
+    blocks = tl.cdiv(seq, BLOCK)
+    pid = tl.program_id(0)
+    bh = pid // blocks
+    return pid % blocks, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+
+
+@triton.jit
+def _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
+    """(first row, length) of sequence b's queries and keys."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        k_len = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = 0
+        q_len = seq_q
+        k_start = 0
+        k_len = seq_k
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, cols, width, UPCAST: tl.constexpr):
+    """The [rows, cols] tile of head h of sequence b (zeros outside the sequence), in
+    float32 when UPCAST (the products then take float32 operands)."""
+    offsets = (b * sb + h * sh + (start + rows).to(tl.int64)[:, None] * ss
+               + cols[None, :] * sd)
+    x = tl.load(PTR + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_tile(PTR, value, b, h, start, rows, sb, sh, ss, sd, length, cols, width):
+    offsets = (b * sb + h * sh + (start + rows).to(tl.int64)[:, None] * ss
+               + cols[None, :] * sd)
+    tl.store(PTR + offsets, value.to(PTR.dtype.element_ty),
+             mask=(rows[:, None] < length) & (cols[None, :] < width))
+
+
+@triton.jit
+def _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
+            HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Scores of queries `rows` against keys `cols` in log2 units, -inf where not allowed."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    allowed = (rows[:, None] < q_len) & (cols[None, :] < k_len)
+    if HAS_BIAS:
+        offsets = (b * sbb + h * sbh + rows.to(tl.int64)[:, None] * sbq
+                   + cols.to(tl.int64)[None, :] * sbk)
+        s += tl.load(BIAS + offsets, mask=allowed, other=0.0).to(tl.float32) * LOG2E
+    if CAUSAL:  # bottom-right aligned: query i sees keys j <= i + k_len - q_len
+        allowed &= cols[None, :] <= rows[:, None] + (k_len - q_len)
+    if HAS_PAD:
+        padding = tl.load(PAD + b * spb + cols * spk, mask=cols < k_len, other=1)
+        allowed &= (padding == 0)[None, :]
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
+def _kept(seed, p, b, h, heads, rows, cols, pitch_q, pitch_k):
+    """Dropout's keep mask of the tile: element ((b * heads + h) * pitch_q + i) * pitch_k + j
+    of the stream."""
+    first = (b * heads + h) * pitch_q
+    offsets = (first + rows.to(tl.int64)[:, None]) * pitch_k + cols[None, :]
+    return keep(seed, offsets, p)
+
+
+@triton.jit
+def _key_end(m0, q_len, k_len, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key a query block [m0, m0 + BLOCK_M) may see."""
+    if CAUSAL:
+        return tl.minimum(tl.maximum(m0 + BLOCK_M + k_len - q_len, 0), k_len)
+    else:
+        return k_len
+
+
+# --- forward -------------------------------------------------------------------------------------
+
+@_tuned
+@triton.jit(do_not_specialize=["seed"])
+def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
+                    sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                    sob, soh, sos, sod, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
+                    heads, seq_q, seq_k, head_dim, head_dim_v, qk_scale, p, seed, seq_bucket,
+                    HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    block, b, h = _position(seq_q, heads, BLOCK_M)
+    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    m0 = block * BLOCK_M
+    if m0 >= q_len:
+        return
+    rows = m0 + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
+        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
+        s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
+                    BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key yet subtracts 0, so its exp2(-inf) stay zeros.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        prob = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if DROPOUT:
+            kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
+            prob = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
+        # P rounded to V's dtype, as the tensor cores take it.
+        prob = prob.to(V.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    _store_tile(OUT, out, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v)
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(LSE + b * slb + h * slh + q_start + rows, lse, mask=rows < q_len)
+
+
+# --- backward ------------------------------------------------------------------------------------
+
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs, sgd, slb, slh,
+                  heads, seq_q, seq_k, head_dim_v, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    block, b, h = _position(seq_q, heads, BLOCK_M)
+    q_start, q_len, _, _ = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims_v = tl.arange(0, BLOCK_DV)
+    o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v, False)
+    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b * slb + h * slh + q_start + rows, delta, mask=rows < q_len)
+
+
+@triton.jit
+def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len, qk_scale, p, seed,
+                 PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                 HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                 DROPOUT: tl.constexpr, EXACT_DELTA: tl.constexpr, PRECISION: tl.constexpr):
+    """(P after dropout, dS) of a tile: P recomputed from the log-sum-exp, dS = P (dP - delta)."""
+    s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
+                BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
+    prob = tl.math.exp2(s - lse[:, None] * LOG2E)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    dropped = prob
+    if DROPOUT:
+        kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
+        dropped = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
+        dp = tl.where(kept, dp * (1.0 / (1.0 - p)), 0.0)
+    if EXACT_DELTA:
+        delta = tl.sum(prob * dp, 1)
+    return dropped, prob * (dp - delta[:, None])
+
+
+@_tuned
+@triton.heuristics({"EXACT_DELTA": _exact_delta})
+@triton.jit(do_not_specialize=["seed"])
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
+                 sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                 sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
+                 sdkb, sdkh, sdks, sdkd, sdvb, sdvh, sdvs, sdvd,
+                 heads, seq_q, seq_k, head_dim, head_dim_v, scale, qk_scale, p, seed, seq_bucket,
+                 HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    block, b, h = _position(seq_k, heads, BLOCK_N)
+    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    n0 = block * BLOCK_N
+    if n0 >= k_len:
+        return
+    cols = n0 + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
+    v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    m_first = 0
+    if CAUSAL:  # the first query block with a row that sees key n0
+        m_first = tl.maximum(n0 - (k_len - q_len), 0) // BLOCK_M * BLOCK_M
+    for m0 in range(m_first, q_len, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
+        do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, UPCAST)
+        stats = b * slb + h * slh + q_start + rows
+        lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
+        delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
+        dropped, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
+                                   qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
+                                   seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
+                                   PRECISION)
+        # P and dS rounded to the inputs' dtype, as the tensor cores take them.
+        dropped = dropped.to(DO.dtype.element_ty).to(do.dtype)
+        dv += tl.dot(tl.trans(dropped), do, input_precision=PRECISION)
+        ds = ds.to(Q.dtype.element_ty).to(q.dtype)
+        dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
+    _store_tile(DK, dk * scale, b, h, k_start, cols, sdkb, sdkh, sdks, sdkd, k_len, dims, head_dim)
+    _store_tile(DV, dv, b, h, k_start, cols, sdvb, sdvh, sdvs, sdvd, k_len, dims_v, head_dim_v)
+
+
+@_tuned
+@triton.heuristics({"EXACT_DELTA": _exact_delta})
+@triton.jit(do_not_specialize=["seed"])
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
+               sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+               sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
+               sdqb, sdqh, sdqs, sdqd,
+               heads, seq_q, seq_k, head_dim, head_dim_v, scale, qk_scale, p, seed, seq_bucket,
+               HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
+               DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
+               WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    block, b, h = _position(seq_q, heads, BLOCK_M)
+    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    m0 = block * BLOCK_M
+    if m0 >= q_len:
+        return
+    rows = m0 + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
+    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, UPCAST)
+    stats = b * slb + h * slh + q_start + rows
+    lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
+    delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
+        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
+        _, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
+                             qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
+                             seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
+                             PRECISION)
+        if WRITE_DS:  # a dense float32 [batch, heads, seq_q, seq_k] buffer
+            offsets = ((b * heads + h) * seq_q + rows)[:, None] * seq_k + cols[None, :]
+            tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
+        ds = ds.to(K.dtype.element_ty).to(k.dtype)
+        dq += tl.dot(ds, k, input_precision=PRECISION)
+    _store_tile(DQ, dq * scale, b, h, q_start, rows, sdqb, sdqh, sdqs, sdqd, q_len, dims, head_dim)
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+def _padded_strides(t):  # [batch, heads, seq, dim]
+    return tuple(t.stride())
+
+
+def _packed_strides(t):  # [tokens, heads, dim]: batch stride 0, rows from cu_seqlens
+    return (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def _block(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _bias_args(attn_bias):
+    """attn_bias and its strides over [batch, heads, seq_q, seq_k], 0 where broadcast."""
+    if attn_bias is None:
+        return None, (0, 0, 0, 0)
+    aligned = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+    return attn_bias, tuple(0 if n == 1 else s for n, s in zip(aligned.shape, aligned.stride()))
+
+
+def _mask_args(key_padding_mask):
+    if key_padding_mask is None:
+        return None, (0, 0)
+    return key_padding_mask.view(torch.uint8), tuple(key_padding_mask.stride())
+
+
+class _Problem:
+    """One call's tensors and sizes, as the kernels take them."""
+
+    def __init__(self, q, k, v, key_padding_mask, attn_bias, cu_q, cu_k, batch, seq_q, seq_k,
+                 causal, dropout_p, scale, seed, strides):
+        self.q, self.k, self.v, self.cu_q, self.cu_k = q, k, v, cu_q, cu_k
+        self.strides = strides
+        self.pad, self.pad_strides = _mask_args(key_padding_mask)
+        self.bias, self.bias_strides = _bias_args(attn_bias)
+        self.batch, self.heads = batch, q.shape[1]
+        self.seq_q, self.seq_k = seq_q, seq_k
+        self.head_dim, self.head_dim_v = q.shape[-1], v.shape[-1]
+        self.causal, self.p, self.scale = causal, dropout_p, scale
+        self.seed = seed_of(seed, dropout_p)
+
+    def empty(self):
+        return self.batch * self.heads == 0
+
+    def grid(self, over_keys=False):
+        seq, block = (self.seq_k, "BLOCK_N") if over_keys else (self.seq_q, "BLOCK_M")
+        return lambda meta: (triton.cdiv(seq, meta[block]) * self.batch * self.heads,)
+
+    def common(self):
+        """The arguments every kernel after the pointers takes, in order."""
+        return (*self.strides(self.q), *self.strides(self.k), *self.strides(self.v))
+
+    def sizes(self, with_scale=False):
+        scale = (self.scale,) if with_scale else ()
+        return (self.heads, self.seq_q, self.seq_k, self.head_dim, self.head_dim_v, *scale,
+                self.scale * LOG2E.value, self.p, self.seed,
+                max(64, triton.next_power_of_2(max(self.seq_q, self.seq_k, 1))))
+
+    def flags(self):
+        dtype = self.q.dtype
+        return dict(HAS_PAD=self.pad is not None, HAS_BIAS=self.bias is not None,
+                    CAUSAL=self.causal, DROPOUT=self.p > 0, VARLEN=self.cu_q is not None,
+                    PRECISION=dot_precision(dtype), UPCAST=upcast_products(dtype),
+                    BLOCK_D=_block(self.head_dim), BLOCK_DV=_block(self.head_dim_v))
+
+    def lse_strides(self, lse):
+        # [batch, heads, seq_q], or [heads, total_q] for packed sequences
+        return (0, lse.stride(0)) if self.cu_q is not None else (lse.stride(0), lse.stride(1))
+
+    def forward(self, out, lse):
+        if self.empty() or self.seq_q == 0:
+            return
+        _forward_kernel[self.grid()](
+            self.q, self.k, self.v, out, lse, self.pad, self.bias, self.cu_q, self.cu_k,
+            *self.common(), *self.strides(out), *self.lse_strides(lse), *self.pad_strides,
+            *self.bias_strides, *self.sizes(), **self.flags())
+
+    def backward(self, grad, out, lse, dq, dk, dv, ds):
+        if self.empty():
+            return
+        delta = torch.empty_like(lse)
+        flags = self.flags()
+        if self.seq_q:
+            _delta_kernel[(triton.cdiv(self.seq_q, 64) * self.batch * self.heads,)](
+                out, grad, delta, self.cu_q, self.cu_k, *self.strides(out), *self.strides(grad),
+                *self.lse_strides(lse), self.heads, self.seq_q, self.seq_k, self.head_dim_v,
+                VARLEN=flags["VARLEN"], BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"])
+        head = (self.q, self.k, self.v, grad, lse, delta)
+        tail = (*self.common(), *self.strides(grad), *self.lse_strides(lse), *self.pad_strides,
+                *self.bias_strides)
+        if self.seq_k:
+            _dkdv_kernel[self.grid(over_keys=True)](
+                *head, dk, dv, self.pad, self.bias, self.cu_q, self.cu_k, *tail,
+                *self.strides(dk), *self.strides(dv), *self.sizes(with_scale=True), **flags)
+        if self.seq_q:
+            _dq_kernel[self.grid()](
+                *head, dq, ds, self.pad, self.bias, self.cu_q, self.cu_k, *tail,
+                *self.strides(dq), *self.sizes(with_scale=True), WRITE_DS=ds is not None, **flags)
+
+
+def _check_head_dims(q, v):
+    reason = limits(head_dim=q.shape[-1], head_dim_v=v.shape[-1])
+    if reason:
+        raise ValueError(reason)
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+def _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
+    _check_head_dims(q, v)
+    batch, _, seq_q, _ = q.shape
+    return _Problem(q, k, v, key_padding_mask, attn_bias, None, None, batch, seq_q, k.shape[2],
+                    causal, dropout_p, scale, seed, _padded_strides)
+
+
+def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
+    problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
+    batch, heads, seq_q, _ = q.shape
+    out = _like(q, (batch, heads, seq_q, v.shape[3]))
+    lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+    problem.forward(out, lse)
+    return out, lse
+
+
+def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p,
+                       scale, seed, bias_grad):
+    problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
+    dq, dk, dv = _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
+    ds = None
+    if bias_grad:
+        # Zeros: pairs above the causal diagonal are never visited.
+        ds = torch.zeros((*q.shape[:3], k.shape[2]), dtype=torch.float32, device=q.device)
+    problem.backward(grad, out, lse, dq, dk, dv, ds)
+    dbias = None
+    if bias_grad:
+        aligned = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
+        summed = [d for d, n in enumerate(aligned) if n == 1 and ds.shape[d] != 1]
+        if summed:
+            ds = ds.sum(summed, keepdim=True)
+        dbias = ds.reshape(attn_bias.shape).to(attn_bias.dtype)
+    return dq, dk, dv, dbias
+
+
+# --- attention_varlen ----------------------------------------------------------------------------
+
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed):
+    _check_head_dims(q, v)
+    return _Problem(q, k, v, None, None, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, causal,
+                    dropout_p, scale, seed, _packed_strides)
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             causal, dropout_p, scale, seed):
+    problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                      dropout_p, scale, seed)
+    total_q, heads, _ = q.shape
+    out = _like(q, (total_q, heads, v.shape[2]))
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    problem.forward(out, lse)
+    return out, lse
+
+
+def attention_varlen_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, causal, dropout_p, scale, seed):
+    problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                      dropout_p, scale, seed)
+    # Zeros: rows of sequences with no keys (or no queries) are never written.
+    dq, dk, dv = (_like(t, t.shape).zero_() for t in (q, k, v))
+    problem.backward(grad, out, lse, dq, dk, dv, None)
+    return dq, dk, dv

@@ -1,0 +1,236 @@
+"""What the model tests share: a tiny corpus, padded batches, a training loop, and
+comparisons with transformers' models of the same weights."""
+import copy
+import inspect
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedlm
+from fusedlm.models import mask_tokens
+
+PAD, CLS, SEP, MASK, UNK = range(5)
+SPECIALS = (PAD, CLS, SEP, MASK, UNK)
+RELATIVE_ERROR = 1e-4  # float32 against float32, norm-wise
+
+
+class Corpus:
+    """The first ``count`` sentences of a few standard-library docstrings, as ids of a
+    vocabulary of their most frequent words (the rest are UNK). Built here, nothing
+    downloaded; few enough sentences that a tiny model learns them in a few hundred steps."""
+
+    def __init__(self, count: int = 16, words: int = 60, min_len: int = 3, max_len: int = 12):
+        text = " ".join(f.__doc__ for f in (str.split, str.join, str.replace, list.sort, dict.get,
+                                             dict.update, sorted, zip, enumerate, range, open))
+        sentences = [re.findall(r"[a-z]+", s.lower()) for s in re.split(r"[.:;\n]\s", text)]
+        counts = {}
+        for sentence in sentences:
+            for w in sentence:
+                counts[w] = counts.get(w, 0) + 1
+        vocab = sorted(counts, key=lambda w: (-counts[w], w))[:words]
+        self.ids = {w: i + len(SPECIALS) for i, w in enumerate(vocab)}
+        self.vocab_size = len(SPECIALS) + len(vocab)
+        self.sentences = [[self.ids.get(w, UNK) for w in s][:max_len] for s in sentences
+                          if len(s) >= min_len][:count]
+
+    def pick(self, size: int, generator: torch.Generator) -> list:
+        return torch.randint(len(self.sentences), (size,), generator=generator).tolist()
+
+    def batch(self, size: int, generator: torch.Generator, pairs: bool = False) -> dict:
+        """[CLS] A [SEP] (B [SEP]) rows padded on the right: input_ids, attention_mask,
+        token_type_ids, and with pairs next_sentence_label (1 = B is a random sentence)."""
+        rows, types, nsp = [], [], []
+        for i in self.pick(size, generator):
+            a = [CLS] + self.sentences[i] + [SEP]
+            if not pairs:
+                rows.append(a)
+                types.append([0] * len(a))
+                continue
+            random_b = bool(torch.rand((), generator=generator) < 0.5)
+            j = self.pick(1, generator)[0] if random_b else (i + 1) % len(self.sentences)
+            b = self.sentences[j] + [SEP]
+            rows.append(a + b)
+            types.append([0] * len(a) + [1] * len(b))
+            nsp.append(int(random_b and j != (i + 1) % len(self.sentences)))
+        return _pad(rows, types, nsp if pairs else None)
+
+
+def _pad(rows, types, nsp) -> dict:
+    seq = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), seq), PAD)
+    token_type_ids = torch.zeros((len(rows), seq), dtype=torch.long)
+    for b, (r, t) in enumerate(zip(rows, types)):
+        input_ids[b, :len(r)] = torch.tensor(r)
+        token_type_ids[b, :len(t)] = torch.tensor(t)
+    batch = {"input_ids": input_ids, "attention_mask": (input_ids != PAD).long(),
+             "token_type_ids": token_type_ids}
+    if nsp is not None:
+        batch["next_sentence_label"] = torch.tensor(nsp)
+    return batch
+
+
+def parity_batch(vocab_size: int, lengths: tuple) -> dict:
+    """Random ids padded to the longest of ``lengths``, with labels for every head:
+    ``labels`` (masked LM), next_sentence_label, class_labels, tag_labels and QA spans."""
+    batch, seq = len(lengths), max(lengths)
+    mask = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(len(SPECIALS), vocab_size, (batch, seq)).masked_fill(mask == 0, PAD)
+    types = (torch.arange(seq) >= 4).long().expand(batch, seq) * mask
+    labels = torch.where((torch.rand(batch, seq) < 0.4) & (mask == 1), ids, -100)
+    labels[0, 1] = ids[0, 1]
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
+            "next_sentence_label": torch.randint(2, (batch,)),
+            "class_labels": torch.randint(3, (batch,)),
+            "tag_labels": torch.randint(3, (batch, seq)).masked_fill(mask == 0, -100),
+            # one start lies past the sequence: clamped to seq and ignored
+            "start_positions": torch.tensor([3, 2, seq + 4][:batch]),
+            "end_positions": torch.tensor([7, 8, 4][:batch])}
+
+
+def masked(batch: dict, vocab_size: int, generator: torch.Generator) -> dict:
+    ids, labels = mask_tokens(batch["input_ids"], mask_token_id=MASK, vocab_size=vocab_size,
+                              special_token_ids=SPECIALS, attention_mask=batch["attention_mask"],
+                              generator=generator)
+    return {**batch, "input_ids": ids, "labels": labels}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on busy cores: handing their small products to a second thread costs
+    more than it saves (several times over, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train(model, make_batch, steps: int, backend=None, lr: float = 3e-3, seed: int = 0) -> list:
+    """Per-step losses of AdamW on batches make_batch(generator) draws, with every op on
+    ``backend`` (None: chosen per call)."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    fusedlm.set_backend(backend)
+    try:
+        for _ in range(steps):
+            loss = model(**make_batch(generator)).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        fusedlm.set_backend(None)
+    return losses
+
+
+def assert_trains(model, make_batch, steps: int, compared: int = 20, **kwargs) -> None:
+    """The loss falls below 0.8 x its first value within ``steps``, and the first
+    ``compared`` steps on the cpu backend match those on the reference backend."""
+    reference = train(copy.deepcopy(model), make_batch, compared, backend="reference", **kwargs)
+    losses = train(model, make_batch, steps, backend="cpu", **kwargs)
+    torch.testing.assert_close(torch.tensor(losses[:compared]), torch.tensor(reference),
+                               rtol=2e-3, atol=1e-4)
+    final = sum(losses[-10:]) / 10
+    assert final < 0.8 * losses[0], f"loss {losses[0]:.3f} -> {final:.3f} after {steps} steps"
+
+
+def assert_rel(actual, expected, name: str, tol: float = RELATIVE_ERROR, floor: float = 1e-7) -> None:
+    """Norm-wise relative error at most tol; ``floor`` bounds the absolute error of values
+    that are zero in exact arithmetic, where only rounding is left."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    diff = (actual - expected).norm().item()
+    scale = expected.norm().item()
+    assert diff <= tol * scale or diff <= floor, f"{name}: relative error {diff / max(scale, 1e-30):.2e}"
+
+
+def perturb(model, scale: float = 0.1) -> None:
+    """Random changes to every parameter, so that LayerNorm weights and biases (ones and
+    zeros at init) tell apart whether each tensor reached its place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+
+
+def assert_same_grads(ours, theirs) -> None:
+    """Every parameter's gradient, matched through ours.key_map to transformers' names."""
+    expected = {n: p.grad for n, p in theirs.named_parameters()}
+    actual = ours.key_map.to_theirs({n: p.grad for n, p in ours.named_parameters()})
+    assert set(actual) == set(expected), (f"only ours: {sorted(set(actual) - set(expected))}, "
+                                          f"only theirs: {sorted(set(expected) - set(actual))}")
+    # The key biases' gradients are zero in exact arithmetic (softmax ignores a shift
+    # along a row): rounding noise, small next to the largest gradient.
+    floor = 1e-5 * max(g.norm().item() for g in expected.values() if g is not None)
+    for name, grad in actual.items():
+        if grad is None and expected[name] is None:
+            continue
+        assert grad is not None and expected[name] is not None, f"{name}: gradient missing on one side"
+        assert_rel(grad, expected[name], f"grad {name}", floor=floor)
+
+
+def call(model, batch: dict, **extra):
+    """model(**batch) with the batch entries its forward names, and every ``extra``."""
+    names = inspect.signature(model.forward).parameters
+    return model(**{k: v for k, v in batch.items() if k in names}, **extra)
+
+
+def qa_reference_loss(start, end, batch) -> torch.Tensor:
+    """transformers' QA loss with padding excluded from the softmax, as fusedlm's QA heads do."""
+    padding = batch["attention_mask"] == 0
+    seq = start.shape[1]
+    losses = []
+    for logits, positions in ((start, batch["start_positions"]), (end, batch["end_positions"])):
+        logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+        losses.append(F.cross_entropy(logits, positions.clamp(0, seq), ignore_index=seq))
+    return (losses[0] + losses[1]) / 2
+
+
+def _compare_outputs(ours, theirs, batch, per_token, per_sequence):
+    real = batch["attention_mask"].bool()
+    for field in per_token:
+        assert_rel(getattr(ours, field)[real], getattr(theirs, field)[real], field)
+    for field in per_sequence:
+        assert_rel(getattr(ours, field), getattr(theirs, field), field)
+
+
+def assert_matches_transformers(cls, hf_cls, hf_config, batch: dict, loss_of, per_token: tuple,
+                                per_sequence: tuple, layers: int, tmp_path) -> None:
+    """A transformers model (random weights, dropout off) saved by transformers loads
+    into ``cls``; on a padded batch both give the same loss (``loss_of(output)``), the
+    same gradient for every parameter, the same hidden states, and the same outputs
+    (``per_token`` fields compared at real tokens, ``per_sequence`` whole); saved by
+    fusedlm, it loads in transformers, which then gives the same outputs."""
+    theirs = hf_cls(hf_config).eval()
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = cls.from_pretrained(tmp_path / "theirs")
+
+    expected = call(theirs, batch, output_hidden_states=True)
+    loss_of(expected).backward()
+    # Training mode with dropout 0: the masked-LM heads take their fused, labelled-rows path.
+    ours.train()
+    out = call(ours, batch, output_hidden_states=True)
+    loss = loss_of(out)
+    assert_rel(loss, loss_of(expected), "loss")
+    loss.backward()
+    assert_same_grads(ours, theirs)
+    real = batch["attention_mask"].bool()
+    assert len(out.hidden_states) == len(expected.hidden_states) == layers + 1
+    for i, (a, b) in enumerate(zip(out.hidden_states, expected.hidden_states)):
+        assert_rel(a[real], b[real], f"hidden_states[{i}]")
+
+    ours.eval()
+    with torch.no_grad():
+        evaluated = call(ours, batch)
+    _compare_outputs(evaluated, expected, batch, per_token, per_sequence)
+
+    ours.save_pretrained(tmp_path / "ours")
+    again, info = hf_cls.from_pretrained(tmp_path / "ours", output_loading_info=True,
+                                         attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        _compare_outputs(evaluated, call(again.eval(), batch), batch, per_token, per_sequence)
