@@ -13,7 +13,10 @@ from cli_helpers import TINY, run_cli, write_corpus
 from fusedlm.cli import checkpoint
 from fusedlm.cli import train as train_module
 from fusedlm.cli.train import read_metrics
-from fusedlm.models import GPTLMHeadModel
+from fusedlm.cli.tokenizer import load as load_tokenizer
+from fusedlm.models import (BertForMaskedLM, BertForSequenceClassification,
+                            BertForTokenClassification, ElectraDiscriminator,
+                            ElectraForPreTraining, GPTLMHeadModel)
 
 
 @pytest.fixture(autouse=True)
@@ -52,9 +55,7 @@ def test_gpt_pretrain_then_generate(capsys, tmp_path, corpus):
     assert code == 0, err
     assert text.startswith("Return the") and len(text) > len("Return the\n")
     # Greedy decoding is the model's own greedy continuation.
-    from fusedlm.cli.tokenizer import load
-
-    tokenizer = load(out)
+    tokenizer = load_tokenizer(out)
     ids = torch.tensor([tokenizer.encode("Return the").ids])
     expect = model.eval().generate(ids, max_new_tokens=12)
     assert text == "Return the" + tokenizer.decode(expect[0, ids.shape[1]:].tolist()) + "\n"
@@ -142,3 +143,163 @@ def test_two_processes_match_one_on_the_same_global_batch(capsys, tmp_path, corp
     state = checkpoint.load_state(checkpoint.latest(tmp_path / "two"))
     assert state["settings"]["global_batch"] == 4 and len(state["rng"]) == 2
     assert json.loads((tmp_path / "two" / "config.json").read_text())["n_layer"] == 2
+
+
+def _labelled_data(root):
+    """Tiny generated fine-tuning sets: sentiment words decide the class; names and
+    numbers are tagged PER and NUM, every other word O."""
+    import csv
+    import random
+
+    draw = random.Random(0)
+    good, bad = "good great fine happy lovely nice".split(), "bad awful poor sad ugly nasty".split()
+    filler, names = "the a this it was is very and so really".split(), "alice bob carol dave".split()
+
+    def classify_row():
+        positive = draw.random() < 0.5
+        words = draw.sample(filler, 4) + draw.sample(good if positive else bad, 2)
+        draw.shuffle(words)
+        return {"text": " ".join(words), "label": "pos" if positive else "neg"}
+
+    def tag_row():
+        words, tags = [], []
+        for _ in range(6):
+            kind = draw.random()
+            word, tag = ((draw.choice(names), "PER") if kind < 0.3 else
+                         (str(draw.randint(1, 99)), "NUM") if kind < 0.5 else (draw.choice(filler), "O"))
+            words.append(word)
+            tags.append(tag)
+        return {"text": words, "label": tags}
+
+    with open(root / "classify_train.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["text", "label"])
+        writer.writeheader()
+        writer.writerows(classify_row() for _ in range(160))
+    for name, row, count in (("classify_eval.jsonl", classify_row, 40),
+                             ("tag_train.jsonl", tag_row, 160), ("tag_eval.jsonl", tag_row, 40)):
+        (root / name).write_text("".join(json.dumps(row()) + "\n" for _ in range(count)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("bert") / "bert"
+    from fusedlm.cli import main
+
+    assert main(["pretrain", "--model", "bert", "--corpus", str(corpus), "--steps", "6",
+                 "--out", str(out), *TINY]) == 0
+    return out
+
+
+def test_bert_pretrain_then_fill_mask(capsys, bert):
+    record = read_metrics(bert / "metrics.jsonl")
+    assert [r["step"] for r in record] == list(range(1, 7)) and record[-1]["loss"] < record[0]["loss"]
+    model = BertForMaskedLM.from_pretrained(bert).eval()
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 128
+
+    code, out, err = run_cli(capsys, "fill-mask", "--model", bert, "--top-k", 3, "--device", "cpu",
+                             "Return the [MASK] of the [MASK].")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["[MASK] 1", "[MASK] 2"]
+    # The candidates are the model's own top 3 at each mask, most probable first.
+    tokenizer = load_tokenizer(bert)
+    ids = tokenizer.encode("Return the [MASK] of the [MASK].").ids
+    where = [i for i, t in enumerate(ids) if t == tokenizer.token_to_id("[MASK]")]
+    with torch.no_grad():
+        best = model(torch.tensor([ids])).logits[0, where].topk(3).indices
+    for line, row in zip(lines, best.tolist()):
+        assert [c.rsplit(" (", 1)[0] for c in line.split(": ", 1)[1].split(", ")] == \
+            [tokenizer.id_to_token(t) for t in row]
+    assert lines[2].startswith("return the")
+
+    code, _, err = run_cli(capsys, "fill-mask", "--model", bert, "no mask here")
+    assert code == 2 and err.count("\n") == 1 and "no [MASK] token" in err
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".safetensors"])
+def test_bert_embed_writes_one_vector_per_line(capsys, tmp_path, bert, suffix):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Return the value.\n\nRaise an error if the file is missing.\n")
+    out = tmp_path / f"vectors{suffix}"
+    code, _, err = run_cli(capsys, "embed", "--model", bert, lines, "--out", out, "--device", "cpu")
+    assert code == 0, err
+    if suffix == ".npy":
+        import numpy as np
+
+        vectors = torch.from_numpy(np.load(out))
+    else:
+        from safetensors.torch import load_file
+
+        vectors = load_file(out)["embeddings"]
+    tokenizer = load_tokenizer(bert)
+    model = BertForMaskedLM.from_pretrained(bert).eval()
+    with torch.no_grad():
+        for row, text in zip(vectors, ["Return the value.", "Raise an error if the file is missing."]):
+            hidden = model.bert(torch.tensor([tokenizer.encode(text).ids])).last_hidden_state[0]
+            torch.testing.assert_close(row, hidden.mean(0), atol=1e-5, rtol=1e-5)
+    assert vectors.shape == (2, 128)
+
+
+@pytest.mark.parametrize("task", ["classify", "tag"])
+def test_finetune_learns_a_separable_task(capsys, tmp_path, bert, task):
+    data = _labelled_data(tmp_path)
+    train = data / ("classify_train.csv" if task == "classify" else "tag_train.jsonl")
+    out = tmp_path / task
+    code, stdout, err = run_cli(capsys, "finetune", "--model", bert, "--task", task, "--train", train,
+                                "--eval", data / f"{task}_eval.jsonl", "--epochs", 3,
+                                "--batch-size", 8, "--device", "cpu", "--out", out)
+    assert code == 0, err
+    scores = json.loads((out / "eval.json").read_text())
+    assert scores["epoch"] == 3 and scores["accuracy"] >= 0.9 and scores["f1"] >= 0.9, stdout
+    names = json.loads((out / "labels.json").read_text())
+    assert names == (["neg", "pos"] if task == "classify" else ["NUM", "O", "PER"])
+    model_class = BertForSequenceClassification if task == "classify" else BertForTokenClassification
+    assert model_class.from_pretrained(out).config.num_labels == len(names)
+
+
+def test_finetune_bad_input(capsys, tmp_path, bert):
+    data = _labelled_data(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": "pos"}\nnot json\n')
+    (tmp_path / "unseen.jsonl").write_text('{"text": "fine", "label": "meh"}\n')
+    (tmp_path / "short.jsonl").write_text('{"text": ["alice", "is"], "label": ["PER"]}\n')
+    base = ["finetune", "--model", bert, "--device", "cpu", "--out", tmp_path / "out"]
+    cases = [
+        (["--task", "classify", "--train", tmp_path / "bad.jsonl", "--eval", tmp_path / "bad.jsonl"],
+         "line 2: not JSON"),
+        (["--task", "classify", "--train", data / "classify_train.csv", "--eval",
+          tmp_path / "unseen.jsonl"], "labels --train lacks: meh"),
+        (["--task", "tag", "--train", tmp_path / "short.jsonl", "--eval", tmp_path / "short.jsonl"],
+         "2 words but 1 labels"),
+        (["--task", "classify", "--train", data / "classify_train.csv", "--eval",
+          data / "classify_eval.jsonl", "--label-column", "sentiment"], "no 'sentiment' value"),
+    ]
+    for argv, message in cases:
+        code, _, err = run_cli(capsys, *base, *argv)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli(capsys, "finetune", "--model", bert, "--task", "classify", "--train",
+                           data / "classify_train.csv", "--eval", data / "classify_eval.jsonl",
+                           "--out", bert)
+    assert code == 2 and "already holds a checkpoint" in err
+
+
+def test_electra_pretrain_exports_the_discriminator(capsys, tmp_path, corpus):
+    out = tmp_path / "electra"
+    code, _, err = run_cli(capsys, "pretrain", "--model", "electra", "--corpus", corpus,
+                           "--steps", 4, "--out", out, *TINY)
+    assert code == 0, err
+    record = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in record] == [1, 2, 3, 4] and record[-1]["loss"] < record[0]["loss"]
+    whole = ElectraForPreTraining.from_pretrained(checkpoint.latest(out))
+    exported = ElectraDiscriminator.from_pretrained(out)
+    for name, value in exported.state_dict().items():
+        assert torch.equal(value, whole.discriminator.state_dict()[name]), name
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Return the value.\n")
+    code, _, err = run_cli(capsys, "embed", "--model", out, lines, "--pool", "first", "--device", "cpu")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "pretrain", "--resume", "--out", out, "--steps", 5,
+                           "--device", "cpu")
+    assert code == 0, err
+    assert checkpoint.latest(out).name == "checkpoint-5"

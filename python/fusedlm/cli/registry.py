@@ -106,7 +106,82 @@ GPT = ModelSpec(
     heads={"pretrain": models.GPTLMHeadModel, "generate": models.GPTLMHeadModel},
     positions=lambda config: config.n_positions)
 
-SPECS = {spec.name: spec for spec in (GPT,)}
+
+# BERT and ELECTRA: WordPiece, [CLS] block [SEP] (documents separated by [SEP]), BERT's
+# dynamic masking drawn for each global batch.
+
+def _bert_config(config_class, size: Size, tokenizer, dropout: Optional[float], **extra):
+    if dropout is not None:
+        extra.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return config_class(vocab_size=tokenizer.get_vocab_size(), hidden_size=size.hidden,
+                        num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                        intermediate_size=4 * size.hidden, max_position_embeddings=512,
+                        pad_token_id=tok.special_id(tokenizer, "[PAD]"), **extra)
+
+
+def _bert_blocks(documents, tokenizer, seq_len: int) -> Tensor:
+    cls, sep = (tok.special_id(tokenizer, t) for t in ("[CLS]", "[SEP]"))
+    return pack(documents, seq_len, sep, prefix=(cls,), suffix=(sep,))
+
+
+def _masked_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
+    input_ids, labels = models.mask_tokens(
+        blocks, mask_token_id=tok.special_id(tokenizer, "[MASK]"),
+        vocab_size=tokenizer.get_vocab_size(),
+        special_token_ids=[tok.special_id(tokenizer, t) for t in tok.WORDPIECE_SPECIALS],
+        generator=generator)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _electra_loss(model, inputs: dict, generator: torch.Generator) -> Tensor:
+    # The generator's samples at the masked positions come from ``generator``.
+    return model(inputs["input_ids"], labels=inputs["labels"], generator=generator).loss
+
+
+def _max_positions(config) -> int:
+    return config.max_position_embeddings
+
+
+def _encoder_hidden(encoder: Callable) -> Callable:
+    """``hidden`` of a transformer encoder (``encoder(model)``): WordPiece, padded."""
+    def hidden(model, tokenizer, texts, device) -> tuple:
+        tokenizer.enable_truncation(_max_positions(model.config))
+        tokenizer.enable_padding(pad_id=tok.special_id(tokenizer, "[PAD]"), pad_token="[PAD]")
+        batch = tokenizer.encode_batch(texts)
+        ids = torch.tensor([e.ids for e in batch], device=device)
+        mask = torch.tensor([e.attention_mask for e in batch], device=device)
+        out = encoder(model)(ids, attention_mask=mask).last_hidden_state.float()
+        return out, mask.bool(), sum(bool(e.overflowing) for e in batch)
+
+    return hidden
+
+
+BERT = ModelSpec(
+    name="bert", model_type="bert", tokenizer="wordpiece",
+    build=lambda size, tokenizer, dropout: models.BertForMaskedLM(
+        _bert_config(models.BertConfig, size, tokenizer, dropout)),
+    blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
+    heads={"pretrain": models.BertForMaskedLM, "fill-mask": models.BertForMaskedLM,
+           "embed": models.BertForMaskedLM, "classify": models.BertForSequenceClassification,
+           "tag": models.BertForTokenClassification},
+    positions=_max_positions, hidden=_encoder_hidden(lambda model: model.bert))
+
+ELECTRA = ModelSpec(
+    name="electra", model_type="electra", tokenizer="wordpiece",
+    # ELECTRA-Small's 128-wide embeddings, projected up, below base size.
+    build=lambda size, tokenizer, dropout: models.ElectraForPreTraining(_bert_config(
+        models.ElectraConfig, size, tokenizer, dropout,
+        embedding_size=128 if size.hidden <= 256 else size.hidden)),
+    blocks=_bert_blocks, batch=_masked_batch, loss=_electra_loss,
+    heads={"pretrain": models.ElectraForPreTraining, "embed": models.ElectraDiscriminator,
+           "classify": models.ElectraForSequenceClassification,
+           "tag": models.ElectraForTokenClassification},
+    positions=_max_positions,
+    # The discriminator is the model ELECTRA's pretraining is for (transformers'
+    # ElectraForPreTraining layout); the whole pair stays in the checkpoints.
+    export=lambda model: model.discriminator, hidden=_encoder_hidden(lambda model: model.electra))
+
+SPECS = {spec.name: spec for spec in (BERT, ELECTRA, GPT)}
 
 
 def by_model_type(model_type: str) -> Optional[ModelSpec]:

@@ -37,9 +37,11 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
                                                special_tokens=list(WORDPIECE_SPECIALS),
                                                show_progress=False)
         tokenizer.train_from_iterator(documents, trainer)
-        # The trainer numbers its alphabet in hash-map order, which changes from run to
-        # run: renumber the tokens after the specials in sorted order, so that one corpus
-        # always gives one tokenizer.
+        # The trainer numbers its "##" alphabet in hash-map order, which changes from run
+        # to run: the tokens after the specials are renumbered in sorted order. (Ties
+        # between equally frequent merges follow those numbers, so two trainings on one
+        # corpus may still keep a few different rare tokens; a run saves its tokenizer,
+        # and resuming or a second process reads that one.)
         vocab = tokenizer.get_vocab()
         ordered = list(WORDPIECE_SPECIALS) + sorted(set(vocab) - set(WORDPIECE_SPECIALS))
         tokenizer.model = tk.models.WordPiece({t: i for i, t in enumerate(ordered)},
