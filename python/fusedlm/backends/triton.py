@@ -74,4 +74,5 @@ BACKEND = register(Backend("triton", _devices, _unavailable, {
     "gelu_ffn": _kernel("gelu_ffn", "gelu"),
     "cross_entropy": _kernel("cross_entropy", "cross_entropy"),
     "masked_lm_loss": _kernel("masked_lm_loss", "cross_entropy"),
+    "lstm_cell": _kernel("lstm_cell", "lstm"),
 }))

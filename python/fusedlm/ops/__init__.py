@@ -11,9 +11,10 @@ from .attention import attention, attention_varlen
 from .cross_entropy import cross_entropy, masked_lm_loss
 from .gelu import bias_gelu, gelu_ffn
 from .layer_norm import add_layer_norm
+from .lstm import lstm_cell
 from .padding import pad, unpad
 
 __all__ = [
     "reference", "attention", "attention_varlen", "unpad", "pad", "bias_gelu", "gelu_ffn",
-    "add_layer_norm", "cross_entropy", "masked_lm_loss",
+    "add_layer_norm", "cross_entropy", "masked_lm_loss", "lstm_cell",
 ]
