@@ -5,7 +5,8 @@ Each reads and writes checkpoints in the Hugging Face layout (``from_pretrained`
 written here loads in ``transformers``.
 """
 from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
+from .elmo import ELMo, ElmoBiLM, ElmoConfig
 from .outputs import CausalLMOutput, ModelOutput, PreTrainingOutput, QuestionAnsweringOutput
 
 __all__ = ["CausalLMOutput", "Config", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
-           "PreTrainingOutput", "QuestionAnsweringOutput"]
+           "PreTrainingOutput", "QuestionAnsweringOutput", "ELMo", "ElmoBiLM", "ElmoConfig"]
