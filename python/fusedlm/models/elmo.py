@@ -12,7 +12,6 @@ models (the forward one predicts the next word, the backward one the previous wo
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
