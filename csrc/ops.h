@@ -140,4 +140,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
     const at::Tensor& seed);
 
+// The pointwise part of an LSTM step: gates [..., 4 * cell] (input, forget, cell, output
+// pre-activations), c_prev [..., cell]. Returns (h, c), c clipped to [-cell_clip, cell_clip]
+// (cell_clip +inf: no clip).
+std::tuple<at::Tensor, at::Tensor> lstm_cell_forward(const at::Tensor& gates,
+                                                     const at::Tensor& c_prev, double cell_clip);
+// (dgates, dc_prev) from the gradients of h and c.
+std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const at::Tensor& grad_h,
+                                                      const at::Tensor& grad_c,
+                                                      const at::Tensor& gates,
+                                                      const at::Tensor& c_prev, double cell_clip);
+
 }  // namespace fusedlm

@@ -41,6 +41,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("pad_backward", &fusedlm::pad_backward);
   m.def("add_layer_norm_forward", &fusedlm::add_layer_norm_forward);
   m.def("add_layer_norm_backward", &fusedlm::add_layer_norm_backward);
+  m.def("lstm_cell_forward", &fusedlm::lstm_cell_forward);
+  m.def("lstm_cell_backward", &fusedlm::lstm_cell_backward);
 
 #ifdef FUSEDLM_WITH_CUDA
   // The cuda backend's entry points: the same signatures as the CPU ones above.

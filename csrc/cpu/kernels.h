@@ -112,6 +112,16 @@ struct KernelTable {
                                   const void* weight, void* dsummed, void* dx,
                                   void* dweight_partial, void* dbias_partial, int64_t rows,
                                   int64_t cols, const uint8_t* keep, double p);
+  // The pointwise part of an LSTM step over rows x cell, row-major: gates [rows, 4 * cell]
+  // holds the pre-activations of the input, forget, cell and output gates in that order;
+  // c = clamp(i * g + f * c_prev, -clip, clip) and h = o * tanh(c) (clip may be +inf).
+  void (*lstm_cell_forward)(DType, const void* gates, const void* c_prev, void* h, void* c,
+                            int64_t rows, int64_t cell, double clip);
+  // dgates and dc_prev from dh and dc (the gradient of the returned c), recomputing the
+  // activations from gates and c_prev; the clip passes gradient only inside [-clip, clip].
+  void (*lstm_cell_backward)(DType, const void* dh, const void* dc, const void* gates,
+                             const void* c_prev, void* dgates, void* dc_prev, int64_t rows,
+                             int64_t cell, double clip);
 };
 
 #define FUSEDLM_DECLARE_TABLE(isa) const KernelTable& kernel_table_##isa();

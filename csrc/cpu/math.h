@@ -114,6 +114,13 @@ inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 inline float exp_(float x) { return exp_f(x); }
 inline double exp_(double x) { return std::exp(x); }
 
+// tanh from exp(-2|x|) <= 1, which cannot overflow; the sign is put back without a branch.
+inline float tanh_(float x) {
+  float e = exp_f(-2.0f * std::fabs(x));
+  return std::copysign((1.0f - e) / (1.0f + e), x);
+}
+inline double tanh_(double x) { return std::tanh(x); }
+
 // Calls f with a typed null pointer for the element type, f(static_cast<T*>(nullptr)).
 template <typename F>
 inline void dispatch_dtype(DType dtype, F&& f) {

@@ -29,6 +29,9 @@ void add_layer_norm_forward(DType, const void*, const void*, const void*, const 
 void add_layer_norm_backward(DType, const void*, const void*, const void*, const void*,
                              const void*, const void*, void*, void*, void*, void*, int64_t,
                              int64_t, const uint8_t*, double);
+void lstm_cell_forward(DType, const void*, const void*, void*, void*, int64_t, int64_t, double);
+void lstm_cell_backward(DType, const void*, const void*, const void*, const void*, void*, void*,
+                        int64_t, int64_t, double);
 }  // namespace FUSEDLM_ISA
 
 #define FUSEDLM_STR2(x) #x
@@ -55,6 +58,8 @@ const KernelTable& FUSEDLM_CAT(kernel_table_, FUSEDLM_ISA)() {
       k::attn_bias_grad,
       k::add_layer_norm_forward,
       k::add_layer_norm_backward,
+      k::lstm_cell_forward,
+      k::lstm_cell_backward,
   };
   return table;
 }

@@ -19,6 +19,7 @@ BACKEND = register(
             "unpad": Kernel(_C.unpad_forward),
             "pad": Kernel(_C.pad_forward, _C.pad_backward),
             "add_layer_norm": Kernel(_C.add_layer_norm_forward, _C.add_layer_norm_backward),
+            "lstm_cell": Kernel(_C.lstm_cell_forward, _C.lstm_cell_backward),
         },
     )
 )

@@ -81,4 +81,5 @@ BACKEND = register(Backend("triton", _devices, _unavailable, {
     "attention": _kernel("attention", "attention", _attention_limits),
     "attention_varlen": _kernel("attention_varlen", "attention", _attention_limits),
     "attention_with_kvcache": _kernel("attention_with_kvcache", "attention_kvcache"),
+    "lstm_cell": _kernel("lstm_cell", "lstm"),
 }))

@@ -10,6 +10,7 @@ from .bert import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuest
 from .electra import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
                       ElectraForQuestionAnswering, ElectraForSequenceClassification,
                       ElectraForTokenClassification, ElectraGenerator, ElectraModel)
+from .elmo import ELMo, ElmoBiLM, ElmoConfig
 from .gpt import GPTConfig, GPTLMHeadModel, GPTModel
 from .masking import mask_tokens
 from .outputs import (CausalLMOutput, ElectraPreTrainingOutput, ModelOutput, PreTrainingOutput,
@@ -20,6 +21,7 @@ __all__ = ["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuesti
            "CausalLMOutput", "Config", "ElectraConfig", "ElectraDiscriminator",
            "ElectraForPreTraining", "ElectraForQuestionAnswering",
            "ElectraForSequenceClassification", "ElectraForTokenClassification",
-           "ElectraGenerator", "ElectraModel", "ElectraPreTrainingOutput", "GPTConfig",
+           "ElectraGenerator", "ElectraModel", "ElectraPreTrainingOutput", "ELMo", "ElmoBiLM",
+           "ElmoConfig", "GPTConfig",
            "GPTLMHeadModel", "GPTModel", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
            "PreTrainingOutput", "QuestionAnsweringOutput", "mask_tokens"]

@@ -12,9 +12,10 @@ from .attention_kvcache import attention_with_kvcache
 from .cross_entropy import cross_entropy, masked_lm_loss
 from .gelu import bias_gelu, gelu_ffn
 from .layer_norm import add_layer_norm
+from .lstm import lstm_cell
 from .padding import pad, unpad
 
 __all__ = [
     "reference", "attention", "attention_varlen", "attention_with_kvcache", "unpad", "pad",
-    "bias_gelu", "gelu_ffn", "add_layer_norm", "cross_entropy", "masked_lm_loss",
+    "bias_gelu", "gelu_ffn", "add_layer_norm", "cross_entropy", "masked_lm_loss", "lstm_cell",
 ]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "attention", "attention_varlen", "attention_with_kvcache", "unpad", "pad", "add_layer_norm",
-    "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss",
+    "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss", "lstm_cell",
 ]
 
 
@@ -173,3 +173,15 @@ def masked_lm_loss(hidden, weight, bias, labels, *, ignore_index=-100, label_smo
     """cross_entropy(hidden @ weight^T + bias, labels): the full-vocabulary computation."""
     return cross_entropy(F.linear(hidden, weight, bias), labels, ignore_index=ignore_index,
                          label_smoothing=label_smoothing, reduction=reduction)
+
+
+def lstm_cell(gates, c_prev, *, cell_clip=None):
+    """(h, c) of an LSTM step: gates [..., 4 * cell] are the input, forget, cell and output
+    pre-activations; c = clamp(i * g + f * c_prev, -cell_clip, cell_clip), h = o * tanh(c)."""
+    acc = _acc(gates.dtype)
+    i, f, g, o = gates.to(acc).chunk(4, dim=-1)
+    c = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * c_prev.to(acc)
+    if cell_clip is not None:
+        c = torch.clamp(c, -cell_clip, cell_clip)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return h.to(gates.dtype), c.to(gates.dtype)

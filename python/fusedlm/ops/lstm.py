@@ -1,0 +1,87 @@
+"""lstm_cell: the pointwise part of one LSTM step, with the cell clip of AllenNLP's
+LstmCellWithProjection (ELMo), forward and backward.
+
+The matrix products around it (W_i x_t + W_h h_{t-1} + b before, the projection after) are
+torch's; cuDNN's LSTM cannot clip the cell, so this is what a clipped LSTM fuses. Only the
+gate pre-activations and c_prev are saved for backward; the activations are recomputed.
+"""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import choose, kernel, planner
+from . import _validate as check
+from . import reference
+
+
+def _clip_value(cell_clip: Optional[float]) -> float:
+    """The clip the kernels take: +inf when there is none."""
+    return math.inf if cell_clip is None else float(cell_clip)
+
+
+@planner("lstm_cell")
+def plan_lstm_cell(gates, c_prev, *, cell_clip=None, backend=None):
+    check.tensor("gates", gates, min_ndim=1)
+    check.tensor("c_prev", c_prev, min_ndim=1)
+    if gates.shape[-1] % 4:
+        raise ValueError("gates must have a last dimension of 4 * cell (input, forget, cell and "
+                         f"output gates), got shape {tuple(gates.shape)}")
+    check.shape("c_prev", c_prev, (*gates.shape[:-1], gates.shape[-1] // 4))
+    if cell_clip is not None and (isinstance(cell_clip, bool) or not isinstance(cell_clip, (int, float))
+                                  or not 0.0 < cell_clip <= math.inf):
+        raise ValueError(f"cell_clip must be None or a float > 0, got {cell_clip!r}")
+    check.same_dtype(gates=gates, c_prev=c_prev)
+    device = check.same_device(gates=gates, c_prev=c_prev)
+    return choose("lstm_cell", device, backend, dtype=gates.dtype)
+
+
+def lstm_cell(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[float] = None,
+              backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """(h, c) of an LSTM step from gates [..., 4 * cell] and c_prev [..., cell].
+
+    gates holds the pre-activations (biases included) of the input, forget, cell and output
+    gates, in that order (AllenNLP's and torch.nn.LSTM's): c = i * g + f * c_prev, clamped
+    to [-cell_clip, cell_clip] when cell_clip is set, and h = o * tanh(c).
+    """
+    choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
+    if choice.backend == "reference":
+        return reference.lstm_cell(gates, c_prev, cell_clip=cell_clip)
+    return torch.ops.fusedlm.lstm_cell(gates, c_prev, _clip_value(cell_clip), choice.backend)
+
+
+@torch.library.custom_op("fusedlm::lstm_cell", mutates_args=())
+def _lstm_cell(gates: Tensor, c_prev: Tensor, cell_clip: float, backend: str) -> tuple[Tensor, Tensor]:
+    return kernel(backend, "lstm_cell").forward(gates, c_prev, cell_clip)
+
+
+@_lstm_cell.register_fake
+def _(gates, c_prev, cell_clip, backend):
+    return c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)
+
+
+@torch.library.custom_op("fusedlm::lstm_cell_backward", mutates_args=())
+def _lstm_cell_backward(grad_h: Tensor, grad_c: Tensor, gates: Tensor, c_prev: Tensor,
+                        cell_clip: float, backend: str) -> tuple[Tensor, Tensor]:
+    return kernel(backend, "lstm_cell").backward(grad_h, grad_c, gates, c_prev, cell_clip)
+
+
+@_lstm_cell_backward.register_fake
+def _(grad_h, grad_c, gates, c_prev, cell_clip, backend):
+    return gates.new_empty(gates.shape), c_prev.new_empty(c_prev.shape)
+
+
+def _lstm_cell_setup(ctx, inputs, output):
+    gates, c_prev, ctx.cell_clip, ctx.backend = inputs
+    ctx.save_for_backward(gates, c_prev)
+
+
+def _lstm_cell_grad(ctx, grad_h, grad_c):
+    gates, c_prev = ctx.saved_tensors
+    dgates, dc_prev = torch.ops.fusedlm.lstm_cell_backward(
+        grad_h.contiguous(), grad_c.contiguous(), gates, c_prev, ctx.cell_clip, ctx.backend)
+    return dgates, dc_prev, None, None
+
+
+_lstm_cell.register_autograd(_lstm_cell_grad, setup_context=_lstm_cell_setup)

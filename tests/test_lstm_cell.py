@@ -1,0 +1,115 @@
+"""lstm_cell against the reference, on every backend that has it."""
+import pytest
+import torch
+
+import fusedlm
+from fusedlm.ops import reference
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh, interpreted
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(shape, cell, dtype, device):
+    # Scale 2: the new cell values spread over about [-4, 4], across a clip of 1.
+    return fresh((*shape, 4 * cell), dtype, device, scale=2.0), fresh((*shape, cell), dtype, device, scale=2.0)
+
+
+def _check(gates, c_prev, cell_clip, backend, scale=1.0):
+    """Runs forward and backward on `backend` and on the float64 reference; compares h, c,
+    dgates and dc_prev. Returns the reference's c."""
+    h, c = fusedlm.ops.lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
+    grad_h, grad_c = torch.randn_like(h), torch.randn_like(c)
+    torch.autograd.backward((h, c), (grad_h, grad_c))
+    g64, c64 = as_reference(gates, c_prev)
+    eh, ec = reference.lstm_cell(g64, c64, cell_clip=cell_clip)
+    torch.autograd.backward((eh, ec), (grad_h.double(), grad_c.double()))
+    assert h.dtype == gates.dtype and h.shape == c_prev.shape and c.shape == c_prev.shape
+    assert_close(h, eh, name="h", scale=scale)
+    assert_close(c, ec, name="c", scale=scale)
+    assert_close(gates.grad, g64.grad, name="dgates", scale=scale)
+    assert_close(c_prev.grad, c64.grad, name="dc_prev", scale=scale)
+    return ec
+
+
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell_clip", [None, 1.0])
+def test_lstm_cell_matches_reference(backend, dtype, cell_clip):
+    shape, cell = ((3,), 24) if interpreted(backend) else ((37,), 67)
+    gates, c_prev = _inputs(shape, cell, dtype, backend_device(backend))
+    ec = _check(gates, c_prev, cell_clip, backend)
+    if cell_clip is not None:  # the clip was exercised on both sides, and left units inside
+        assert (ec == cell_clip).any() and (ec == -cell_clip).any() and (ec.abs() < cell_clip).any()
+
+
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+def test_lstm_cell_leading_dims_and_non_contiguous(backend):
+    device = backend_device(backend)
+    gates = fresh((2, 12, 3), torch.float32, device, scale=2.0).transpose(1, 2)
+    c_prev = fresh((3, 2, 3), torch.float32, device, scale=2.0).permute(1, 0, 2)
+    gates.retain_grad(), c_prev.retain_grad()
+    _check(gates, c_prev, 2.5, backend)
+
+
+def test_lstm_cell_every_instruction_set(cpu_isa):
+    # Odd widths exercise the vector loops' remainders.
+    for cell in (1, 7, 33, 300):
+        for clip in (None, 0.5):
+            gates, c_prev = _inputs((5,), cell, torch.float32, "cpu")
+            _check(gates, c_prev, clip, "cpu")
+
+
+@pytest.mark.parametrize("cell_clip", [None, 0.7])
+def test_lstm_cell_gradcheck(cell_clip):
+    gates, c_prev = _inputs((4,), 5, torch.float64, "cpu")
+    assert torch.autograd.gradcheck(
+        lambda g, c: fusedlm.ops.lstm_cell(g, c, cell_clip=cell_clip, backend="cpu"), (gates, c_prev))
+
+
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+def test_lstm_cell_saturated_gates_stay_finite(backend):
+    device = backend_device(backend)
+    for dtype in DTYPES:
+        big = torch.tensor([[-60000.0, -30.0, 30.0, 60000.0] * 4], dtype=dtype, device=device)
+        c_prev = torch.tensor([[-5.0, 0.5, -0.5, 5.0]], dtype=dtype, device=device)
+        big.requires_grad_(), c_prev.requires_grad_()
+        h, c = fusedlm.ops.lstm_cell(big, c_prev, cell_clip=3.0, backend=backend)
+        (h.sum() + c.sum()).backward()
+        assert all(torch.isfinite(t).all() for t in (h, c, big.grad, c_prev.grad))
+        eh, ec = reference.lstm_cell(big.double(), c_prev.double(), cell_clip=3.0)
+        assert_close(h, eh, dtype=dtype)
+        assert_close(c, ec, dtype=dtype)
+
+
+def test_lstm_cell_compiles_without_graph_breaks():
+    gates, c_prev = _inputs((6,), 16, torch.float32, "cpu")
+
+    def step(g, c):
+        h, c = fusedlm.ops.lstm_cell(g, c, cell_clip=1.5, backend="cpu")
+        return h * 2 + c
+
+    out = torch.compile(step, fullgraph=True)(gates, c_prev)
+    out.sum().backward()
+    g64, c64 = as_reference(gates, c_prev)
+    eh, ec = reference.lstm_cell(g64, c64, cell_clip=1.5)
+    (eh * 2 + ec).sum().backward()
+    assert_close(out, eh * 2 + ec)
+    assert_close(gates.grad, g64.grad)
+    assert_close(c_prev.grad, c64.grad)
+
+
+def test_lstm_cell_rejects_bad_input():
+    gates, c_prev = torch.randn(4, 12), torch.randn(4, 3)
+    with pytest.raises(ValueError, match="gates"):
+        fusedlm.ops.lstm_cell(torch.randn(4, 10), c_prev)
+    with pytest.raises(ValueError, match="c_prev"):
+        fusedlm.ops.lstm_cell(gates, torch.randn(4, 4))
+    with pytest.raises(TypeError, match="c_prev"):
+        fusedlm.ops.lstm_cell(gates, c_prev.double())
+    with pytest.raises(TypeError, match="gates"):
+        fusedlm.ops.lstm_cell(gates.long(), c_prev)
+    for bad in (0.0, -1.0, True, "3"):
+        with pytest.raises(ValueError, match="cell_clip"):
+            fusedlm.ops.lstm_cell(gates, c_prev, cell_clip=bad)
+    with pytest.raises(ValueError, match="c_prev"):
+        fusedlm.ops.lstm_cell(gates, c_prev.to("meta"))
