@@ -109,10 +109,13 @@ def _bad_input_cases(root, corpus, trained):
                                 "the folder holds no files"),
         "corpus shorter than a sequence": (
             [*pretrain, "--seq-len", "1000", "--corpus", root / "short.txt", "--out", fresh],
-            "too few for one --seq-len 1000 sequence"),
+            "too few tokens for one --seq-len 1000 sequence"),
         "seq-len over the positions": (
             [*pretrain, "--seq-len", "2048", "--corpus", corpus, "--out", fresh],
             "--seq-len 2048 is more than the model's 1024 positions"),
+        "seq-len with no room for text": (
+            ["pretrain", "--model", "bert", "--steps", "1", *TINY, "--seq-len", "2", "--corpus",
+             corpus, "--out", fresh], "--seq-len 2 leaves no room for text"),
         "unavailable device": ([*pretrain, "--corpus", corpus, "--out", fresh, "--device", cuda],
                                f"--device {cuda}:"),
         "not a device": ([*pretrain, "--corpus", corpus, "--out", fresh, "--device", "gpu7"],
@@ -131,6 +134,9 @@ def _bad_input_cases(root, corpus, trained):
         "prompt longer than the context": (
             ["generate", "--model", trained, "--prompt", "word " * 1100, "--max-new-tokens", "5"],
             "more than the model's 1024 positions"),
+        "embed over a checkpoint's weights": (
+            ["embed", "--model", trained, corpus, "--out", trained / "model.safetensors"],
+            "that is a checkpoint's weights file"),
         "generate on an unavailable device": (
             ["generate", "--model", trained, "--prompt", "x", "--device", cuda], f"--device {cuda}:"),
     }

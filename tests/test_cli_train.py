@@ -16,7 +16,7 @@ from fusedlm.cli.train import read_metrics
 from fusedlm.cli.tokenizer import load as load_tokenizer
 from fusedlm.models import (BertForMaskedLM, BertForSequenceClassification,
                             BertForTokenClassification, ElectraDiscriminator,
-                            ElectraForPreTraining, GPTLMHeadModel)
+                            ElectraForPreTraining, ELMo, ElmoBiLM, GPTLMHeadModel)
 
 
 @pytest.fixture(autouse=True)
@@ -303,3 +303,32 @@ def test_electra_pretrain_exports_the_discriminator(capsys, tmp_path, corpus):
                            "--device", "cpu")
     assert code == 0, err
     assert checkpoint.latest(out).name == "checkpoint-5"
+
+
+def test_elmo_pretrain_then_embed(capsys, tmp_path, corpus):
+    out = tmp_path / "elmo"
+    code, _, err = run_cli(capsys, "pretrain", "--model", "elmo", "--corpus", corpus, "--steps", 4,
+                           "--lr", "3e-3", "--out", out, *TINY)
+    assert code == 0, err
+    record = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in record] == [1, 2, 3, 4] and record[-1]["loss"] < record[0]["loss"]
+    bilm = ElmoBiLM.from_pretrained(checkpoint.latest(out))
+    assert bilm.config.vocab_size == 400 and bilm.config.projection_dim == 128
+    elmo = ELMo.from_pretrained(out).eval()  # the export: the biLM's encoder and LSTMs
+    for name, value in elmo.state_dict().items():
+        if not name.startswith("mixes."):
+            assert torch.equal(value, bilm.state_dict()[name]), name
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Return the value.\nRaise ValueError\n")
+    code, _, err = run_cli(capsys, "embed", "--model", out, lines, "--device", "cpu")
+    assert code == 0, err
+    import numpy as np
+
+    vectors = torch.from_numpy(np.load(tmp_path / "lines.npy"))
+    with torch.no_grad():
+        expect = [elmo.embed([words])[0].mean(0) for words in
+                  (["Return", "the", "value", "."], ["Raise", "ValueError"])]
+    torch.testing.assert_close(vectors, torch.stack(expect), atol=1e-5, rtol=1e-5)
+    code, _, err = run_cli(capsys, "fill-mask", "--model", out, "a [MASK]")
+    assert code == 2 and "fill-mask needs a bert model, not elmo" in err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..models._pretrained import _atomic_write
+from ..models._pretrained import WEIGHTS_NAME, _atomic_write
 from .common import load_model, positive_int, resolve_device
 from .corpus import decode
 from .errors import UsageError
@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else source.with_suffix(".npy")
     if out.suffix not in (".npy", ".safetensors"):
         raise UsageError(f"--out {out}: the name must end in .npy or .safetensors")
+    if out.name == WEIGHTS_NAME:
+        raise UsageError(f"--out {out}: that is a checkpoint's weights file; choose another name")
     if not source.is_file():
         raise UsageError(f"{source}: no such file")
     text, replaced = decode(source.read_bytes())

@@ -136,8 +136,8 @@ def _collate(items: list, pad: int, device) -> dict:
     ids = torch.full((len(items), width), pad, dtype=torch.long)
     mask = torch.zeros((len(items), width), dtype=torch.long)
     tagging = isinstance(items[0][1], list)
-    labels = torch.full((len(items), width), IGNORE_INDEX) if tagging else torch.zeros(len(items),
-                                                                                         dtype=torch.long)
+    labels = (torch.full((len(items), width), IGNORE_INDEX) if tagging
+              else torch.zeros(len(items), dtype=torch.long))
     for row, (tokens, label) in enumerate(items):
         ids[row, :len(tokens)] = torch.tensor(tokens)
         mask[row, :len(tokens)] = 1

@@ -47,7 +47,9 @@ def _version(module: str) -> str:
 
 def _devices(torch) -> str:
     if torch.cuda.is_available():
-        names = [f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
-                 for i in range(torch.cuda.device_count())]
+        names = []
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            names.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{major}{minor})")
         return ", ".join(names)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

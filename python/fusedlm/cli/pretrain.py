@@ -162,11 +162,10 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     if settings["seq_len"] > positions:
         raise UsageError(f"--seq-len {settings['seq_len']} is more than the model's {positions} "
                          "positions")
-    ids = [e.ids for e in tokenizer.encode_batch(corpus.documents, add_special_tokens=False)]
-    blocks = spec.blocks(ids, tokenizer, settings["seq_len"])
+    blocks = spec.blocks(corpus.documents, tokenizer, settings["seq_len"])
     if blocks.shape[0] == 0:
-        raise UsageError(f"the corpus has {sum(map(len, ids))} tokens, too few for one "
-                         f"--seq-len {settings['seq_len']} sequence")
+        raise UsageError(f"the corpus has too few tokens for one --seq-len {settings['seq_len']} "
+                         "sequence")
     if resumed is not None and fingerprint(blocks) != state["data"]:
         raise UsageError(f"--resume: the corpus or tokenizer differs from the one {resumed} "
                          "was trained on")
@@ -225,9 +224,11 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
 def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, processes) -> None:
     rng = processes.gather(_rng(device))  # every process's, so each resumes its own stream
     if processes.main:
-        checkpoint.save(out, step, model, spec.export(model), tokenizer, {
-            "step": step, "settings": settings, "trainer": trainer.state_dict(), "rng": rng,
-            "data": fingerprint(blocks)})
+        # Saving may draw random numbers (a model built for export): not from the run's.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            checkpoint.save(out, step, model, spec.export(model), tokenizer, {
+                "step": step, "settings": settings, "trainer": trainer.state_dict(), "rng": rng,
+                "data": fingerprint(blocks)})
 
 
 def _rng(device: torch.device) -> dict:

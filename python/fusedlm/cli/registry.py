@@ -7,6 +7,7 @@ commands read specs only; adding a model is adding an entry here.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Callable, Dict, Optional
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from .. import models
 from . import tokenizer as tok
+from .errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +37,8 @@ SIZES = {
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """``build(size, tokenizer, dropout)``: a fresh model to pretrain.
-    ``blocks(documents, tokenizer, seq_len)``: the corpus as a [blocks, seq_len] tensor.
+    ``blocks(documents, tokenizer, seq_len)``: the corpus (a list of texts) as a
+    [blocks, seq_len, ...] tensor.
     ``batch(blocks, tokenizer, generator)``: the inputs of a global micro-batch (dict of
     tensors whose first dimension is the batch; rows are split between processes).
     ``loss(model, inputs, generator)``: the training loss of one process's rows.
@@ -60,16 +63,23 @@ class ModelSpec:
     hidden: Optional[Callable] = None
 
 
+def token_ids(tokenizer, documents) -> list:
+    return [e.ids for e in tokenizer.encode_batch(list(documents), add_special_tokens=False)]
+
+
 def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=()) -> Tensor:
-    """The documents' tokens as one stream (``separator`` between documents) cut into
-    [n, length] blocks, each framed by ``prefix`` and ``suffix``; the last partial
-    block is dropped."""
+    """The documents' tokens (lists of ids) as one stream (``separator`` between
+    documents) cut into [n, length] blocks, each framed by ``prefix`` and ``suffix``; the
+    last partial block is dropped."""
     stream = []
     for ids in documents:
         stream.extend(ids)
         if separator is not None:
             stream.append(separator)
     body = length - len(prefix) - len(suffix)
+    if body < 1:
+        raise UsageError(f"--seq-len {length} leaves no room for text besides the "
+                         f"{len(prefix) + len(suffix)} special tokens")
     n = len(stream) // body
     blocks = torch.tensor(stream[:n * body], dtype=torch.long).view(n, body)
     frame = [torch.tensor(list(t), dtype=torch.long).expand(n, len(t)) for t in (prefix, suffix)]
@@ -89,7 +99,7 @@ def _gpt_build(size: Size, tokenizer, dropout: Optional[float]):
 
 
 def _gpt_blocks(documents, tokenizer, seq_len: int) -> Tensor:
-    return pack(documents, seq_len, tok.special_id(tokenizer, tok.ENDOFTEXT))
+    return pack(token_ids(tokenizer, documents), seq_len, tok.special_id(tokenizer, tok.ENDOFTEXT))
 
 
 def _gpt_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
@@ -121,7 +131,7 @@ def _bert_config(config_class, size: Size, tokenizer, dropout: Optional[float], 
 
 def _bert_blocks(documents, tokenizer, seq_len: int) -> Tensor:
     cls, sep = (tok.special_id(tokenizer, t) for t in ("[CLS]", "[SEP]"))
-    return pack(documents, seq_len, sep, prefix=(cls,), suffix=(sep,))
+    return pack(token_ids(tokenizer, documents), seq_len, sep, prefix=(cls,), suffix=(sep,))
 
 
 def _masked_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
@@ -181,7 +191,75 @@ ELECTRA = ModelSpec(
     # ElectraForPreTraining layout); the whole pair stays in the checkpoints.
     export=lambda model: model.discriminator, hidden=_encoder_hidden(lambda model: model.electra))
 
-SPECS = {spec.name: spec for spec in (BERT, ELECTRA, GPT)}
+
+# ELMo: words read as characters; a block holds, per word, its id in the softmax
+# vocabulary and its character ids ([blocks, seq_len, 1 + max characters]).
+
+def _elmo_build(size: Size, tokenizer, dropout: Optional[float]):
+    projection = min(size.hidden, 512)
+    small = size.hidden <= 128
+    config = models.ElmoConfig(
+        filters=[[1, 32], [2, 32], [3, 64], [4, 128]] if small else models.ElmoConfig().filters,
+        n_highway=1 if small else 2, projection_dim=projection,
+        lstm_dim=4096 if projection == 512 else 4 * projection,
+        vocab_size=tokenizer.get_vocab_size(), **({} if dropout is None else {"dropout": dropout}))
+    return models.ElmoBiLM(config)
+
+
+def _elmo_words(tokenizer, texts) -> list:
+    """Each text's words as the tokenizer splits them (their surface form, which ELMo
+    reads, and the vocabulary id it predicts)."""
+    encoded = tokenizer.encode_batch(list(texts))
+    return [[(text[a:b], i) for (a, b), i in zip(e.offsets, e.ids)]
+            for text, e in zip(texts, encoded)]
+
+
+def _elmo_blocks(documents, tokenizer, seq_len: int) -> Tensor:
+    # One row per distinct word ([id, characters...]), gathered into the word stream.
+    rows, index, stream = [], {}, []
+    for sentence in _elmo_words(tokenizer, documents):
+        for word, i in sentence:
+            if word not in index:
+                index[word] = len(rows)
+                rows.append([i, *models.elmo.word_to_char_ids(word)])
+            stream.append(index[word])
+    n = len(stream) // seq_len
+    if not rows:
+        return torch.zeros(0, seq_len, 1, dtype=torch.int32)
+    table = torch.tensor(rows, dtype=torch.int32)
+    return table[torch.tensor(stream[:n * seq_len], dtype=torch.long)].view(n, seq_len, -1)
+
+
+def _elmo_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
+    return {"char_ids": blocks[..., 1:].long(), "word_ids": blocks[..., 0].long()}
+
+
+def _elmo_loss(model, inputs: dict, generator: torch.Generator) -> Tensor:
+    return model(inputs["char_ids"], inputs["word_ids"]).loss
+
+
+def _elmo_export(model):
+    """The ELMo (character encoder, biLSTM, fresh scalar mixes) of a trained biLM."""
+    elmo = models.ELMo(model.config)
+    elmo.load_checked(model.state_dict(), strict=False)
+    return elmo
+
+
+def _elmo_hidden(model, tokenizer, texts, device) -> tuple:
+    words = [[w for w, _ in sentence] for sentence in _elmo_words(tokenizer, texts)]
+    char_ids = models.elmo.batch_to_ids(words, model.config.max_characters_per_token)
+    out = model(char_ids.to(device))
+    return out.last_hidden_state.float(), out.mask, 0
+
+
+ELMO = ModelSpec(
+    name="elmo", model_type="elmo", tokenizer="words", build=_elmo_build, blocks=_elmo_blocks,
+    batch=_elmo_batch, loss=_elmo_loss,
+    heads={"pretrain": models.ElmoBiLM, "embed": models.ELMo},
+    positions=lambda config: sys.maxsize,  # an LSTM takes any length
+    export=_elmo_export, hidden=_elmo_hidden)
+
+SPECS = {spec.name: spec for spec in (BERT, ELECTRA, ELMO, GPT)}
 
 
 def by_model_type(model_type: str) -> Optional[ModelSpec]:

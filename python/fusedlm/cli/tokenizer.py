@@ -2,7 +2,9 @@
 corpus and saved with the model as ``tokenizer.json``.
 
 ``wordpiece``: BERT's (lower-cased, [CLS] text [SEP]); ``bpe``: GPT-2's byte-level BPE,
-whose <|endoftext|> separates documents.
+whose <|endoftext|> separates documents; ``words``: ELMo's softmax vocabulary, the most
+frequent words (case kept) and [UNK] (ELMo reads each word's characters; the ids only
+name the word to predict).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _tokenizers():
 
 
 def train(kind: str, documents: Sequence[str], vocab_size: int):
-    """A ``kind`` tokenizer ("wordpiece" or "bpe") of at most vocab_size tokens."""
+    """A ``kind`` tokenizer ("wordpiece", "bpe" or "words") of at most vocab_size tokens."""
     tk = _tokenizers()
     if kind == "wordpiece":
         tokenizer = tk.Tokenizer(tk.models.WordPiece(unk_token="[UNK]"))
@@ -57,6 +59,12 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
         trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[ENDOFTEXT],
                                          initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
                                          show_progress=False)
+        tokenizer.train_from_iterator(documents, trainer)
+    elif kind == "words":
+        tokenizer = tk.Tokenizer(tk.models.WordLevel(unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+        trainer = tk.trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"],
+                                               show_progress=False)
         tokenizer.train_from_iterator(documents, trainer)
     else:
         raise ValueError(f"no tokenizer of kind {kind!r}")
