@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cli_helpers import TINY, run_cli, write_corpus
-from fusedlm.cli import checkpoint
+from fusedlm.cli import checkpoint, registry
 from fusedlm.cli import train as train_module
 from fusedlm.cli.train import read_metrics
 from fusedlm.cli.tokenizer import load as load_tokenizer
@@ -74,10 +74,12 @@ def _kill_at_step(monkeypatch, step):
     monkeypatch.setattr(train_module.Trainer, "step", step_or_die)
 
 
-def test_resume_gives_the_losses_of_an_uninterrupted_run(capsys, tmp_path, corpus, monkeypatch):
-    # Dropout on (GPT's default 0.1) and two micro-batches: the random streams, the
-    # optimizer, the schedule and the data position all have to come back.
-    argv = ["pretrain", "--model", "gpt", "--corpus", corpus, "--steps", 6, "--save-every", 3,
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_resume_gives_the_losses_of_an_uninterrupted_run(capsys, tmp_path, corpus, monkeypatch,
+                                                         model):
+    # Dropout on (the models' default 0.1), BERT's masks, and two micro-batches: the random
+    # streams, the optimizer, the schedule and the data position all have to come back.
+    argv = ["pretrain", "--model", model, "--corpus", corpus, "--steps", 6, "--save-every", 3,
             "--grad-accum", 2, *TINY]
     assert run_cli(capsys, *argv, "--out", tmp_path / "straight")[0] == 0
     straight = losses(tmp_path / "straight")
@@ -93,9 +95,9 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(capsys, tmp_path, corpu
                            "--log-every", 1, "--device", "cpu")
     assert code == 0, err
     assert losses(tmp_path / "resumed") == straight
-    weights = {k: v for k, v in GPTLMHeadModel.from_pretrained(tmp_path / "straight")
-               .state_dict().items()}
-    for k, v in GPTLMHeadModel.from_pretrained(tmp_path / "resumed").state_dict().items():
+    model_class = registry.SPECS[model].heads["pretrain"]
+    weights = model_class.from_pretrained(tmp_path / "straight").state_dict()
+    for k, v in model_class.from_pretrained(tmp_path / "resumed").state_dict().items():
         assert torch.equal(v, weights[k]), k
 
 
