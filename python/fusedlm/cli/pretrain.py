@@ -177,7 +177,9 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     start = 0
     if resumed is not None:
         trainer.load_state_dict(state["trainer"])
-        _set_rng(state["rng"][processes.rank], device)
+        # Resumed by more processes than saved it, the extra ones take rank 0's streams.
+        saved = state["rng"]
+        _set_rng(saved[processes.rank] if processes.rank < len(saved) else saved[0], device)
         start = state["step"]
     order = BlockOrder(blocks, settings["seed"])
     metrics = MetricsLog(out, keep_until=start) if processes.main else None
