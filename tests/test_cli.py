@@ -9,6 +9,7 @@ import torch
 from cli_helpers import TINY, run_cli, snapshot, write_corpus
 from fusedlm.cli import corpus as corpus_module
 from fusedlm.cli import COMMANDS, checkpoint
+from fusedlm.cli.train import read_metrics
 
 
 @pytest.fixture(autouse=True)
@@ -181,3 +182,18 @@ def test_wordpiece_numbers_its_tokens_in_sorted_order():
     assert tokens[:5] == list(tokenizer.WORDPIECE_SPECIALS) and tokens[5:] == sorted(tokens[5:])
     assert trained.encode("Return the [MASK].").tokens == ["[CLS]", "return", "the", "[MASK]",
                                                            ".", "[SEP]"]
+
+
+def test_without_tqdm_and_matplotlib_progress_is_plain_lines_and_no_plot(capsys, tmp_path,
+                                                                         monkeypatch, trained):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails, as when not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "pretrain", "--model", "gpt", "--corpus", trained[0],
+                           "--steps", 3, "--out", out, *TINY[:-2], "--log-every", 2)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert [line.split()[:2] for line in lines] == [["step", "2/3"], ["step", "3/3"]]
+    assert all("loss" in line and "tok/s" in line and "eta" in line for line in lines)
+    assert (out / "metrics.jsonl").is_file() and not (out / "loss.png").exists()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [2, 3]
