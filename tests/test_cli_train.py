@@ -85,10 +85,12 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(capsys, tmp_path, corpu
     straight = losses(tmp_path / "straight")
     assert [s for s, _ in straight] == list(range(1, 7))
 
+    # The same tokenizer: WordPiece training may keep different rare tokens on each run.
     with monkeypatch.context() as m:
         _kill_at_step(m, 5)
         with pytest.raises(RuntimeError, match="killed"):
-            run_cli(capsys, *argv, "--out", tmp_path / "resumed")
+            run_cli(capsys, *argv, "--tokenizer", tmp_path / "straight", "--out",
+                    tmp_path / "resumed")
     assert checkpoint.latest(tmp_path / "resumed").name == "checkpoint-3"
     assert len(losses(tmp_path / "resumed")) == 4  # step 4 was logged after the checkpoint
     code, _, err = run_cli(capsys, "pretrain", "--resume", "--out", tmp_path / "resumed",
@@ -135,7 +137,8 @@ def test_two_processes_match_one_on_the_same_global_batch(capsys, tmp_path, corp
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "fusedlm", *map(str, common), "--batch-size", "2", "--out", str(tmp_path / "two")],
+         "-m", "fusedlm", *map(str, common), "--batch-size", "2",
+         "--tokenizer", str(tmp_path / "one"), "--out", str(tmp_path / "two")],
         capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
