@@ -10,7 +10,8 @@
 // natural log-sum-exp of each row (+inf for a row that sees no key, whose output is 0).
 //
 // Backward, three kernels and no atomics, so the gradients repeat bit for bit:
-//   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D);
+//   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D) (when every
+//     sequence's keys fit one tile, the dQ kernel takes it from P and dP themselves, exactly);
 //   dK/dV: one block per 64 keys, each warp owning 16 of them, walking the query tiles
 //     that see them and recomputing P^T = exp(K Q^T * scale - lse) in registers;
 //   dQ: one block per 64 queries walking their key tiles, recomputing P the same way.
@@ -69,6 +70,10 @@ struct Params {
   int heads = 0;
   int seq_q = 0, seq_k = 0;  // the padded lengths, or max_seqlen (varlen): the dropout pitch
   bool causal = false;
+  // Whether every sequence's keys fit one tile: the dQ kernel then derives delta from
+  // its exact P and dP (rowsum(P * dP)) and stores it for the dK/dV kernel, instead of
+  // the delta kernel taking it from O as rounded to T.
+  bool own_delta = false;
   float scale = 1.0f;
   Dropout dropout;
 };
@@ -459,7 +464,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
   for (int hh = 0; hh < 2; ++hh) {
     const bool in = rows[hh] < s.len_q;
     lse2[hh] = in ? *p.lse.at(b, h, s.q0 + rows[hh]) * kLog2e : kInf;
-    delta[hh] = in ? *p.delta.at(b, h, s.q0 + rows[hh]) : 0.0f;
+    delta[hh] = in && !p.own_delta ? *p.delta.at(b, h, s.q0 + rows[hh]) : 0.0f;
   }
 
   float dq[D / 8][4] = {};
@@ -503,13 +508,23 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
 #pragma unroll
         for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
           const int j = n0 + nt * 8 + 2 * t + e % 2;
-          float prob = exp2f(sc[nt][e] * c - lse2[hh]);
-          if (masked && !visible(key_ok, n0, rows[hh], j, p.causal, shift)) prob = 0.0f;
-          const float dprob = kept[e % 2] ? dp[nt][e] * p.dropout.scale : 0.0f;
-          sc[nt][e] = prob * (dprob - delta[hh]);  // dS
+          sc[nt][e] = exp2f(sc[nt][e] * c - lse2[hh]);  // P
+          if (masked && !visible(key_ok, n0, rows[hh], j, p.causal, shift)) sc[nt][e] = 0.0f;
+          dp[nt][e] = kept[e % 2] ? dp[nt][e] * p.dropout.scale : 0.0f;
         }
       }
+      if (p.own_delta) {  // this is the row's only key tile
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt)
+          sum += sc[nt][2 * hh] * dp[nt][2 * hh] + sc[nt][2 * hh + 1] * dp[nt][2 * hh + 1];
+        delta[hh] = quad_sum(sum);
+      }
     }
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] *= dp[nt][e] - delta[e / 2];  // dS
     // dQ += dS K: k-step kt covers keys 16kt .. 16kt + 15, and B[key][d] = K[key][d].
 #pragma unroll
     for (int kt = 0; kt < kBlockN / 16; ++kt) {
@@ -528,6 +543,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     if (rows[hh] >= s.len_q) continue;
+    // Every row's delta, 0 for a row that sees no key (the dK/dV kernel reads them all).
+    if (p.own_delta && t == 0) *p.delta.at(b, h, s.q0 + rows[hh]) = delta[hh];
     T* dq_row = p.dq.at(b, h, s.q0 + rows[hh]);
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
@@ -773,9 +790,12 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
     p.dq = rows_of<T>(dq, pb.varlen);
     p.dk = rows_of<T>(dk, pb.varlen);
     p.dv = rows_of<T>(dv, pb.varlen);
-    launch<T>(attention_delta_kernel<T, D>, ceil_div(pb.seq_q, kThreads / (D / 8)), 0, pb, p);
-    launch<T>(attention_dkdv_kernel<T, D>, ceil_div(pb.seq_k, kBlockN), dkdv_smem<D>(), pb, p);
+    p.own_delta = pb.seq_k <= kBlockN;
+    if (!p.own_delta)
+      launch<T>(attention_delta_kernel<T, D>, ceil_div(pb.seq_q, kThreads / (D / 8)), 0, pb, p);
+    // With own_delta the dQ kernel stores the delta the dK/dV kernel reads.
     launch<T>(attention_dq_kernel<T, D>, ceil_div(pb.seq_q, kBlockM), dq_smem<D>(), pb, p);
+    launch<T>(attention_dkdv_kernel<T, D>, ceil_div(pb.seq_k, kBlockN), dkdv_smem<D>(), pb, p);
   });
 }
 
