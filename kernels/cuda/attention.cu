@@ -246,17 +246,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Param
     // Dropout zeroes probabilities after the sum (the softmax is of the undropped scores);
     // the 1 / (1 - p) factor is applied once, to the output.
     if (p.dropout.active) {
+      const uint32_t kept = kept_pairs<kBlockN / 8>(p.dropout,
+                                                    stream_row(p, b, h, rows[0]) + n0 + 2 * t,
+                                                    stream_row(p, b, h, rows[1]) + n0 + 2 * t);
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const uint64_t e0 = stream_row(p, b, h, rows[hh]) + n0 + 2 * t;
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) {
-          bool kept[2];
-          keep_pair(p.dropout, e0 + nt * 8, kept);
-          if (!kept[0]) sc[nt][2 * hh] = 0.0f;
-          if (!kept[1]) sc[nt][2 * hh + 1] = 0.0f;
-        }
-      }
+        for (int e = 0; e < 4; ++e)
+          if (!bit(kept, 2 * (8 * (e / 2) + nt) + e % 2)) sc[nt][e] = 0.0f;
     }
 
     cp_async_wait<0>();  // V
@@ -382,6 +379,20 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T
       }
     }
     const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    // Bit 4nt + e: whether dropout keeps element e of n-tile nt. Here the pairs of a C
+    // fragment run along the queries, a stream row apart: one Philox call per element.
+    uint32_t kept = ~0u;
+    if (p.dropout.active) {
+      kept = 0;
+#pragma unroll 1
+      for (int i = 0; i < kM / 2; ++i) {
+        const int nt = i / 4, e = i % 4;
+        bool k1[1];
+        const int key = keys[0] + 8 * (e / 2);  // keys[1] is keys[0] + 8
+        p.dropout.keep<1>(stream_row(p, b, h, m0 + nt * 8 + 2 * t + e % 2) + key, k1);
+        kept |= uint32_t(k1[0]) << i;
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < kM / 8; ++nt) {
 #pragma unroll
@@ -389,16 +400,10 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T
         const int col = nt * 8 + 2 * t + e % 2, i = m0 + col, j = keys[e / 2];
         float prob = exp2f(st[nt][e] * c - lse2[col]);
         if (masked && !visible(key_ok, n0, i, j, p.causal, shift)) prob = 0.0f;
-        float dprob = dpt[nt][e];
-        float used = prob;  // the probability that multiplied V
-        if (p.dropout.active) {
-          bool kept[1];
-          p.dropout.keep<1>(stream_row(p, b, h, i) + j, kept);
-          used = kept[0] ? prob * p.dropout.scale : 0.0f;
-          dprob = kept[0] ? dprob * p.dropout.scale : 0.0f;
-        }
-        st[nt][e] = used;
-        dpt[nt][e] = prob * (dprob - delta[col]);  // dS
+        const bool k1 = bit(kept, 4 * nt + e);
+        const float dprob = k1 ? dpt[nt][e] * p.dropout.scale : 0.0f;
+        st[nt][e] = k1 ? prob * p.dropout.scale : 0.0f;  // the probability that multiplied V
+        dpt[nt][e] = prob * (dprob - delta[col]);        // dS
       }
     }
 #pragma unroll
@@ -498,21 +503,23 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
       }
     }
     const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    uint32_t kept = ~0u;
+    if (p.dropout.active) {
+      kept = kept_pairs<kBlockN / 8>(p.dropout, stream_row(p, b, h, rows[0]) + n0 + 2 * t,
+                                     stream_row(p, b, h, rows[1]) + n0 + 2 * t);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = n0 + nt * 8 + 2 * t + e % 2;
+        sc[nt][e] = exp2f(sc[nt][e] * c - lse2[e / 2]);  // P
+        if (masked && !visible(key_ok, n0, rows[e / 2], j, p.causal, shift)) sc[nt][e] = 0.0f;
+        dp[nt][e] = bit(kept, 2 * (8 * (e / 2) + nt) + e % 2) ? dp[nt][e] * p.dropout.scale : 0.0f;
+      }
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const uint64_t e0 = stream_row(p, b, h, rows[hh]) + n0 + 2 * t;
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        bool kept[2] = {true, true};
-        if (p.dropout.active) keep_pair(p.dropout, e0 + nt * 8, kept);
-#pragma unroll
-        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-          const int j = n0 + nt * 8 + 2 * t + e % 2;
-          sc[nt][e] = exp2f(sc[nt][e] * c - lse2[hh]);  // P
-          if (masked && !visible(key_ok, n0, rows[hh], j, p.causal, shift)) sc[nt][e] = 0.0f;
-          dp[nt][e] = kept[e % 2] ? dp[nt][e] * p.dropout.scale : 0.0f;
-        }
-      }
       if (p.own_delta) {  // this is the row's only key tile
         float sum = 0.0f;
 #pragma unroll

@@ -180,4 +180,24 @@ __device__ __forceinline__ void keep_pair(const Dropout& dropout, uint64_t e, bo
   }
 }
 
+// Which elements dropout keeps of a thread's share of a C-fragment tile of kTiles
+// n-tiles (kTiles <= 8): bit 2 * (8 * hh + nt) + e is element e of the pair at stream
+// index row_hh + 8 * nt (row0 for the C fragment's row g, row1 for g + 8). The loop is not unrolled: the Philox rounds would otherwise be
+// laid out 2 * kTiles times over, and the bits are applied by an unrolled loop later.
+template <int kTiles>
+__device__ __forceinline__ uint32_t kept_pairs(const Dropout& dropout, uint64_t row0,
+                                               uint64_t row1) {
+  static_assert(kTiles <= 8, "32 bits hold 2 rows of 8 n-tiles");
+  uint32_t bits = 0;
+#pragma unroll 1
+  for (int i = 0; i < 2 * kTiles; ++i) {
+    bool kept[2];
+    keep_pair(dropout, (i < kTiles ? row0 : row1) + 8 * (i % kTiles), kept);
+    bits |= (uint32_t(kept[0]) | uint32_t(kept[1]) << 1) << (2 * (i / kTiles * 8 + i % kTiles));
+  }
+  return bits;
+}
+
+__device__ __forceinline__ bool bit(uint32_t bits, int i) { return (bits >> i) & 1u; }
+
 }  // namespace fusedlm::cuda::attn
