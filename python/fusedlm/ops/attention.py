@@ -112,9 +112,9 @@ def plan_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=No
     _resolve_scale(scale, head_dim)
     check.same_dtype(q=q, k=k, v=v, attn_bias=attn_bias)
     device = check.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_bias=attn_bias)
-    return choose("attention", device, backend, dtype=q.dtype, head_dim=head_dim, causal=causal,
-                  dropout=dropout_p > 0, bias=attn_bias is not None,
-                  mask=key_padding_mask is not None)
+    return choose("attention", device, backend, dtype=q.dtype, head_dim=head_dim,
+                  head_dim_v=v.shape[3], causal=causal, dropout=dropout_p > 0,
+                  bias=attn_bias is not None, mask=key_padding_mask is not None)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -231,7 +231,7 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     check.same_dtype(q=q, k=k, v=v)
     device = check.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     choice = choose("attention_varlen", device, backend, dtype=q.dtype, head_dim=head_dim,
-                    causal=causal, dropout=dropout_p > 0)
+                    head_dim_v=v.shape[2], causal=causal, dropout=dropout_p > 0)
     if check_index_data(device, choice.backend):
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")
