@@ -229,6 +229,12 @@ def attention(bench, ceiling):
     inputs = [bench.tensor(batch, heads, seq, head_dim, grad=True) for _ in range(3)]
     fns = {"fusedlm": lambda q, k, v: fusedlm.ops.attention(q, k, v, backend="triton"),
            "sdpa": F.scaled_dot_product_attention}
+    # The hand-written CUDA kernels too, where their limits (dtype, head dim) allow the call.
+    try:
+        fusedlm.explain("attention", *inputs, backend="cuda")
+        fns["cuda"] = lambda q, k, v: fusedlm.ops.attention(q, k, v, backend="cuda")
+    except RuntimeError as refused:
+        print(f"attention: no cuda timing, {refused}")
     return _compare(bench, "attention", f"{batch}x{heads}x{seq}x{head_dim}", fns, inputs)
 
 
