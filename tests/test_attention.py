@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
+from fusedlm.backends import _REGISTRY
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import cpu_keep_mask, next_seed
 from conftest import as_reference, assert_close, backend_device, backends_for, fresh, keep_mask
@@ -234,6 +235,42 @@ def test_attention_empty_batch():
     # No keys at all: every row is empty, so zeros.
     q, k, v = (torch.randn(1, 2, s, 8) for s in (3, 0, 0))
     assert torch.equal(fusedlm.ops.attention(q, k, v, backend="cpu"), torch.zeros(1, 2, 3, 8))
+
+
+_cuda = _REGISTRY["cuda"]
+needs_cuda_attention = pytest.mark.skipif(
+    _cuda.unavailable() is not None or "attention" not in _cuda.kernels,
+    reason=f"cuda: {_cuda.unavailable() or 'no attention kernel'}")
+
+
+@needs_cuda_attention
+def test_cuda_attention_backward_repeats_bit_for_bit():
+    # No atomics: dK/dV per key block and dQ per query block, each element written once.
+    leaves, (q, k, v) = _inputs(2, 3, 200, 260, 64, torch.bfloat16, "cuda", layout="bshd")
+    mask = _padding_mask(2, 260, "cuda")
+    grad = torch.randn(2, 3, 200, 64, dtype=torch.bfloat16, device="cuda")
+    results = []
+    for _ in range(2):
+        out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, backend="cuda")
+        results.append(torch.autograd.grad(out, leaves, grad))
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+
+
+@needs_cuda_attention
+def test_cuda_attention_empty_inputs():
+    leaves, (q, k, v) = _inputs(0, 2, 5, 7, 64, torch.float16, "cuda")
+    out = fusedlm.ops.attention(q, k, v, causal=True, backend="cuda")
+    assert out.shape == (0, 2, 5, 64)
+    out.sum().backward()
+    assert all(t.grad.shape == t.shape for t in leaves)
+    # No keys at all: every row is empty, so zeros, and so are the gradients.
+    q, k, v = (torch.randn(1, 2, s, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+               for s in (3, 0, 0))
+    out = fusedlm.ops.attention(q, k, v, backend="cuda")
+    assert torch.equal(out, torch.zeros_like(out))
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(dq, torch.zeros_like(dq))
 
 
 def test_attention_gradients_do_not_depend_on_thread_count():
