@@ -486,7 +486,9 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
 
     // sc[nt][e], dp[nt][e]: row rows[e / 2], key n0 + 8nt + 2t + e % 2.
     float sc[kBlockN / 8][4] = {}, dp[kBlockN / 8][4] = {};
-#pragma unroll
+    // Not unrolled: hoisting the next steps' fragment loads spilled at head dim 64 on
+    // sm_90a, and one step already issues 16 independent products.
+#pragma unroll 1
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t qa[4], oa[4];
       load_a<P>(qa, q_tile, warp * 16, kk * 16);
