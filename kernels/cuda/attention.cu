@@ -424,6 +424,9 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T
     }
   }
 
+  // A block whose keys no query sees never waited for its K and V tiles: no copy may
+  // outlive it into the shared memory of the next block.
+  cp_async_wait<0>();
   // Keys no query sees, padding keys among them, get zeros.
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -549,6 +552,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
     }
   }
 
+  cp_async_wait<0>();  // the Q and dO tiles of a block that saw no key tile
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     if (rows[hh] >= s.len_q) continue;
