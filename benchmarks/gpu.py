@@ -299,6 +299,13 @@ def attention(bench, ceiling):
                                                                     backend="triton"),
                    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                    "eager": eager_causal, "compiled": bench.compile(eager_causal)}
+            # The hand-written CUDA kernels too, where their limits (dtype, head dim) allow.
+            try:
+                fusedlm.explain("attention", *inputs, causal=True, backend="cuda")
+                fns["cuda"] = lambda q, k, v: fusedlm.ops.attention(q, k, v, causal=True,
+                                                                    backend="cuda")
+            except RuntimeError as refused:
+                print(f"attention: no cuda timing, {refused}")
             timed = _compare(bench, "attention causal", f"{batch}x{heads}x{seq}x{head_dim}", fns,
                              inputs)
             results += _with_tflops(timed, batch * seq * (seq + 1) // 2, heads, head_dim)

@@ -429,17 +429,6 @@ void backward(const Problem& pb, const Grads& g) {
   });
 }
 
-// A new tensor of `sizes` whose dimensions lie in memory in the order of ref's strides
-// (so an output of a [batch, seq, heads, dim] view is laid out the same way). The
-// Python fake implementations compute the same order.
-at::Tensor empty_like_layout(const at::Tensor& ref, at::IntArrayRef sizes, at::ScalarType dtype) {
-  std::vector<int64_t> order(ref.dim());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return ref.stride(a) > ref.stride(b); });
-  return at::empty_permuted(sizes, order, ref.options().dtype(dtype));
-}
-
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ndim) {
   check_cpu(q, "q");
   check_cpu(k, "k");

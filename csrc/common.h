@@ -3,8 +3,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <numeric>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cpu/kernels.h"
 
@@ -58,6 +61,18 @@ inline uint64_t seed_value(const at::Tensor& seed) {
   TORCH_CHECK_VALUE(seed.numel() == 1 && seed.scalar_type() == at::kLong,
                     "seed must be a one-element int64 tensor");
   return static_cast<uint64_t>(seed.item<int64_t>());
+}
+
+// A new tensor of `sizes` whose dimensions lie in memory in the order of ref's strides
+// (so an output of a [batch, seq, heads, dim] view is laid out the same way). The
+// Python fake implementations compute the same order.
+inline at::Tensor empty_like_layout(const at::Tensor& ref, at::IntArrayRef sizes,
+                                    at::ScalarType dtype) {
+  std::vector<int64_t> order(ref.dim());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return ref.stride(a) > ref.stride(b); });
+  return at::empty_permuted(sizes, order, ref.options().dtype(dtype));
 }
 
 }  // namespace fusedlm

@@ -57,5 +57,9 @@ PYBIND11_MODULE(_C, m) {
   cuda.def("cross_entropy_backward", &fusedlm::cuda::cross_entropy_backward);
   cuda.def("masked_lm_loss_forward", &fusedlm::cuda::masked_lm_loss_forward);
   cuda.def("masked_lm_loss_backward", &fusedlm::cuda::masked_lm_loss_backward);
+  cuda.def("attention_forward", &fusedlm::cuda::attention_forward);
+  cuda.def("attention_backward", &fusedlm::cuda::attention_backward);
+  cuda.def("attention_varlen_forward", &fusedlm::cuda::attention_varlen_forward);
+  cuda.def("attention_varlen_backward", &fusedlm::cuda::attention_varlen_backward);
 #endif
 }

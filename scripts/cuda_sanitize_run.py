@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck python scripts/cuda_sanitize_run.py
 
 Shapes take each kernel through its vector and one-element paths, rows longer than the
-layer norm's register cache, dropout, ignored labels and the masked-LM chunks. It checks
+layer norm's register cache, dropout, ignored labels, the masked-LM chunks, and the
+attention kernels' partial blocks. It checks
 no values (the tests do): it exits non-zero when the cuda backend cannot run.
 """
 import sys
@@ -59,6 +60,23 @@ def main() -> int:
                 grads([loss], (hidden, weight, bias))
         finally:
             ce_module.LOGITS_CHUNK_BYTES = saved
+    # attention: head dims 64 and 128, query and key tails past a block of 64, padding,
+    # the causal diagonal with more queries than keys, dropout; varlen with an empty sequence.
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128):
+            q = torch.randn(2, 70, 2, head_dim, dtype=dtype, **cuda).transpose(1, 2)
+            k, v = (torch.randn(2, 2, 67, head_dim, dtype=dtype, **cuda) for _ in range(2))
+            mask = torch.rand(2, 67, device="cuda") < 0.3
+            for causal, p in ((False, 0.0), (True, 0.1)):
+                out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=causal,
+                                            dropout_p=p, backend="cuda")
+                grads([out], (q, k, v))
+            cu_q = torch.tensor([0, 5, 5, 75], dtype=torch.int32, device="cuda")
+            cu_k = torch.tensor([0, 66, 70, 79], dtype=torch.int32, device="cuda")
+            q, k, v = (torch.randn(n, 2, head_dim, dtype=dtype, **cuda) for n in (75, 79, 79))
+            out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 70, 66, causal=True,
+                                               dropout_p=0.1, backend="cuda")
+            grads([out], (q, k, v))
     fusedlm._C.cuda.dropout_mask(torch.tensor(3), 5, [3, 7], 0.5, torch.cuda.current_device())
     torch.cuda.synchronize()
     print("ran every cuda kernel")

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
+from fusedlm.backends import _REGISTRY
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
 from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
@@ -42,11 +43,21 @@ def _views(leaves, layout):
     return [t.transpose(1, 2) if layout == "bshd" else t for t in leaves]
 
 
+def _skip_if_refused(backend, op, *args, **kwargs):
+    """Skips a case that `backend`'s limits refuse (the cuda kernels' dtypes and head dims):
+    the automatic choice gives such calls to another backend."""
+    try:
+        fusedlm.explain(op, *args, backend=backend, **kwargs)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+
+
 def _check_against_reference(backend, leaves, layout, *, bias=None, out_scale=1.0, grad_scale=1.0,
                              **kwargs):
     """Runs attention and the float64 reference on the same inputs; compares the output and
     the gradients of every leaf (and of the bias when it requires grad)."""
     q, k, v = _views(leaves, layout)
+    _skip_if_refused(backend, "attention", q, k, v, attn_bias=bias, **kwargs)
     out = fusedlm.ops.attention(q, k, v, attn_bias=bias, backend=backend, **kwargs)
     grad = torch.randn_like(out)
     wrt = leaves + ([bias] if bias is not None and bias.requires_grad else [])
@@ -88,6 +99,11 @@ CASES = {
     "many_blocks": (1, 2, 300, 530, 16, {"bias": (1, 2, 1, 530)}),
     "many_blocks_padding": (2, 1, 140, 600, 16, {"mask": True, "causal": True}),
     "scale": (2, 2, 12, 12, 16, {"scale": 0.37}),
+    # The head dims of the cuda kernels, over several query and key blocks of 64.
+    "head_dim_64": (2, 3, 37, 45, 64, {"mask": True}),
+    "head_dim_64_blocks": (1, 2, 150, 200, 64, {"causal": True, "mask": True, "layout": "bshd"}),
+    "head_dim_128": (2, 2, 70, 70, 128, {"causal": True}),
+    "head_dim_128_more_queries": (1, 2, 130, 67, 128, {"causal": True, "mask": True}),
 }
 # In Triton's interpreter (64 queries and 32 keys per block) the many-block cases shrink
 # and still span several query and key blocks.
@@ -121,13 +137,14 @@ def test_attention_matches_reference(backend, dtype, case):
 
 
 @pytest.mark.parametrize("backend", backends_for("attention"))
-def test_attention_rows_with_every_key_masked_are_zero(backend):
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+def test_attention_rows_with_every_key_masked_are_zero(backend, dtype, head_dim):
     device = backend_device(backend)
-    leaves, (q, k, v) = _inputs(3, 2, 9, 6, 16, torch.float32, device)
+    leaves, (q, k, v) = _inputs(3, 2, 9, 6, head_dim, dtype, device)
     mask = _padding_mask(3, 6, device, empty_row=True)
     for causal in (False, True):  # causal with 9 queries over 6 keys: the first 3 rows see nothing
         out, grads = _check_against_reference(backend, leaves, "bhsd", key_padding_mask=mask,
-                                              causal=causal, grad_scale=2)
+                                              causal=causal, grad_scale=2 if dtype == torch.float32 else 3)
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         assert torch.equal(grads[0][0], torch.zeros_like(grads[0][0]))
@@ -149,6 +166,7 @@ def test_attention_large_logits_do_not_overflow(backend, dtype, seq_k):
     device = backend_device(backend)
     q = fresh((2, 2, 24, 64), dtype, device, 12.0)
     k, v = (fresh((2, 2, seq_k, 64), dtype, device, 12.0) for _ in range(2))
+    _skip_if_refused(backend, "attention", q, k, v, causal=True)
     out = fusedlm.ops.attention(q, k, v, causal=True, backend=backend)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
@@ -236,6 +254,42 @@ def test_attention_empty_batch():
     # No keys at all: every row is empty, so zeros.
     q, k, v = (torch.randn(1, 2, s, 8) for s in (3, 0, 0))
     assert torch.equal(fusedlm.ops.attention(q, k, v, backend="cpu"), torch.zeros(1, 2, 3, 8))
+
+
+_cuda = _REGISTRY["cuda"]
+needs_cuda_attention = pytest.mark.skipif(
+    _cuda.unavailable() is not None or "attention" not in _cuda.kernels,
+    reason=f"cuda: {_cuda.unavailable() or 'no attention kernel'}")
+
+
+@needs_cuda_attention
+def test_cuda_attention_backward_repeats_bit_for_bit():
+    # No atomics: dK/dV per key block and dQ per query block, each element written once.
+    leaves, (q, k, v) = _inputs(2, 3, 200, 260, 64, torch.bfloat16, "cuda", layout="bshd")
+    mask = _padding_mask(2, 260, "cuda")
+    grad = torch.randn(2, 3, 200, 64, dtype=torch.bfloat16, device="cuda")
+    results = []
+    for _ in range(2):
+        out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, backend="cuda")
+        results.append(torch.autograd.grad(out, leaves, grad))
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+
+
+@needs_cuda_attention
+def test_cuda_attention_empty_inputs():
+    leaves, (q, k, v) = _inputs(0, 2, 5, 7, 64, torch.float16, "cuda")
+    out = fusedlm.ops.attention(q, k, v, causal=True, backend="cuda")
+    assert out.shape == (0, 2, 5, 64)
+    out.sum().backward()
+    assert all(t.grad.shape == t.shape for t in leaves)
+    # No keys at all: every row is empty, so zeros, and so are the gradients.
+    q, k, v = (torch.randn(1, 2, s, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+               for s in (3, 0, 0))
+    out = fusedlm.ops.attention(q, k, v, backend="cuda")
+    assert torch.equal(out, torch.zeros_like(out))
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(dq, torch.zeros_like(dq))
 
 
 def test_attention_gradients_do_not_depend_on_thread_count():
@@ -345,6 +399,57 @@ def test_attention_dropout_keeps_one_minus_p_and_scales_by_its_inverse(backend, 
     assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
 
 
+@pytest.mark.parametrize("backend", backends_for("attention"))
+def test_attention_dropout_is_the_backends_stream(backend):
+    # Each backend's own stream, element (b, h, i, j) of [batch, heads, seq_q, seq_k], over
+    # several query and key blocks, with padding and the causal diagonal.
+    p = 0.2
+    batch, heads, seq_q, seq_k = 2, 2, 70, 90
+    device = backend_device(backend)
+    leaves, (q, k, v) = _inputs(batch, heads, seq_q, seq_k, 64, torch.bfloat16, device,
+                                layout="bshd")
+    mask = _padding_mask(batch, seq_k, device)
+    _skip_if_refused(backend, "attention", q, k, v, key_padding_mask=mask, causal=True, dropout_p=p)
+    seed = _replay_seed(p)
+    keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), p)
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, dropout_p=p,
+                                backend=backend)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad)
+    ref = as_reference(*leaves)
+    expected = reference.attention(*_views(ref, "bshd"), key_padding_mask=mask, causal=True,
+                                   dropout_p=p, dropout_mask=keep)
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert_close(out, expected, scale=2, name="out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, r, scale=4, name=name)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
+def test_attention_varlen_dropout_is_the_backends_stream(backend):
+    p = 0.25
+    lengths_q, lengths_k = [5, 0, 80], [70, 3, 9]
+    max_q, max_k = 81, 75  # larger than the longest: the stream's pitch follows these
+    heads = 2
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, 64, torch.bfloat16,
+                                  backend_device(backend))
+    _skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                     dropout_p=p)
+    seed = _replay_seed(p)
+    keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
+    out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
+                                       backend=backend)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = as_reference(q, k, v)
+    expected = reference.attention_varlen(*ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
+                                          dropout_mask=keep)
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert_close(out, expected, scale=2, name="out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, r, scale=4, name=name)
+
+
 @pytest.mark.parametrize("backend", backends_for("attention_varlen"))
 def test_attention_varlen_dropout_replays_its_mask(backend):
     p = 0.25
@@ -379,14 +484,25 @@ def _packed(lengths_q, lengths_k, heads, head_dim, dtype, device="cpu", head_dim
     return q, k, v, cu_q, cu_k
 
 
+VARLEN_CASES = {
+    # name: (lengths_q, lengths_k, head_dim, head_dim_v)
+    "short": ([9, 0, 17, 4, 1], [9, 5, 12, 0, 30], 24, 40),
+    # The head dim of the cuda kernels, sequences over several blocks of 64.
+    "blocks": ([9, 0, 130, 4, 70], [9, 5, 90, 0, 140], 64, 64),
+}
+
+
 @pytest.mark.parametrize("backend", backends_for("attention_varlen"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_varlen_matches_reference(backend, dtype, causal):
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_attention_varlen_matches_reference(backend, dtype, causal, case):
     # Sequences of their own lengths for q and k, one with no queries, one with no keys.
-    lengths_q, lengths_k = [9, 0, 17, 4, 1], [9, 5, 12, 0, 30]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, 24, dtype, backend_device(backend),
-                                  head_dim_v=40)
+    lengths_q, lengths_k, head_dim, head_dim_v = VARLEN_CASES[case]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, head_dim, dtype, backend_device(backend),
+                                  head_dim_v=head_dim_v)
+    _skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max(lengths_q),
+                     max(lengths_k), causal=causal)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                        causal=causal, backend=backend)
     grad = torch.randn_like(out)

@@ -66,6 +66,26 @@ def test_cuda_kernels_refuse_float64_with_a_reason():
         assert limits(dtype=dtype, dropout=True) is None
 
 
+def test_cuda_attention_limits_give_their_reason():
+    limits = cuda_backend._attention_limits
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128):
+            assert limits(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, bias=False,
+                          causal=True, dropout=True, mask=True) is None
+    assert "float32" in limits(dtype=torch.float32, head_dim=64, head_dim_v=64)
+    assert "head_dim of 64 or 128" in limits(dtype=torch.bfloat16, head_dim=80, head_dim_v=80)
+    assert "q's head_dim" in limits(dtype=torch.bfloat16, head_dim=64, head_dim_v=128)
+    assert "attn_bias" in limits(dtype=torch.float16, head_dim=64, head_dim_v=64, bias=True)
+
+
+@pytest.mark.skipif(_REGISTRY["cuda"].unavailable() is not None, reason="the cuda backend cannot run here")
+def test_cuda_attention_refusal_falls_through_with_its_reason():
+    q = torch.randn(1, 2, 5, 40, dtype=torch.bfloat16, device="cuda")
+    why = fusedlm.explain("attention", q, q, q)
+    assert "skipped cuda: the cuda attention takes a head_dim of 64 or 128, not 40" in why
+    assert not why.startswith("attention -> cuda")
+
+
 def test_cuda_backend_leaves_gelu_ffn_to_triton():
     assert "gelu_ffn" not in _REGISTRY["cuda"].kernels
     if _REGISTRY["cuda"].unavailable() is None:

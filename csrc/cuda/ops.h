@@ -56,4 +56,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
     bool need_dweight, bool need_dbias);
 
+// bfloat16 and float16, head_dim 64 or 128 for q, k and v alike, no attn_bias (the
+// Python limits route other calls elsewhere). lse is float32. The backward is
+// deterministic: every gradient element is written by one block, without atomics.
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
+    bool causal, double dropout_p, double scale, const at::Tensor& seed);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
+    const at::Tensor& seed, bool bias_grad);
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed);
+
 }  // namespace fusedlm::cuda

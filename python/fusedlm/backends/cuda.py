@@ -3,6 +3,11 @@
 It has add_layer_norm, bias_gelu, cross_entropy and masked_lm_loss, for float32, bfloat16
 and float16. gelu_ffn is left to the triton backend, whose matrix product applies the
 GELU in its epilogue: the automatic choice for CUDA tensors falls through to it.
+
+attention and attention_varlen (FlashAttention-2 on the tensor cores) take bfloat16 and
+float16 with a head_dim of 64 or 128 and no attn_bias; other calls fall through to
+triton. Their backward is deterministic: no atomics, each gradient element is written
+once, so equal inputs give equal gradients bit for bit.
 """
 import torch
 
@@ -31,6 +36,18 @@ def _dtype_limits(dtype=None, **_features):
     return None
 
 
+def _attention_limits(dtype=None, head_dim=None, head_dim_v=None, bias=False, **_features):
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"the cuda attention takes bfloat16 or float16, not {str(dtype)[6:]}"
+    if head_dim is not None and head_dim not in (64, 128):
+        return f"the cuda attention takes a head_dim of 64 or 128, not {head_dim}"
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return f"the cuda attention takes v with q's head_dim ({head_dim}), not {head_dim_v}"
+    if bias:
+        return "the cuda attention takes no attn_bias"
+    return None
+
+
 def keep_mask(seed, shape, p: float, device="cuda") -> torch.Tensor:
     """The dropout keep mask (bool, True = keep) the CUDA kernels draw for stream ``seed``,
     element order row-major over ``shape``, on CUDA device ``device``."""
@@ -43,9 +60,11 @@ def _kernels() -> dict:
     if not _C.with_cuda:
         return {}
     ops = _C.cuda
+    limits = {"attention": _attention_limits, "attention_varlen": _attention_limits}
     return {name: Kernel(getattr(ops, f"{name}_forward"), getattr(ops, f"{name}_backward"),
-                         _dtype_limits)
-            for name in ("add_layer_norm", "bias_gelu", "cross_entropy", "masked_lm_loss")}
+                         limits.get(name, _dtype_limits))
+            for name in ("add_layer_norm", "bias_gelu", "cross_entropy", "masked_lm_loss",
+                         "attention", "attention_varlen")}
 
 
 BACKEND = register(Backend("cuda", lambda: ("cuda",), _unavailable, _kernels()))

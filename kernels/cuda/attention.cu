@@ -1,0 +1,901 @@
+// attention and attention_varlen on CUDA: FlashAttention-2 (Dao 2023) on the tensor
+// cores with mma.sync m16n8k16, bf16/fp16 in and fp32 accumulation, for head dims 64
+// and 128 (attention.cuh has the fragment layouts every index below is derived from).
+//
+// Forward: one block of 4 warps per 64 query rows of one (sequence, head); each warp
+// owns 16 rows and keeps their Q fragments, output accumulator, running max and sum in
+// registers. Key tiles of 64 rows of K and V come through shared memory (cp.async, K and
+// V in separate groups so S = Q K^T starts before V has landed); the online softmax
+// works in base 2 with scale * log2(e) folded into the scores. It writes O and the
+// natural log-sum-exp of each row (+inf for a row that sees no key, whose output is 0).
+//
+// Backward, three kernels and no atomics, so the gradients repeat bit for bit:
+//   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D) (when every
+//     sequence's keys fit one tile, the dQ kernel takes it from P and dP themselves, exactly);
+//   dK/dV: one block per 64 keys, each warp owning 16 of them, walking the query tiles
+//     that see them and recomputing P^T = exp(K Q^T * scale - lse) in registers;
+//   dQ: one block per 64 queries walking their key tiles, recomputing P the same way.
+// Traffic: the forward reads Q once and K, V once per query block; the backward reads
+// Q, dO once per key block and K, V once per query block. Limits: the recomputation
+// (5 products in the backward against 2 in the forward), single-buffered key tiles, and
+// dropout, which costs one Philox call per one or two probabilities.
+//
+// Padded and packed (varlen) batches run the same kernels: a sequence is a row offset
+// and a length per tensor, from cu_seqlens or from the padded shape. Causal masks align
+// to the bottom right (key j is visible to query i when j <= i + len_k - len_q); whole
+// key tiles past the diagonal are skipped, and only tiles that cross it, the key
+// padding or the sequence's end are masked element by element.
+#include <limits>
+#include <type_traits>
+
+#include "attention.cuh"
+#include "cuda/ops.h"
+
+namespace fusedlm::cuda {
+namespace {
+
+using namespace attn;
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kBlockM = 64;    // query rows of a forward or dQ block: 16 a warp
+constexpr int kBlockN = 64;    // key rows of a key tile, and of a dK/dV block: 16 a warp
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Query rows per step of the dK/dV kernel: at head dim 128 the dK and dV accumulators
+// take 128 registers a thread, so the score tiles shrink to stay clear of spills.
+template <int D>
+constexpr int kBackwardM = D == 128 ? 32 : 64;
+
+// Element (b, h, r) of a tensor at p + b * batch + h * head + r * row; r counts rows
+// from the start of the packed tensor (varlen, batch stride 0) or of the sequence.
+template <typename T>
+struct Rows {
+  T* p = nullptr;
+  int64_t batch = 0, head = 0, row = 0;
+  __device__ __forceinline__ T* at(int b, int h, int64_t r) const {
+    return p + b * batch + h * head + r * row;
+  }
+};
+
+template <typename T>
+struct Params {
+  Rows<const T> q, k, v, dout;  // rows of head_dim elements, 16-byte aligned
+  Rows<T> out, dq, dk, dv;
+  Rows<float> lse, delta;        // one float per query row
+  const bool* key_padding = nullptr;  // [batch, seq_k], True = padding; null: none
+  const int* cu_q = nullptr;          // [batch + 1] (varlen); null: padded
+  const int* cu_k = nullptr;
+  int heads = 0;
+  int seq_q = 0, seq_k = 0;  // the padded lengths, or max_seqlen (varlen): the dropout pitch
+  bool causal = false;
+  // Whether every sequence's keys fit one tile: the dQ kernel then derives delta from
+  // its exact P and dP (rowsum(P * dP)) and stores it for the dK/dV kernel, instead of
+  // the delta kernel taking it from O as rounded to T.
+  bool own_delta = false;
+  float scale = 1.0f;
+  Dropout dropout;
+};
+
+// Sequence b: the row of its first query and key, and its lengths.
+struct Seq {
+  int64_t q0, k0;
+  int len_q, len_k;
+};
+
+template <typename T>
+__device__ __forceinline__ Seq sequence(const Params<T>& p, int b) {
+  if (!p.cu_q) return {0, 0, p.seq_q, p.seq_k};
+  const int q0 = p.cu_q[b], k0 = p.cu_k[b];
+  return {q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
+}
+
+// The dropout stream's index of element (b, h, i, 0) of [batch, heads, seq_q, seq_k].
+template <typename T>
+__device__ __forceinline__ uint64_t stream_row(const Params<T>& p, int b, int h, int i) {
+  return ((uint64_t(b) * p.heads + h) * p.seq_q + i) * p.seq_k;
+}
+
+// key_ok[j] = whether key n0 + j exists and is not padding, for a tile of kBlockN keys.
+template <typename T>
+__device__ __forceinline__ void stage_keys(bool* key_ok, const Params<T>& p, int b, const Seq& s,
+                                           int n0) {
+  for (int j = threadIdx.x; j < kBlockN; j += kThreads) {
+    const int key = n0 + j;
+    key_ok[j] = key < s.len_k && !(p.key_padding && p.key_padding[int64_t(b) * p.seq_k + key]);
+  }
+}
+
+// Whether key j (of a tile starting at n0) is visible to query i.
+__device__ __forceinline__ bool visible(const bool* key_ok, int n0, int i, int j, bool causal,
+                                        int shift) {
+  return key_ok[j - n0] && (!causal || j <= i + shift);
+}
+
+// Whether a tile of queries m0 .. m0 + rows - 1 and keys n0 .. n0 + kBlockN - 1 needs the
+// mask element by element: key padding, the sequence's last keys, or the causal diagonal
+// (a key past the first query's limit).
+__device__ __forceinline__ bool tile_needs_mask(bool padding, int n0, int len_k, bool causal,
+                                                int m0, int shift) {
+  return padding || n0 + kBlockN > len_k || (causal && n0 + kBlockN - 1 > m0 + shift);
+}
+
+// The end of the keys a query block m0 .. m0 + kBlockM - 1 may see.
+__device__ __forceinline__ int key_end(const Seq& s, bool causal, int m0) {
+  return causal ? max(0, min(s.len_k, m0 + kBlockM + s.len_k - s.len_q)) : s.len_k;
+}
+
+// A query block's index: under causal masking the last blocks carry the most keys, so
+// they are launched first.
+__device__ __forceinline__ int query_block(bool causal) {
+  return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+}
+
+template <int D>
+constexpr int kPitch = D + 8;  // shared tile pitch in elements (attention.cuh)
+
+template <int D>
+constexpr size_t forward_smem() {
+  return size_t(kBlockM + 2 * kBlockN) * kPitch<D> * 2 + kBlockN;
+}
+
+template <int D>
+constexpr size_t dkdv_smem() {
+  return size_t(2 * kBlockN + 2 * kBackwardM<D>) * kPitch<D> * 2 +
+         2 * kBackwardM<D> * sizeof(float) + kBlockN;
+}
+
+template <int D>
+constexpr size_t dq_smem() {
+  return size_t(2 * kBlockM + 2 * kBlockN) * kPitch<D> * 2 + kBlockN;
+}
+
+// --- forward ------------------------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* q_tile = reinterpret_cast<T*>(smem);  // [kBlockM][P]
+  T* k_tile = q_tile + kBlockM * P;        // [kBlockN][P]
+  T* v_tile = k_tile + kBlockN * P;        // [kBlockN][P]
+  bool* key_ok = reinterpret_cast<bool*>(v_tile + kBlockN * P);
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const Seq s = sequence(p, b);
+  const int m0 = query_block(p.causal) * kBlockM;
+  if (m0 >= s.len_q) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int shift = s.len_k - s.len_q;
+  // This thread's rows of C fragments: g and g + 8 of the warp's 16.
+  const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+
+  load_tile<kBlockM, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t qf[D / 16][4];  // A fragments of the warp's rows, one per 16 columns of head_dim
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a<P>(qf[kk], q_tile, warp * 16, kk * 16);
+
+  float acc[D / 8][4] = {};  // O, n-tiles of 8 head_dim columns
+  float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};  // base 2; sums per thread
+  const float c = p.scale * kLog2e;
+  const int n_end = key_end(s, p.causal, m0);
+  for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+    __syncthreads();  // every warp is done with the previous tiles
+    load_tile<kBlockN, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+    cp_async_commit();
+    load_tile<kBlockN, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+    cp_async_commit();
+    stage_keys(key_ok, p, b, s, n0);
+    cp_async_wait<1>();  // K has landed; V may still be in flight
+    __syncthreads();
+
+    // S = Q K^T: n-tile nt holds keys n0 + 8nt + 2t, +1 of rows g (sc[nt][0..1]) and g + 8.
+    float sc[kBlockN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kBlockN / 16; ++np) {
+        uint32_t kb[4];
+        load_b_rows<P>(kb, k_tile, np * 16, kk * 16);
+        mma<T>(sc[2 * np], qf[kk], kb[0], kb[1]);
+        mma<T>(sc[2 * np + 1], qf[kk], kb[2], kb[3]);
+      }
+    }
+    const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = n0 + nt * 8 + 2 * t + e % 2;
+        sc[nt][e] = masked && !visible(key_ok, n0, rows[e / 2], j, p.causal, shift)
+                        ? -kInf
+                        : sc[nt][e] * c;
+      }
+    }
+    // The online softmax, per row: the quad of lanes sharing g holds the whole row.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float tile_max = -kInf;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+        tile_max = fmaxf(tile_max, fmaxf(sc[nt][2 * hh], sc[nt][2 * hh + 1]));
+      const float new_max = fmaxf(row_max[hh], quad_max(tile_max));
+      // While a row has seen no visible key its max is -inf, and exp2(-inf - -inf) would
+      // be NaN: subtract 0 instead (every term is then exp2(-inf) = 0).
+      const float base = new_max == -kInf ? 0.0f : new_max;
+      const float rescale = exp2f(row_max[hh] - base);
+      row_max[hh] = new_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+        sc[nt][2 * hh] = exp2f(sc[nt][2 * hh] - base);
+        sc[nt][2 * hh + 1] = exp2f(sc[nt][2 * hh + 1] - base);
+        sum += sc[nt][2 * hh] + sc[nt][2 * hh + 1];
+      }
+      row_sum[hh] = row_sum[hh] * rescale + sum;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        acc[dt][2 * hh] *= rescale;
+        acc[dt][2 * hh + 1] *= rescale;
+      }
+    }
+    // Dropout zeroes probabilities after the sum (the softmax is of the undropped scores);
+    // the 1 / (1 - p) factor is applied once, to the output.
+    if (p.dropout.active) {
+      const uint32_t kept = kept_pairs<kBlockN / 8>(p.dropout,
+                                                    stream_row(p, b, h, rows[0]) + n0 + 2 * t,
+                                                    stream_row(p, b, h, rows[1]) + n0 + 2 * t);
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!bit(kept, 2 * (8 * (e / 2) + nt) + e % 2)) sc[nt][e] = 0.0f;
+    }
+
+    cp_async_wait<0>();  // V
+    __syncthreads();
+    // O += P V: k-step kt covers keys 16kt .. 16kt + 15 of the tile.
+#pragma unroll
+    for (int kt = 0; kt < kBlockN / 16; ++kt) {
+      uint32_t pa[4];
+      accumulator_as_a<T>(pa, sc, kt);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vb[4];
+        load_b_cols<P>(vb, v_tile, kt * 16, dp * 16);
+        mma<T>(acc[2 * dp], pa, vb[0], vb[1]);
+        mma<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sum = quad_sum(row_sum[hh]);
+    if (rows[hh] >= s.len_q) continue;
+    // A row that saw no key has sum 0 and accumulator 0: its output is 0.
+    const float inv = sum > 0.0f ? p.dropout.scale / sum : 0.0f;
+    T* o = p.out.at(b, h, s.q0 + rows[hh]);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * t) =
+          pack<T>(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+    // lse = +inf for such a row makes the backward's exp(s - lse) zero.
+    if (t == 0)
+      *p.lse.at(b, h, s.q0 + rows[hh]) = sum > 0.0f ? (row_max[hh] + log2f(sum)) * kLn2 : kInf;
+  }
+}
+
+// --- backward -----------------------------------------------------------------------------
+
+// delta[i] = sum_d dO[i, d] * O[i, d]: D / 8 threads a row, one 16-byte vector each.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_delta_kernel(const Params<T> p) {
+  constexpr int kLanes = D / 8, kRows = kThreads / kLanes;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const Seq s = sequence(p, b);
+  const int i = blockIdx.x * kRows + threadIdx.x / kLanes, col = threadIdx.x % kLanes * 8;
+  float sum = 0.0f;
+  if (i < s.len_q) {
+    float o[8], d[8];
+    load<8>(p.out.at(b, h, s.q0 + i) + col, o);
+    load<8>(p.dout.at(b, h, s.q0 + i) + col, d);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += o[e] * d[e];
+  }
+  // kLanes consecutive lanes share a row (kLanes divides 32).
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2)
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (i < s.len_q && threadIdx.x % kLanes == 0) *p.delta.at(b, h, s.q0 + i) = sum;
+}
+
+// dK and dV of kBlockN keys. Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16
+// keys against kM queries at a time (keys are the rows of the C fragments: g and g + 8 of
+// the warp's 16, queries the columns), then dV += P^T dO and dK += dS^T Q with those
+// accumulators reused as A fragments (k = the queries).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>, kM = kBackwardM<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* k_tile = reinterpret_cast<T*>(smem);  // [kBlockN][P]
+  T* v_tile = k_tile + kBlockN * P;        // [kBlockN][P]
+  T* q_tile = v_tile + kBlockN * P;        // [kM][P]
+  T* do_tile = q_tile + kM * P;            // [kM][P]
+  float* lse2 = reinterpret_cast<float*>(do_tile + kM * P);  // [kM], base 2
+  float* delta = lse2 + kM;                                   // [kM]
+  bool* key_ok = reinterpret_cast<bool*>(delta + kM);         // [kBlockN]
+
+  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * kBlockN;
+  const Seq s = sequence(p, b);
+  if (n0 >= s.len_k) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int shift = s.len_k - s.len_q;
+  const int keys[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
+
+  load_tile<kBlockN, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+  load_tile<kBlockN, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+  cp_async_commit();
+  stage_keys(key_ok, p, b, s, n0);
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  const float c = p.scale * kLog2e;
+  // Under causal masking the first query that sees key n0 is n0 - shift.
+  const int m_begin = p.causal ? max(0, n0 - shift) / kM * kM : 0;
+  for (int m0 = m_begin; m0 < s.len_q; m0 += kM) {
+    __syncthreads();  // every warp is done with the previous query tiles
+    load_tile<kM, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
+    load_tile<kM, D, kThreads>(do_tile, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
+    cp_async_commit();
+    for (int r = threadIdx.x; r < kM; r += kThreads) {
+      const bool in = m0 + r < s.len_q;
+      // +inf past the sequence makes those probabilities exp2(-inf) = 0.
+      lse2[r] = in ? *p.lse.at(b, h, s.q0 + m0 + r) * kLog2e : kInf;
+      delta[r] = in ? *p.delta.at(b, h, s.q0 + m0 + r) : 0.0f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // st[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
+    float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ka[4], va[4];
+      load_a<P>(ka, k_tile, warp * 16, kk * 16);
+      load_a<P>(va, v_tile, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < kM / 16; ++np) {
+        uint32_t qb[4], ob[4];
+        load_b_rows<P>(qb, q_tile, np * 16, kk * 16);
+        load_b_rows<P>(ob, do_tile, np * 16, kk * 16);
+        mma<T>(st[2 * np], ka, qb[0], qb[1]);
+        mma<T>(st[2 * np + 1], ka, qb[2], qb[3]);
+        mma<T>(dpt[2 * np], va, ob[0], ob[1]);
+        mma<T>(dpt[2 * np + 1], va, ob[2], ob[3]);
+      }
+    }
+    const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    // Bit 4nt + e: whether dropout keeps element e of n-tile nt. Here the pairs of a C
+    // fragment run along the queries, a stream row apart: one Philox call per element.
+    uint32_t kept = ~0u;
+    if (p.dropout.active) {
+      kept = 0;
+#pragma unroll 1
+      for (int i = 0; i < kM / 2; ++i) {
+        const int nt = i / 4, e = i % 4;
+        bool k1[1];
+        const int key = keys[0] + 8 * (e / 2);  // keys[1] is keys[0] + 8
+        p.dropout.keep<1>(stream_row(p, b, h, m0 + nt * 8 + 2 * t + e % 2) + key, k1);
+        kept |= uint32_t(k1[0]) << i;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kM / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t + e % 2, i = m0 + col, j = keys[e / 2];
+        float prob = exp2f(st[nt][e] * c - lse2[col]);
+        if (masked && !visible(key_ok, n0, i, j, p.causal, shift)) prob = 0.0f;
+        const bool k1 = bit(kept, 4 * nt + e);
+        const float dprob = k1 ? dpt[nt][e] * p.dropout.scale : 0.0f;
+        st[nt][e] = k1 ? prob * p.dropout.scale : 0.0f;  // the probability that multiplied V
+        dpt[nt][e] = prob * (dprob - delta[col]);        // dS
+      }
+    }
+#pragma unroll
+    for (int kt = 0; kt < kM / 16; ++kt) {
+      uint32_t pa[4], sa[4];
+      accumulator_as_a<T>(pa, st, kt);
+      accumulator_as_a<T>(sa, dpt, kt);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t ob[4], qb[4];
+        load_b_cols<P>(ob, do_tile, kt * 16, dp * 16);
+        load_b_cols<P>(qb, q_tile, kt * 16, dp * 16);
+        mma<T>(dv[2 * dp], pa, ob[0], ob[1]);
+        mma<T>(dv[2 * dp + 1], pa, ob[2], ob[3]);
+        mma<T>(dk[2 * dp], sa, qb[0], qb[1]);
+        mma<T>(dk[2 * dp + 1], sa, qb[2], qb[3]);
+      }
+    }
+  }
+
+  // A block whose keys no query sees never waited for its K and V tiles: no copy may
+  // outlive it into the shared memory of the next block.
+  cp_async_wait<0>();
+  // Keys no query sees, padding keys among them, get zeros.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (keys[hh] >= s.len_k) continue;
+    T* dk_row = p.dk.at(b, h, s.k0 + keys[hh]);
+    T* dv_row = p.dv.at(b, h, s.k0 + keys[hh]);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      // The products used K and Q unscaled: the scale enters dK here.
+      *reinterpret_cast<uint32_t*>(dk_row + dt * 8 + 2 * t) =
+          pack<T>(dk[dt][2 * hh] * p.scale, dk[dt][2 * hh + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_row + dt * 8 + 2 * t) =
+          pack<T>(dv[dt][2 * hh], dv[dt][2 * hh + 1]);
+    }
+  }
+}
+
+// dQ of kBlockM queries: each warp recomputes S = Q K^T and dP = dO V^T for its 16 rows
+// against each key tile, forms dS and adds dS K.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* q_tile = reinterpret_cast<T*>(smem);  // [kBlockM][P]
+  T* do_tile = q_tile + kBlockM * P;       // [kBlockM][P]
+  T* k_tile = do_tile + kBlockM * P;       // [kBlockN][P]
+  T* v_tile = k_tile + kBlockN * P;        // [kBlockN][P]
+  bool* key_ok = reinterpret_cast<bool*>(v_tile + kBlockN * P);
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const Seq s = sequence(p, b);
+  const int m0 = query_block(p.causal) * kBlockM;
+  if (m0 >= s.len_q) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int shift = s.len_k - s.len_q;
+  const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+
+  load_tile<kBlockM, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
+  load_tile<kBlockM, D, kThreads>(do_tile, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
+  cp_async_commit();
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const bool in = rows[hh] < s.len_q;
+    lse2[hh] = in ? *p.lse.at(b, h, s.q0 + rows[hh]) * kLog2e : kInf;
+    delta[hh] = in && !p.own_delta ? *p.delta.at(b, h, s.q0 + rows[hh]) : 0.0f;
+  }
+
+  float dq[D / 8][4] = {};
+  const float c = p.scale * kLog2e;
+  const int n_end = key_end(s, p.causal, m0);
+  for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+    __syncthreads();  // every warp is done with the previous key tiles
+    load_tile<kBlockN, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+    load_tile<kBlockN, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+    cp_async_commit();
+    stage_keys(key_ok, p, b, s, n0);
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // sc[nt][e], dp[nt][e]: row rows[e / 2], key n0 + 8nt + 2t + e % 2.
+    float sc[kBlockN / 8][4] = {}, dp[kBlockN / 8][4] = {};
+    // Not unrolled: hoisting the next steps' fragment loads spilled at head dim 64 on
+    // sm_90a, and one step already issues 16 independent products.
+#pragma unroll 1
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[4], oa[4];
+      load_a<P>(qa, q_tile, warp * 16, kk * 16);
+      load_a<P>(oa, do_tile, warp * 16, kk * 16);
+#pragma unroll
+      for (int np = 0; np < kBlockN / 16; ++np) {
+        uint32_t kb[4], vb[4];
+        load_b_rows<P>(kb, k_tile, np * 16, kk * 16);
+        load_b_rows<P>(vb, v_tile, np * 16, kk * 16);
+        mma<T>(sc[2 * np], qa, kb[0], kb[1]);
+        mma<T>(sc[2 * np + 1], qa, kb[2], kb[3]);
+        mma<T>(dp[2 * np], oa, vb[0], vb[1]);
+        mma<T>(dp[2 * np + 1], oa, vb[2], vb[3]);
+      }
+    }
+    const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    uint32_t kept = ~0u;
+    if (p.dropout.active) {
+      kept = kept_pairs<kBlockN / 8>(p.dropout, stream_row(p, b, h, rows[0]) + n0 + 2 * t,
+                                     stream_row(p, b, h, rows[1]) + n0 + 2 * t);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = n0 + nt * 8 + 2 * t + e % 2;
+        sc[nt][e] = exp2f(sc[nt][e] * c - lse2[e / 2]);  // P
+        if (masked && !visible(key_ok, n0, rows[e / 2], j, p.causal, shift)) sc[nt][e] = 0.0f;
+        dp[nt][e] = bit(kept, 2 * (8 * (e / 2) + nt) + e % 2) ? dp[nt][e] * p.dropout.scale : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (p.own_delta) {  // this is the row's only key tile
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt)
+          sum += sc[nt][2 * hh] * dp[nt][2 * hh] + sc[nt][2 * hh + 1] * dp[nt][2 * hh + 1];
+        delta[hh] = quad_sum(sum);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] *= dp[nt][e] - delta[e / 2];  // dS
+    // dQ += dS K: k-step kt covers keys 16kt .. 16kt + 15, and B[key][d] = K[key][d].
+#pragma unroll
+    for (int kt = 0; kt < kBlockN / 16; ++kt) {
+      uint32_t sa[4];
+      accumulator_as_a<T>(sa, sc, kt);
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        uint32_t kb[4];
+        load_b_cols<P>(kb, k_tile, kt * 16, dt * 16);
+        mma<T>(dq[2 * dt], sa, kb[0], kb[1]);
+        mma<T>(dq[2 * dt + 1], sa, kb[2], kb[3]);
+      }
+    }
+  }
+
+  cp_async_wait<0>();  // the Q and dO tiles of a block that saw no key tile
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (rows[hh] >= s.len_q) continue;
+    // Every row's delta, 0 for a row that sees no key (the dK/dV kernel reads them all).
+    if (p.own_delta && t == 0) *p.delta.at(b, h, s.q0 + rows[hh]) = delta[hh];
+    T* dq_row = p.dq.at(b, h, s.q0 + rows[hh]);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(dq_row + dt * 8 + 2 * t) =
+          pack<T>(dq[dt][2 * hh] * p.scale, dq[dt][2 * hh + 1] * p.scale);
+  }
+}
+
+// --- host side ----------------------------------------------------------------------------
+
+// One call's inputs, checked, with the kernels' layout (see kernel_layout).
+struct Problem {
+  at::Tensor q, k, v, key_padding, cu_q, cu_k;
+  bool varlen = false;
+  int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
+  bool causal = false;
+  double dropout_p = 0.0, scale = 1.0;
+  at::Tensor seed;
+};
+
+// Whether the kernels can read or write t in place: head_dim contiguous and every row
+// 16-byte aligned (cp.async and the paired stores).
+bool kernel_layout(const at::Tensor& t) {
+  if (t.stride(-1) != 1 || !aligned16(t.data_ptr())) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
+  return true;
+}
+
+at::Tensor with_kernel_layout(const at::Tensor& t) {
+  if (kernel_layout(t)) return t;
+  auto copy = at::empty(t.sizes(), t.options());
+  return copy.copy_(t);
+}
+
+// Output `like`-laid-out tensors the kernels write into: the tensor itself, or a buffer
+// whose contents `finish` copies back.
+struct Output {
+  at::Tensor tensor, buffer;
+  explicit Output(at::Tensor t)
+      : tensor(t), buffer(kernel_layout(t) ? t : at::empty(t.sizes(), t.options())) {}
+  at::Tensor finish() {
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+    return tensor;
+  }
+};
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ndim) {
+  check_cuda(q, "q");
+  check_cuda(k, "k");
+  check_cuda(v, "v");
+  check_same_device(k, q, "k", "q");
+  check_same_device(v, q, "v", "q");
+  TORCH_CHECK_VALUE(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim, "q, k and v must have ",
+                    ndim, " dimensions, got ", q.dim(), ", ", k.dim(), " and ", v.dim());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                   "the cuda attention takes bfloat16 or float16; q is ", q.scalar_type());
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "k and v must have q's dtype (", q.scalar_type(), "), got ", k.scalar_type(),
+                   " and ", v.scalar_type());
+  const int64_t d = q.size(-1);
+  TORCH_CHECK_VALUE(d == 64 || d == 128, "the cuda attention takes a head_dim of 64 or 128; q has ",
+                    d);
+  TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "k and v must have q's head_dim (", d,
+                    "), got ", k.size(-1), " and ", v.size(-1));
+}
+
+void check_grid(const Problem& pb) {
+  TORCH_CHECK_VALUE(pb.batch <= 65535 && pb.heads <= 65535,
+                    "the cuda attention takes at most 65535 sequences and heads, got ", pb.batch,
+                    " and ", pb.heads);
+  TORCH_CHECK_VALUE(pb.seq_q < (int64_t(1) << 31) && pb.seq_k < (int64_t(1) << 31),
+                    "sequences must be shorter than 2^31 tokens");
+}
+
+Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& key_padding_mask,
+                       const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
+                       double scale, const at::Tensor& seed) {
+  check_qkv(q, k, v, 4);
+  TORCH_CHECK_VALUE(!(attn_bias && attn_bias->defined()),
+                    "the cuda attention takes no attn_bias (the triton and cpu backends do)");
+  Problem pb;
+  pb.batch = q.size(0);
+  pb.heads = q.size(1);
+  pb.seq_q = q.size(2);
+  pb.seq_k = k.size(2);
+  pb.head_dim = q.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == pb.batch && k.size(1) == pb.heads,
+                    "k must have q's batch and heads, got shape ", k.sizes());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
+                    v.sizes());
+  if (key_padding_mask && key_padding_mask->defined()) {
+    const auto& mask = *key_padding_mask;
+    check_cuda(mask, "key_padding_mask");
+    check_same_device(mask, q, "key_padding_mask", "q");
+    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "key_padding_mask must be bool, got ",
+                     mask.scalar_type());
+    TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == pb.batch && mask.size(1) == pb.seq_k,
+                      "key_padding_mask must have shape [batch, seq_k] = [", pb.batch, ", ",
+                      pb.seq_k, "], got ", mask.sizes());
+    pb.key_padding = mask.contiguous();
+  }
+  pb.q = with_kernel_layout(q);
+  pb.k = with_kernel_layout(k);
+  pb.v = with_kernel_layout(v);
+  pb.causal = causal;
+  pb.dropout_p = dropout_p;
+  pb.scale = scale;
+  pb.seed = seed;
+  check_grid(pb);
+  return pb;
+}
+
+Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
+                       double scale, const at::Tensor& seed) {
+  check_qkv(q, k, v, 3);
+  Problem pb;
+  pb.varlen = true;
+  pb.heads = q.size(1);
+  pb.head_dim = q.size(2);
+  TORCH_CHECK_VALUE(k.size(1) == pb.heads, "k must have q's heads (", pb.heads, "), got ",
+                    k.size(1));
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
+                    v.sizes());
+  for (const auto* cu : {&cu_seqlens_q, &cu_seqlens_k}) {
+    const char* name = cu == &cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
+    check_cuda(*cu, name);
+    check_same_device(*cu, q, name, "q");
+    TORCH_CHECK_TYPE(cu->scalar_type() == at::kInt, name, " must be int32, got ",
+                     cu->scalar_type());
+    TORCH_CHECK_VALUE(cu->dim() == 1 && cu->size(0) >= 1, name,
+                      " must be a 1-d tensor of batch + 1 offsets, got shape ", cu->sizes());
+  }
+  TORCH_CHECK_VALUE(cu_seqlens_k.size(0) == cu_seqlens_q.size(0),
+                    "cu_seqlens_k must have as many entries as cu_seqlens_q (",
+                    cu_seqlens_q.size(0), "), got ", cu_seqlens_k.size(0));
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0,
+                    "max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
+                    max_seqlen_k);
+  // The offsets are not checked against the tensors here: that would copy them to the
+  // host. A sequence longer than max_seqlen gets rows no block covers.
+  pb.cu_q = cu_seqlens_q.contiguous();
+  pb.cu_k = cu_seqlens_k.contiguous();
+  pb.batch = cu_seqlens_q.size(0) - 1;
+  pb.seq_q = max_seqlen_q;
+  pb.seq_k = max_seqlen_k;
+  pb.q = with_kernel_layout(q);
+  pb.k = with_kernel_layout(k);
+  pb.v = with_kernel_layout(v);
+  pb.causal = causal;
+  pb.dropout_p = dropout_p;
+  pb.scale = scale;
+  pb.seed = seed;
+  check_grid(pb);
+  return pb;
+}
+
+// Rows of a [batch, heads, seq, d] tensor, or of a packed [tokens, heads, d] one.
+template <typename T>
+Rows<T> rows_of(const at::Tensor& t, bool varlen) {
+  T* p = static_cast<T*>(t.data_ptr());
+  if (varlen) return {p, 0, t.stride(1), t.stride(0)};
+  return {p, t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Rows of the float32 statistics: [batch, heads, seq_q], or [heads, tokens] (varlen).
+Rows<float> stat_rows(const at::Tensor& t, bool varlen) {
+  float* p = t.data_ptr<float>();
+  if (varlen) return {p, 0, t.stride(0), t.stride(1)};
+  return {p, t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <typename T>
+Params<T> params(const Problem& pb) {
+  Params<T> p;
+  p.q = rows_of<const T>(pb.q, pb.varlen);
+  p.k = rows_of<const T>(pb.k, pb.varlen);
+  p.v = rows_of<const T>(pb.v, pb.varlen);
+  p.key_padding = pb.key_padding.defined() ? pb.key_padding.data_ptr<bool>() : nullptr;
+  p.cu_q = pb.varlen ? pb.cu_q.data_ptr<int>() : nullptr;
+  p.cu_k = pb.varlen ? pb.cu_k.data_ptr<int>() : nullptr;
+  p.heads = static_cast<int>(pb.heads);
+  p.seq_q = static_cast<int>(pb.seq_q);
+  p.seq_k = static_cast<int>(pb.seq_k);
+  p.causal = pb.causal;
+  p.scale = static_cast<float>(pb.scale);
+  p.dropout = dropout_stream(pb.seed, pb.dropout_p);
+  return p;
+}
+
+// Runs f(T{}, std::integral_constant<int, D>{}) for the problem's dtype and head dim.
+template <typename F>
+void dispatch_attention(const Problem& pb, F&& f) {
+  auto with_dim = [&](auto tag) {
+    if (pb.head_dim == 64) f(tag, std::integral_constant<int, 64>{});
+    else f(tag, std::integral_constant<int, 128>{});
+  };
+  if (pb.q.scalar_type() == at::kBFloat16) with_dim(at::BFloat16{});
+  else with_dim(at::Half{});
+}
+
+template <typename T>
+void launch(void (*kernel)(Params<T>), int64_t blocks, size_t smem, const Problem& pb,
+            const Params<T>& p) {
+  if (blocks == 0 || pb.heads == 0 || pb.batch == 0) return;
+  // Past 48 KiB a block's dynamic shared memory has to be asked for.
+  if (smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(pb.heads),
+                  static_cast<unsigned>(pb.batch));
+  kernel<<<grid, kThreads, smem, current_stream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
+  dispatch_attention(pb, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    Params<T> p = params<T>(pb);
+    p.out = rows_of<T>(out, pb.varlen);
+    p.lse = stat_rows(lse, pb.varlen);
+    launch<T>(attention_forward_kernel<T, D>, ceil_div(pb.seq_q, kBlockM), forward_smem<D>(), pb,
+              p);
+  });
+}
+
+void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
+              const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+              const at::Tensor& dv) {
+  auto delta = at::empty(lse.sizes(), lse.options());
+  dispatch_attention(pb, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    Params<T> p = params<T>(pb);
+    p.out = rows_of<T>(out, pb.varlen);
+    p.dout = rows_of<const T>(grad, pb.varlen);
+    p.lse = stat_rows(lse, pb.varlen);
+    p.delta = stat_rows(delta, pb.varlen);
+    p.dq = rows_of<T>(dq, pb.varlen);
+    p.dk = rows_of<T>(dk, pb.varlen);
+    p.dv = rows_of<T>(dv, pb.varlen);
+    p.own_delta = pb.seq_k <= kBlockN;
+    if (!p.own_delta)
+      launch<T>(attention_delta_kernel<T, D>, ceil_div(pb.seq_q, kThreads / (D / 8)), 0, pb, p);
+    // With own_delta the dQ kernel stores the delta the dK/dV kernel reads.
+    launch<T>(attention_dq_kernel<T, D>, ceil_div(pb.seq_q, kBlockM), dq_smem<D>(), pb, p);
+    launch<T>(attention_dkdv_kernel<T, D>, ceil_div(pb.seq_k, kBlockN), dkdv_smem<D>(), pb, p);
+  });
+}
+
+// The saved output and log-sum-exp, and the incoming gradient, checked against the
+// problem; out and grad in the kernels' layout.
+std::pair<at::Tensor, at::Tensor> saved(const Problem& pb, const at::Tensor& grad,
+                                        const at::Tensor& out, const at::Tensor& lse,
+                                        at::IntArrayRef lse_shape) {
+  check_cuda(grad, "grad");
+  check_cuda(out, "out");
+  check_cuda(lse, "lse");
+  check_same_device(grad, pb.q, "grad", "q");
+  check_same_device(out, pb.q, "out", "q");
+  check_same_device(lse, pb.q, "lse", "q");
+  TORCH_CHECK_VALUE(out.sizes() == pb.q.sizes() && out.scalar_type() == pb.q.scalar_type(),
+                    "out must be the forward's output, of q's shape and dtype");
+  TORCH_CHECK_VALUE(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(),
+                    "grad must match the attention output in shape and dtype");
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == lse_shape,
+                    "lse must be the forward's float32 log-sum-exp of shape ", lse_shape,
+                    ", got ", lse.scalar_type(), " ", lse.sizes());
+  return {with_kernel_layout(grad), with_kernel_layout(out)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
+    bool causal, double dropout_p, double scale, const at::Tensor& seed) {
+  check_cuda(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Problem pb =
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+  Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  auto lse = at::empty({pb.batch, pb.heads, pb.seq_q}, q.options().dtype(at::kFloat));
+  forward(pb, out.buffer, lse);
+  return {out.finish(), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
+    const at::Tensor& seed, bool bias_grad) {
+  check_cuda(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK_VALUE(!bias_grad, "the cuda attention takes no attn_bias, so no bias gradient");
+  const Problem pb =
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+  const auto [g, o] = saved(pb, grad, out, lse, {pb.batch, pb.heads, pb.seq_q});
+  Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
+  Output dv(empty_like_layout(v, v.sizes(), v.scalar_type()));
+  backward(pb, g, o, lse, dq.buffer, dk.buffer, dv.buffer);
+  return {dq.finish(), dk.finish(), dv.finish(), at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed) {
+  check_cuda(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, dropout_p, scale, seed);
+  Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  auto lse = at::empty({pb.heads, q.size(0)}, q.options().dtype(at::kFloat));
+  forward(pb, out.buffer, lse);
+  return {out.finish(), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed) {
+  check_cuda(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, dropout_p, scale, seed);
+  const auto [g, o] = saved(pb, grad, out, lse, {pb.heads, q.size(0)});
+  Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
+  Output dv(empty_like_layout(v, v.sizes(), v.scalar_type()));
+  backward(pb, g, o, lse, dq.buffer, dk.buffer, dv.buffer);
+  return {dq.finish(), dk.finish(), dv.finish()};
+}
+
+}  // namespace fusedlm::cuda
