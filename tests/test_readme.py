@@ -23,3 +23,10 @@ def test_models_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(_python_block("Models"), "README.md", "exec"), {})
     transformers.BertForMaskedLM.from_pretrained(tmp_path / "tiny-bert-trained")
+
+
+def test_electra_example_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_python_block("ELECTRA"), "README.md", "exec"), {})
+    transformers.ElectraForPreTraining.from_pretrained(tmp_path / "tiny-electra")
