@@ -1,5 +1,7 @@
-# make demo   set up, build fusedlm, and print the CPU op benchmark table
+# make demo   set up, build fusedlm, pretrain a tiny BERT on the CPU on the embedded
+#             default corpus, then fill in a masked word with it
 # make test   set up, build fusedlm, and run the test suite
+# make bench  set up, build fusedlm, and print the CPU benchmark table
 #
 # Each creates .venv, installs what fusedlm needs into it, and compiles fusedlm.
 # A PyTorch that the Python running make already sees (e.g. a CUDA build) is
@@ -10,6 +12,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc pyext python kernels -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) -not -name '_build_info.py') setup.py sources.txt
 RESULTS := build/benchmarks
+DEMO := build/demo/bert-tiny
 
 .PHONY: demo test bench clean
 
@@ -32,7 +35,10 @@ bench: $(VENV)/.fusedlm
 	$(PY) -m pytest benchmarks -q --benchmark-json=$(RESULTS)/cpu.json --benchmark-min-rounds=5
 	$(PY) benchmarks/report.py $(RESULTS)/cpu.json
 
-demo: bench
+demo: $(VENV)/.fusedlm
+	rm -rf $(DEMO)
+	$(PY) -m fusedlm pretrain --model bert --size tiny --steps 1000 --device cpu --out $(DEMO)
+	$(PY) -m fusedlm fill-mask --model $(DEMO) "Return the [MASK] of the list."
 
 clean:
 	rm -rf $(VENV) build python/fusedlm/_C*.so python/fusedlm/_build_info.py
