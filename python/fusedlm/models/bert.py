@@ -417,7 +417,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.config = config
         self.bert = BertModel(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = _classifier_dropout(config)
+        self.dropout = classifier_dropout(config)
         self.init_weights()
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
@@ -440,17 +440,14 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.config = config
         self.bert = BertModel(config, add_pooling_layer=False)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = _classifier_dropout(config)
+        self.dropout = classifier_dropout(config)
         self.init_weights()
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        logits = self.classifier(F.dropout(out.last_hidden_state, self.dropout, self.training))
-        loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
+        return tag_tokens(self, out, labels)
 
 
 def check_span_labels(config: BertConfig) -> None:
@@ -497,14 +494,31 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                 start_positions: Optional[Tensor] = None, end_positions: Optional[Tensor] = None,
                 output_hidden_states: bool = False) -> QuestionAnsweringOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        start, end = span_logits(self.qa_outputs(out.last_hidden_state), attention_mask)
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            loss = span_loss(start, end, start_positions, end_positions)
-        return QuestionAnsweringOutput(loss=loss, start_logits=start, end_logits=end,
-                                       last_hidden_state=out.last_hidden_state,
-                                       hidden_states=out.hidden_states)
+        return answer_spans(self, out, attention_mask, start_positions, end_positions)
 
 
-def _classifier_dropout(config: BertConfig) -> float:
+def classifier_dropout(config: BertConfig) -> float:
     return config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
+
+
+# The heads' outputs, shared with ELECTRA's heads (which wrap another encoder).
+
+def tag_tokens(head: nn.Module, out: ModelOutput, labels: Optional[Tensor]) -> ModelOutput:
+    """dropout -> head.classifier per token; labels -100 are ignored."""
+    logits = head.classifier(F.dropout(out.last_hidden_state, head.dropout, head.training))
+    loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+    return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
+                       hidden_states=out.hidden_states)
+
+
+def answer_spans(head: nn.Module, out: ModelOutput, attention_mask: Optional[Tensor],
+                 start_positions: Optional[Tensor],
+                 end_positions: Optional[Tensor]) -> QuestionAnsweringOutput:
+    """head.qa_outputs per token -> start and end logits, and their loss when both are given."""
+    start, end = span_logits(head.qa_outputs(out.last_hidden_state), attention_mask)
+    loss = None
+    if start_positions is not None and end_positions is not None:
+        loss = span_loss(start, end, start_positions, end_positions)
+    return QuestionAnsweringOutput(loss=loss, start_logits=start, end_logits=end,
+                                   last_hidden_state=out.last_hidden_state,
+                                   hidden_states=out.hidden_states)

@@ -20,8 +20,8 @@ from .. import ops
 from ..nn._autocast import lower
 from ._pretrained import KeyMap, KeyRule
 from .bert import (IGNORE_INDEX, BertConfig, BertEmbeddings, BertEncoder, BertLMHead,
-                   BertPreTrainedModel, check_inputs, check_span_labels, classification_loss,
-                   encoder_rules, span_logits, span_loss)
+                   BertPreTrainedModel, answer_spans, check_inputs, check_span_labels,
+                   classification_loss, classifier_dropout, encoder_rules, tag_tokens)
 from .outputs import ElectraPreTrainingOutput, ModelOutput, QuestionAnsweringOutput
 
 
@@ -223,8 +223,7 @@ class ElectraForSequenceClassification(ElectraPreTrainedModel):
         self.electra = ElectraModel(config)
         self.classifier = nn.ModuleDict({"dense": nn.Linear(config.hidden_size, config.hidden_size),
                                          "out_proj": nn.Linear(config.hidden_size, config.num_labels)})
-        self.dropout = (config.hidden_dropout_prob if config.classifier_dropout is None
-                        else config.classifier_dropout)
+        self.dropout = classifier_dropout(config)
         self.init_weights()
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
@@ -250,18 +249,14 @@ class ElectraForTokenClassification(ElectraPreTrainedModel):
         self.config = config
         self.electra = ElectraModel(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = (config.hidden_dropout_prob if config.classifier_dropout is None
-                        else config.classifier_dropout)
+        self.dropout = classifier_dropout(config)
         self.init_weights()
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
         out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        logits = self.classifier(F.dropout(out.last_hidden_state, self.dropout, self.training))
-        loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
+        return tag_tokens(self, out, labels)
 
 
 class ElectraForQuestionAnswering(ElectraPreTrainedModel):
@@ -282,10 +277,4 @@ class ElectraForQuestionAnswering(ElectraPreTrainedModel):
                 start_positions: Optional[Tensor] = None, end_positions: Optional[Tensor] = None,
                 output_hidden_states: bool = False) -> QuestionAnsweringOutput:
         out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        start, end = span_logits(self.qa_outputs(out.last_hidden_state), attention_mask)
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            loss = span_loss(start, end, start_positions, end_positions)
-        return QuestionAnsweringOutput(loss=loss, start_logits=start, end_logits=end,
-                                       last_hidden_state=out.last_hidden_state,
-                                       hidden_states=out.hidden_states)
+        return answer_spans(self, out, attention_mask, start_positions, end_positions)
