@@ -123,3 +123,13 @@ def pytest_collection_modifyitems(items):
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("backend") == "triton":
             item.add_marker(pytest.mark.triton)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on busy cores: their ops take microseconds, and handing them to a second
+    thread costs more than the work (several times over, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

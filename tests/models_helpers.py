@@ -96,15 +96,6 @@ def masked(batch: dict, vocab_size: int, generator: torch.Generator) -> dict:
     return {**batch, "input_ids": ids, "labels": labels}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on busy cores: handing their small products to a second thread costs
-    more than it saves (several times over, measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def train(model, make_batch, steps: int, backend=None, lr: float = 3e-3, seed: int = 0) -> list:
     """Per-step losses of AdamW on batches make_batch(generator) draws, with every op on

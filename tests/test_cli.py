@@ -11,13 +11,9 @@ from fusedlm.cli import corpus as corpus_module
 from fusedlm.cli import COMMANDS, checkpoint
 from fusedlm.cli.train import read_metrics
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,9 @@ from fusedlm.models import (BertForMaskedLM, BertForSequenceClassification,
                             BertForTokenClassification, ElectraDiscriminator,
                             ElectraForPreTraining, ELMo, ElmoBiLM, GPTLMHeadModel)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
 
 
 @pytest.fixture(scope="module")

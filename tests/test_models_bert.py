@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_matches_transformers,  # noqa: F401
-                            assert_rel, assert_trains, call, masked, one_thread, parity_batch,
+                            assert_rel, assert_trains, call, masked, parity_batch,
                             perturb, qa_reference_loss)
 from fusedlm.models import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
                             mask_tokens)
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("safetensors")
 
 VOCAB = 40

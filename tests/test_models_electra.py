@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from models_helpers import (Corpus, assert_matches_transformers, assert_rel, assert_trains,  # noqa: F401
-                            call, masked, one_thread, parity_batch, qa_reference_loss)
+                            call, masked, parity_batch, qa_reference_loss)
 from fusedlm.models import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
                             ElectraForQuestionAnswering, ElectraForSequenceClassification,
                             ElectraForTokenClassification, ElectraGenerator, ElectraModel)
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("safetensors")
 
 VOCAB = 40

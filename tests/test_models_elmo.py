@@ -311,15 +311,6 @@ def _train(backend, steps, ids, word_ids, vocab):
     return losses
 
 
-@pytest.fixture
-def one_thread():
-    """Products this small run fastest on one thread (and a busy machine's cores do not
-    stall them)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_bilm_trains_and_backends_agree(one_thread):
     ids, word_ids, vocab = _corpus()

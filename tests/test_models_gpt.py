@@ -17,15 +17,9 @@ pytest.importorskip("safetensors")
 
 MAX_RELATIVE_ERROR = 1e-4  # float32, norm-wise
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny models' ops take microseconds: on a busy machine, the thread pool's
-    synchronisation would cost ten times more than the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
 
 
 def _config(**changes):
