@@ -53,6 +53,8 @@ PYBIND11_MODULE(_C, m) {
   cuda.def("add_layer_norm_backward", &fusedlm::cuda::add_layer_norm_backward);
   cuda.def("bias_gelu_forward", &fusedlm::cuda::bias_gelu_forward);
   cuda.def("bias_gelu_backward", &fusedlm::cuda::bias_gelu_backward);
+  cuda.def("gelu_ffn_forward", &fusedlm::cuda::gelu_ffn_forward);
+  cuda.def("gelu_ffn_backward", &fusedlm::cuda::gelu_ffn_backward);
   cuda.def("cross_entropy_forward", &fusedlm::cuda::cross_entropy_forward);
   cuda.def("cross_entropy_backward", &fusedlm::cuda::cross_entropy_backward);
   cuda.def("masked_lm_loss_forward", &fusedlm::cuda::masked_lm_loss_forward);

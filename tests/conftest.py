@@ -80,6 +80,15 @@ def keep_mask(backend: str, seed, shape, p: float) -> torch.Tensor:
     raise ValueError(f"no dropout stream known for backend {backend!r}")
 
 
+def skip_if_refused(backend: str, op: str, *args, **kwargs) -> None:
+    """Skips a case that `backend`'s limits refuse (e.g. the cuda kernels' dtypes and sizes):
+    the automatic choice gives such calls to another backend."""
+    try:
+        fusedlm.explain(op, *args, backend=backend, **kwargs)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+
+
 def assert_close(actual, expected, dtype=None, scale=1.0, name="output"):
     """Compares with a float64 reference at the tolerance of `dtype` (default: actual's)."""
     atol, rtol = TOLERANCES[dtype or actual.dtype]

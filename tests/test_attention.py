@@ -10,7 +10,7 @@ from fusedlm.backends import _REGISTRY
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
 from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
-                      keep_mask)
+                      keep_mask, skip_if_refused)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -43,21 +43,12 @@ def _views(leaves, layout):
     return [t.transpose(1, 2) if layout == "bshd" else t for t in leaves]
 
 
-def _skip_if_refused(backend, op, *args, **kwargs):
-    """Skips a case that `backend`'s limits refuse (the cuda kernels' dtypes and head dims):
-    the automatic choice gives such calls to another backend."""
-    try:
-        fusedlm.explain(op, *args, backend=backend, **kwargs)
-    except RuntimeError as error:
-        pytest.skip(str(error))
-
-
 def _check_against_reference(backend, leaves, layout, *, bias=None, out_scale=1.0, grad_scale=1.0,
                              **kwargs):
     """Runs attention and the float64 reference on the same inputs; compares the output and
     the gradients of every leaf (and of the bias when it requires grad)."""
     q, k, v = _views(leaves, layout)
-    _skip_if_refused(backend, "attention", q, k, v, attn_bias=bias, **kwargs)
+    skip_if_refused(backend, "attention", q, k, v, attn_bias=bias, **kwargs)
     out = fusedlm.ops.attention(q, k, v, attn_bias=bias, backend=backend, **kwargs)
     grad = torch.randn_like(out)
     wrt = leaves + ([bias] if bias is not None and bias.requires_grad else [])
@@ -166,7 +157,7 @@ def test_attention_large_logits_do_not_overflow(backend, dtype, seq_k):
     device = backend_device(backend)
     q = fresh((2, 2, 24, 64), dtype, device, 12.0)
     k, v = (fresh((2, 2, seq_k, 64), dtype, device, 12.0) for _ in range(2))
-    _skip_if_refused(backend, "attention", q, k, v, causal=True)
+    skip_if_refused(backend, "attention", q, k, v, causal=True)
     out = fusedlm.ops.attention(q, k, v, causal=True, backend=backend)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
@@ -409,7 +400,7 @@ def test_attention_dropout_is_the_backends_stream(backend):
     leaves, (q, k, v) = _inputs(batch, heads, seq_q, seq_k, 64, torch.bfloat16, device,
                                 layout="bshd")
     mask = _padding_mask(batch, seq_k, device)
-    _skip_if_refused(backend, "attention", q, k, v, key_padding_mask=mask, causal=True, dropout_p=p)
+    skip_if_refused(backend, "attention", q, k, v, key_padding_mask=mask, causal=True, dropout_p=p)
     seed = _replay_seed(p)
     keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), p)
     out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, dropout_p=p,
@@ -433,7 +424,7 @@ def test_attention_varlen_dropout_is_the_backends_stream(backend):
     heads = 2
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, 64, torch.bfloat16,
                                   backend_device(backend))
-    _skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+    skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
                      dropout_p=p)
     seed = _replay_seed(p)
     keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
@@ -501,7 +492,7 @@ def test_attention_varlen_matches_reference(backend, dtype, causal, case):
     lengths_q, lengths_k, head_dim, head_dim_v = VARLEN_CASES[case]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, head_dim, dtype, backend_device(backend),
                                   head_dim_v=head_dim_v)
-    _skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max(lengths_q),
+    skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max(lengths_q),
                      max(lengths_k), causal=causal)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                        causal=causal, backend=backend)

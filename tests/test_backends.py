@@ -86,11 +86,22 @@ def test_cuda_attention_refusal_falls_through_with_its_reason():
     assert not why.startswith("attention -> cuda")
 
 
-def test_cuda_backend_leaves_gelu_ffn_to_triton():
-    assert "gelu_ffn" not in _REGISTRY["cuda"].kernels
-    if _REGISTRY["cuda"].unavailable() is None:
-        for op in ("add_layer_norm", "bias_gelu", "cross_entropy", "masked_lm_loss"):
-            assert kernel("cuda", op).limits is cuda_backend._dtype_limits
+def test_cuda_gelu_ffn_limits_give_their_reason():
+    limits = cuda_backend._ffn_limits
+    for dtype in (torch.bfloat16, torch.float16):
+        assert limits(dtype=dtype, dropout=True, sizes=(768, 3072, 768)) is None
+    assert "float32" in limits(dtype=torch.float32, dropout=False, sizes=(768, 3072, 768))
+    assert "multiples of 8" in limits(dtype=torch.bfloat16, dropout=False, sizes=(768, 3001, 768))
+
+
+@pytest.mark.skipif(_REGISTRY["cuda"].unavailable() is not None, reason="the cuda backend cannot run here")
+def test_cuda_gelu_ffn_refusal_falls_through_to_triton():
+    x = torch.randn(4, 48, device="cuda")
+    w1, w2 = torch.randn(136, 48, device="cuda"), torch.randn(40, 136, device="cuda")
+    why = fusedlm.explain("gelu_ffn", x, w1, None, w2, None)
+    assert why.startswith("gelu_ffn -> triton") and "bfloat16 or float16, not float32" in why
+    assert fusedlm.explain("gelu_ffn", x.bfloat16(), w1.bfloat16(), None, w2.bfloat16(),
+                           None).startswith("gelu_ffn -> cuda")
 
 
 def test_reference_backend_runs_everywhere():

@@ -36,6 +36,18 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
                                                       const std::optional<at::Tensor>& bias,
                                                       const std::string& approximate);
 
+// bfloat16 and float16, d_in, d_ff and d_out multiples of 8. The saved pre-activation
+// includes b1 (the CPU entry point's does not): each backend's backward reads its own.
+std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const std::string& approximate,
+    double dropout_p, const at::Tensor& seed);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pre_activation,
+    const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+    const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
+    const at::Tensor& seed);
+
 std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
                                                          const at::Tensor& labels,
                                                          int64_t ignore_index,

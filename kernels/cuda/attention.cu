@@ -1,6 +1,6 @@
 // attention and attention_varlen on CUDA: FlashAttention-2 (Dao 2023) on the tensor
 // cores with mma.sync m16n8k16, bf16/fp16 in and fp32 accumulation, for head dims 64
-// and 128 (attention.cuh has the fragment layouts every index below is derived from).
+// and 128 (tensor_core.cuh has the fragment layouts every index below is derived from).
 //
 // Forward: one block of 4 warps per 64 query rows of one (sequence, head); each warp
 // owns 16 rows and keeps their Q fragments, output accumulator, running max and sum in
@@ -28,13 +28,13 @@
 #include <limits>
 #include <type_traits>
 
-#include "attention.cuh"
+#include "tensor_core.cuh"
 #include "cuda/ops.h"
 
 namespace fusedlm::cuda {
 namespace {
 
-using namespace attn;
+using namespace tc;
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kBlockM = 64;    // query rows of a forward or dQ block: 16 a warp
@@ -133,7 +133,7 @@ __device__ __forceinline__ int query_block(bool causal) {
 }
 
 template <int D>
-constexpr int kPitch = D + 8;  // shared tile pitch in elements (attention.cuh)
+constexpr int kPitch = D + 8;  // shared tile pitch in elements (tensor_core.cuh)
 
 template <int D>
 constexpr size_t forward_smem() {

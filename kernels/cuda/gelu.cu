@@ -9,47 +9,16 @@
 // buffer summed over tiles by a second kernel (no atomics: the bias gradient repeats bit
 // for bit), an extra 4 / (kTileRows * element size) of the traffic.
 //
-// The fused FFN (a matrix product with this activation in its epilogue) is not here: the
-// cuda backend leaves gelu_ffn to the triton backend.
+// gelu_ffn.cu applies the same activation (gelu.cuh) in the epilogue of a matrix product.
 #include "common.cuh"
 #include "cuda/ops.h"
+#include "gelu.cuh"
 
 namespace fusedlm::cuda {
 namespace {
 
 constexpr int kTileRows = 32;
 constexpr int kThreads = 128;
-
-__device__ __forceinline__ float tanh_stable(float u) {
-  // From exp(-2|u|) <= 1, which cannot overflow; tanhf is an approximation under
-  // --use_fast_math, this stays within a few ulp.
-  const float e = __expf(-2.0f * fabsf(u));
-  return copysignf((1.0f - e) / (1.0f + e), u);
-}
-
-template <bool kTanh>
-__device__ __forceinline__ float gelu(float z) {
-  if constexpr (kTanh) {
-    const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
-    return 0.5f * z * (1.0f + tanh_stable(u));
-  } else {
-    return 0.5f * z * (1.0f + erff(z * 0.7071067811865476f));
-  }
-}
-
-// d gelu(z) / dz.
-template <bool kTanh>
-__device__ __forceinline__ float gelu_grad(float z) {
-  if constexpr (kTanh) {
-    const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);
-    const float t = tanh_stable(u);
-    const float du = 0.7978845608028654f * (1.0f + 0.134145f * z * z);
-    return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * du;
-  } else {
-    const float cdf = 0.5f * (1.0f + erff(z * 0.7071067811865476f));
-    return cdf + z * 0.3989422804014327f * __expf(-0.5f * z * z);
-  }
-}
 
 // grid: (row tiles, column blocks); thread: one vector of columns over the tile's rows.
 template <typename T, int N, bool kTanh>
@@ -96,12 +65,6 @@ __global__ void __launch_bounds__(kThreads)
     store<N>(dx + r * cols + col, g);
   }
   if (db_part) store<N>(db_part + int64_t(blockIdx.x) * cols + col, db);
-}
-
-bool tanh_kind(const std::string& approximate) {
-  TORCH_CHECK_VALUE(approximate == "none" || approximate == "tanh",
-                    "approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return approximate == "tanh";
 }
 
 // The bias as a contiguous [cols] tensor checked against x, or an undefined tensor.

@@ -12,7 +12,7 @@ import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
 from checks import (assert_relative_error, float32_copies, fresh, gpu_backends, grads, keep_mask,
-                    needs_cuda, poison_memory)
+                    needs_cuda, poison_memory, skip_if_refused)
 
 pytestmark = needs_cuda
 DTYPES = [torch.bfloat16, torch.float16]
@@ -57,6 +57,8 @@ def _run(backend, batch, heads, seq_q, seq_k, head_dim, dtype, opts, dropout_p=0
     bias_shape = opts.pop("bias", None)
     bias = fresh(bias_shape, dtype) if bias_shape else None
     wrt = leaves + ([bias] if bias is not None else [])
+    skip_if_refused(backend, "attention", *_views(leaves, layout), attn_bias=bias,
+                    dropout_p=dropout_p, **opts)
     torch.manual_seed(7)
     seed = next_seed(dropout_p)
     keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), dropout_p) if dropout_p else None
@@ -116,6 +118,9 @@ def test_attention_gradients_repeat_bit_for_bit(backend):
     leaves = [fresh((8, 12, 512, 64), torch.bfloat16) for _ in range(3)]
     bias = fresh((12, 512, 512), torch.bfloat16)
     mask = _padding(8, 512)
+    # (The cuda kernels take no bias: test_attention.py repeats their gradients without one.)
+    skip_if_refused(backend, "attention", *leaves, key_padding_mask=mask, attn_bias=bias,
+                    causal=True)
 
     def step():
         out = fusedlm.ops.attention(*leaves, key_padding_mask=mask, attn_bias=bias, causal=True,

@@ -4,11 +4,10 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import triton as triton_backend
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from checks import (assert_relative_error, float32_copies, fresh, gpu_backends, grads, needs_cuda,
-                    poison_memory)
+from checks import (assert_relative_error, float32_copies, fresh, gpu_backends, grads, keep_mask,
+                    needs_cuda, poison_memory, skip_if_refused)
 
 pytestmark = needs_cuda
 TOKENS = {"bert-base": 32 * 128, "gpt2-small": 8 * 1024}
@@ -35,24 +34,45 @@ def test_bias_gelu_real_shapes(backend, tokens, width, dtype, approximate):
         assert_relative_error(a, e, dtype, name)
 
 
-@pytest.mark.parametrize("tokens", TOKENS.values(), ids=TOKENS.keys())
+# The FFN's tokens also at a count that leaves the cuda product's last 128-row block partial.
+FFN_TOKENS = {**TOKENS, "odd-1000": 1000}
+
+
+@pytest.mark.parametrize("backend", gpu_backends("gelu_ffn"))
+@pytest.mark.parametrize("tokens", FFN_TOKENS.values(), ids=FFN_TOKENS.keys())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-def test_gelu_ffn_real_shapes(tokens, dtype, dropout_p):
+def test_gelu_ffn_real_shapes(backend, tokens, dtype, approximate, dropout_p):
     inputs = [fresh((tokens, 768), dtype), fresh((3072, 768), dtype, scale=768 ** -0.5),
               fresh((3072,), dtype), fresh((768, 3072), dtype, scale=3072 ** -0.5),
               fresh((768,), dtype)]
+    skip_if_refused(backend, "gelu_ffn", *inputs)
     upstream = torch.randn(tokens, 768, device="cuda", dtype=dtype)
     torch.manual_seed(11)
     seed = next_seed(dropout_p)
-    keep = triton_backend.keep_mask(seed, (tokens, 3072), dropout_p, "cuda") if dropout_p else None
+    keep = keep_mask(backend, seed, (tokens, 3072), dropout_p) if dropout_p else None
     poison_memory()
     torch.manual_seed(11)
-    out = fusedlm.ops.gelu_ffn(*inputs, dropout_p=dropout_p, backend="triton")
+    out = fusedlm.ops.gelu_ffn(*inputs, approximate=approximate, dropout_p=dropout_p,
+                               backend=backend)
     got = grads([out], inputs, [upstream])
     ref_inputs = float32_copies(*inputs)
-    expected = reference.gelu_ffn(*ref_inputs, dropout_p=dropout_p, dropout_mask=keep)
+    expected = reference.gelu_ffn(*ref_inputs, approximate=approximate, dropout_p=dropout_p,
+                                  dropout_mask=keep)
     expected_grads = grads([expected], ref_inputs, [upstream.float()])
     assert_relative_error(out, expected, dtype, "out")
     for name, a, e in zip(("dx", "dw1", "db1", "dw2", "db2"), got, expected_grads):
         assert_relative_error(a, e, dtype, name)
+
+
+@pytest.mark.parametrize("backend", gpu_backends("gelu_ffn"))
+def test_gelu_ffn_gradients_repeat_bit_for_bit(backend):
+    inputs = [fresh((1000, 768), torch.bfloat16), fresh((3072, 768), torch.bfloat16, scale=0.03),
+              fresh((3072,), torch.bfloat16), fresh((768, 3072), torch.bfloat16, scale=0.02),
+              fresh((768,), torch.bfloat16)]
+    upstream = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
+    runs = [grads([fusedlm.ops.gelu_ffn(*inputs, backend=backend)], inputs, [upstream])
+            for _ in range(2)]
+    for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), *runs):
+        assert torch.equal(a, b), name

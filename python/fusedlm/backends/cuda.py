@@ -1,8 +1,9 @@
 """The cuda backend: fusedlm's hand-written CUDA kernels (kernels/cuda/), compiled into fusedlm._C.
 
 It has add_layer_norm, bias_gelu, cross_entropy and masked_lm_loss, for float32, bfloat16
-and float16. gelu_ffn is left to the triton backend, whose matrix product applies the
-GELU in its epilogue: the automatic choice for CUDA tensors falls through to it.
+and float16. gelu_ffn (a tensor-core matrix product with the bias, GELU and dropout in its
+epilogue) takes bfloat16 and float16 with feature sizes that are multiples of 8; other
+calls fall through to triton.
 
 attention and attention_varlen (FlashAttention-2 on the tensor cores) take bfloat16 and
 float16 with a head_dim of 64 or 128 and no attn_bias; other calls fall through to
@@ -48,6 +49,14 @@ def _attention_limits(dtype=None, head_dim=None, head_dim_v=None, bias=False, **
     return None
 
 
+def _ffn_limits(dtype=None, sizes=(), **_features):
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"the cuda gelu_ffn takes bfloat16 or float16, not {str(dtype)[6:]}"
+    if any(size % 8 for size in sizes):
+        return f"the cuda gelu_ffn takes d_in, d_ff and d_out that are multiples of 8, not {sizes}"
+    return None
+
+
 def keep_mask(seed, shape, p: float, device="cuda") -> torch.Tensor:
     """The dropout keep mask (bool, True = keep) the CUDA kernels draw for stream ``seed``,
     element order row-major over ``shape``, on CUDA device ``device``."""
@@ -60,11 +69,12 @@ def _kernels() -> dict:
     if not _C.with_cuda:
         return {}
     ops = _C.cuda
-    limits = {"attention": _attention_limits, "attention_varlen": _attention_limits}
+    limits = {"attention": _attention_limits, "attention_varlen": _attention_limits,
+              "gelu_ffn": _ffn_limits}
     return {name: Kernel(getattr(ops, f"{name}_forward"), getattr(ops, f"{name}_backward"),
                          limits.get(name, _dtype_limits))
-            for name in ("add_layer_norm", "bias_gelu", "cross_entropy", "masked_lm_loss",
-                         "attention", "attention_varlen")}
+            for name in ("add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy",
+                         "masked_lm_loss", "attention", "attention_varlen")}
 
 
 BACKEND = register(Backend("cuda", lambda: ("cuda",), _unavailable, _kernels()))

@@ -1,8 +1,8 @@
 """bias_gelu and gelu_ffn: bias + GELU fused with its backward, and the
 Linear -> GELU -> dropout -> Linear block built around it.
 
-gelu_ffn saves only the pre-activation x @ w1^T for backward; the activation is
-recomputed there (one elementwise pass) instead of being kept in memory.
+gelu_ffn saves only the pre-activation (x @ w1^T, with b1 on the cuda backend) for
+backward; the activation is recomputed there instead of being kept in memory.
 """
 from typing import Optional
 
@@ -98,7 +98,8 @@ def plan_gelu_ffn(x, w1, b1, w2, b2, *, approximate="none", dropout_p=0.0, backe
     check.shape("b2", b2, (d_out,))
     check.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
     device = check.same_device(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
-    return choose("gelu_ffn", device, backend, dtype=x.dtype, dropout=dropout_p > 0)
+    return choose("gelu_ffn", device, backend, dtype=x.dtype, dropout=dropout_p > 0,
+                  sizes=(d_in, d_ff, d_out))
 
 
 def gelu_ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], *,

@@ -1,6 +1,7 @@
-// Tensor-core building blocks of the attention kernels (attention.cu): cp.async tile
-// loads, ldmatrix fragment loads, the m16n8k16 matrix product, and the fragment
-// layouts that tie them together. Everything here needs sm_80 or newer.
+// Tensor-core building blocks of the attention kernels (attention.cu) and the FFN's
+// matrix product (gelu_ffn.cu): cp.async tile loads, ldmatrix fragment loads, the
+// m16n8k16 matrix product, and the fragment layouts that tie them together. Everything
+// here needs sm_80 or newer.
 //
 // Fragment layouts of mma.sync.aligned.m16n8k16 (bf16/fp16 in, fp32 accumulate), PTX
 // ISA "Matrix Fragments for mma.m16n8k16". With g = lane / 4 and t = lane % 4:
@@ -12,9 +13,9 @@
 // addresses of the 8 rows of matrix i, and register i of lane l receives
 //   plain:  row l / 4, elements 2(l % 4), 2(l % 4) + 1 of matrix i
 //   .trans: rows 2(l % 4), 2(l % 4) + 1, element l / 4 of matrix i (a column pair)
-// Tiles sit in shared memory row-major with a pitch of head_dim + 8 elements: the eight
-// 16-byte rows of one ldmatrix matrix then start 16 bytes apart modulo 128 and fall in
-// different banks.
+// Tiles sit in shared memory row-major with a pitch of their width + 8 elements (a width
+// that is a multiple of 32): the eight 16-byte rows of one ldmatrix matrix then start
+// 16 bytes apart modulo 128 and fall in different banks.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,7 +24,7 @@
 
 #include "common.cuh"
 
-namespace fusedlm::cuda::attn {
+namespace fusedlm::cuda::tc {
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -56,6 +57,22 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
     const int r = c / kChunks, col = (c % kChunks) * 8;
     const bool in = r < valid;
     cp_async16(tile + r * (D + 8) + col, in ? src + r * row_stride + col : src, in);
+  }
+}
+
+// Starts copying a kRows x kCols tile into shared memory `tile` (pitch kCols + 8): row r,
+// column c from src + r * row_stride + c, zeros outside rows < rows and columns < cols
+// (cols a multiple of 8, so a 16-byte chunk is wholly inside or outside).
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_2d(T* tile, const T* src, int64_t row_stride,
+                                             int64_t rows, int64_t cols) {
+  constexpr int kChunks = kCols / 8;
+  static_assert(kRows * kChunks % kThreads == 0, "every thread copies as many chunks");
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const bool in = r < rows && col < cols;
+    cp_async16(tile + r * (kCols + 8) + col, in ? src + r * row_stride + col : src, in);
   }
 }
 
@@ -200,4 +217,4 @@ __device__ __forceinline__ uint32_t kept_pairs(const Dropout& dropout, uint64_t 
 
 __device__ __forceinline__ bool bit(uint32_t bits, int i) { return (bits >> i) & 1u; }
 
-}  // namespace fusedlm::cuda::attn
+}  // namespace fusedlm::cuda::tc

@@ -1,0 +1,336 @@
+// gelu_ffn on CUDA: Linear(w1, b1) -> GELU -> dropout -> Linear(w2, b2), with the bias,
+// GELU and dropout in the epilogue of the first matrix product and their backward in the
+// epilogue of the product that gives the activation's gradient.
+//
+// Forward:  one tensor-core product x w1^T whose epilogue writes pre = x w1^T + b1 (saved
+//   for backward, bias included) and act = dropout(gelu(pre)); then y = act w2^T + b2
+//   (cuBLAS, at::addmm).
+// Backward: one tensor-core product dy w2 whose epilogue writes
+//   dpre = (dy w2) * keep / (1 - p) * gelu'(pre), and act again from pre (for dw2, instead
+//   of keeping it from the forward), and sums dpre's columns per block for db1 (a second
+//   kernel sums the blocks: no atomics, the bias gradient repeats bit for bit); then
+//   dx = dpre w1, dw1 = dpre^T x, dw2 = dy^T act and db2 (cuBLAS and ATen).
+// Either epilogue replaces an elementwise pass that would read the product back from
+// memory: per element it costs one Philox call when dropout is on, and pair stores.
+//
+// The product C = A B: A [M, K] row-major; B [N, K] row-major (w1, the forward) or
+// [K, N] row-major (w2, the backward). A block of 8 warps computes a 128 x 128 tile of
+// C, each warp 64 x 32 of it as 4 x 4 m16n8k16 fragments (64 float accumulators a
+// thread); K advances 32 at a time through a 3-stage cp.async pipeline of shared tiles
+// (60 KiB), two blocks an SM. Limits: mma.sync is sm_80's instruction (on sm_90 cuBLAS
+// uses wgmma and reaches further), no split-K for small M, and the epilogue stores
+// element pairs straight from the fragments rather than staging 16-byte rows.
+//
+// Takes bf16 and fp16 with d_in, d_ff and d_out multiples of 8 (16-byte rows for
+// cp.async); the Python limits route other calls to the triton backend.
+#include "common.cuh"
+#include "cuda/ops.h"
+#include "gelu.cuh"
+#include "tensor_core.cuh"
+
+namespace fusedlm::cuda {
+namespace {
+
+using namespace tc;
+
+constexpr int kThreads = 256;  // 8 warps: 2 along M x 4 along N
+constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 32;
+constexpr int kWarpM = 64, kWarpN = 32;
+constexpr int kStages = 3;
+constexpr int kPitchK = kBlockK + 8;  // shared pitch of tiles whose rows run along K
+constexpr int kPitchN = kBlockN + 8;  // shared pitch of the backward's [K, N] tile of B
+constexpr int kTileA = kBlockM * kPitchK;
+
+template <bool kBackward>
+constexpr int kTileB = kBackward ? kBlockK * kPitchN : kBlockN * kPitchK;
+
+template <bool kBackward>
+constexpr size_t shared_bytes(size_t element) {
+  return kStages * (kTileA + kTileB<kBackward>) * element;
+}
+
+template <typename T>
+struct Params {
+  const T* a = nullptr;  // [m, k]
+  const T* b = nullptr;  // [n, k] (forward) or [k, n] (backward)
+  int64_t m = 0, n = 0, k = 0;
+  const T* bias = nullptr;      // forward: b1 [n], or null
+  T* pre = nullptr;             // [m, n]: written by the forward, read by the backward
+  T* act = nullptr;             // [m, n]: dropout(gelu(pre))
+  T* dpre = nullptr;            // backward: [m, n]
+  float* dbias_part = nullptr;  // backward: [m blocks, n] column sums of dpre, or null
+  Dropout dropout;
+};
+
+// The 64 x 32 share of warp (wm, wn) of the block's tile C = A B, in m16n8k16 C
+// fragments: acc[mt][nt] is rows wm * 64 + mt * 16 (+8), columns wn * 32 + nt * 8.
+template <typename T, bool kBackward>
+__device__ __forceinline__ void block_product(const Params<T>& p, T* tiles_a, T* tiles_b,
+                                              int64_t m0, int64_t n0, int wm, int wn,
+                                              float (&acc)[4][4][4]) {
+  const int k_tiles = static_cast<int>((p.k + kBlockK - 1) / kBlockK);
+  auto load_stage = [&](int kt) {
+    const int s = kt % kStages;
+    const int64_t k0 = int64_t(kt) * kBlockK;
+    load_tile_2d<kBlockM, kBlockK, kThreads>(tiles_a + s * kTileA, p.a + m0 * p.k + k0, p.k,
+                                             p.m - m0, p.k - k0);
+    T* tile_b = tiles_b + s * kTileB<kBackward>;
+    if constexpr (kBackward)
+      load_tile_2d<kBlockK, kBlockN, kThreads>(tile_b, p.b + k0 * p.n + n0, p.n, p.k - k0,
+                                               p.n - n0);
+    else
+      load_tile_2d<kBlockN, kBlockK, kThreads>(tile_b, p.b + n0 * p.k + k0, p.k, p.n - n0,
+                                               p.k - k0);
+  };
+  // Stages in flight: kStages - 1 ahead of the one being multiplied. Every iteration
+  // commits a group (empty past the last tile) so that the wait counts stay exact.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    // Tile kt has landed for every thread, and every warp is done with the stage the
+    // next load overwrites (it held tile kt - 1).
+    __syncthreads();
+    if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
+    cp_async_commit();
+    const T* ta = tiles_a + (kt % kStages) * kTileA;
+    const T* tb = tiles_b + (kt % kStages) * kTileB<kBackward>;
+#pragma unroll
+    for (int kk = 0; kk < kBlockK; kk += 16) {
+      uint32_t a[4][4], b[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) load_a<kPitchK>(a[mt], ta, wm * kWarpM + mt * 16, kk);
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        if constexpr (kBackward)
+          load_b_cols<kPitchN>(b[pair], tb, kk, wn * kWarpN + pair * 16);
+        else
+          load_b_rows<kPitchK>(b[pair], tb, wn * kWarpN + pair * 16, kk);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          mma<T>(acc[mt][nt], a[mt], b[nt / 2][2 * (nt % 2)], b[nt / 2][2 * (nt % 2) + 1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the shared tiles are free for the epilogue
+}
+
+// grid: (column blocks, row blocks). Forward (kBackward false): C = x w1^T, writes pre
+// and act. Backward: C = dy w2, writes dpre and act, and dbias_part.
+template <typename T, bool kBackward, bool kTanh>
+__global__ void __launch_bounds__(kThreads, 2) ffn_product_kernel(const Params<T> p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* tiles_a = reinterpret_cast<T*>(smem);
+  T* tiles_b = tiles_a + kStages * kTileA;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp / 4, wn = warp % 4, g = lane / 4, t = lane % 4;
+  const int64_t m0 = int64_t(blockIdx.y) * kBlockM, n0 = int64_t(blockIdx.x) * kBlockN;
+
+  float acc[4][4][4] = {};
+  block_product<T, kBackward>(p, tiles_a, tiles_b, m0, n0, wm, wn, acc);
+
+  // Thread (g, t) holds columns 2t, 2t + 1 of each n-tile in rows g and g + 8 of each
+  // m-tile. With n a multiple of 8 a column pair is wholly inside or outside.
+  float colsum[4][2] = {};
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int64_t col = n0 + wn * kWarpN + nt * 8 + 2 * t;
+    if (col >= p.n) continue;
+    float bias[2] = {0.0f, 0.0f};
+    if (!kBackward && p.bias != nullptr) load<2>(p.bias + col, bias);
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = m0 + wm * kWarpM + mt * 16 + g + 8 * h;
+        if (row >= p.m) continue;
+        const int64_t at = row * p.n + col;
+        const float* c = &acc[mt][nt][2 * h];
+        bool kept[2] = {true, true};
+        if (p.dropout.active) keep_pair(p.dropout, static_cast<uint64_t>(at), kept);
+        // The pre-activation as stored: the backward recomputes act from that, so both
+        // passes see the same act bit for bit.
+        float z[2];
+        if constexpr (kBackward) {
+          load<2>(p.pre + at, z);
+        } else {
+          z[0] = rounded<T>(c[0] + bias[0]);
+          z[1] = rounded<T>(c[1] + bias[1]);
+          store<2>(p.pre + at, z);
+        }
+        float act[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) act[j] = kept[j] ? gelu<kTanh>(z[j]) * p.dropout.scale : 0.0f;
+        store<2>(p.act + at, act);
+        if constexpr (kBackward) {
+          float d[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            d[j] = kept[j] ? c[j] * p.dropout.scale * gelu_grad<kTanh>(z[j]) : 0.0f;
+            colsum[nt][j] += d[j];
+          }
+          store<2>(p.dpre + at, d);
+        }
+      }
+    }
+  }
+  if constexpr (kBackward) {
+    if (p.dbias_part == nullptr) return;
+    // Column sums: over g within the warp (lanes 4 apart share columns), then over the
+    // two warps along M through shared memory, in a fixed order.
+    float* sums = reinterpret_cast<float*>(smem);  // [2][kBlockN]
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float v = colsum[nt][j];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) sums[wm * kBlockN + wn * kWarpN + nt * 8 + 2 * t + j] = v;
+      }
+    }
+    __syncthreads();
+    const int c = threadIdx.x;
+    if (c < kBlockN && n0 + c < p.n)
+      p.dbias_part[int64_t(blockIdx.y) * p.n + n0 + c] = sums[c] + sums[kBlockN + c];
+  }
+}
+
+template <typename T, bool kBackward>
+void launch(const Params<T>& p, bool approx_tanh) {
+  if (p.m == 0 || p.n == 0) return;
+  auto kernel = approx_tanh ? ffn_product_kernel<T, kBackward, true>
+                            : ffn_product_kernel<T, kBackward, false>;
+  constexpr size_t smem = shared_bytes<kBackward>(sizeof(T));
+  static_assert(smem > 48 * 1024, "past 48 KiB the shared memory has to be asked for");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.n, kBlockN)),
+                  static_cast<unsigned>(ceil_div(p.m, kBlockM)));
+  kernel<<<grid, kThreads, smem, current_stream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Runs f(T{}) for bf16 or fp16, the tensor cores' input types.
+template <typename F>
+void dispatch_half(at::ScalarType dtype, F&& f) {
+  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "the cuda gelu_ffn takes bfloat16 or float16, got ", dtype);
+  if (dtype == at::kBFloat16) f(at::BFloat16{});
+  else f(at::Half{});
+}
+
+// t as a contiguous tensor of x's device and dtype, 16-byte aligned for cp.async.
+at::Tensor operand(const at::Tensor& t, const at::Tensor& x, const char* name) {
+  check_cuda(t, name);
+  check_same_device(t, x, name, "x");
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
+                   x.scalar_type(), "), got ", t.scalar_type());
+  auto c = t.contiguous();
+  return aligned16(c.data_ptr()) ? c : c.clone();
+}
+
+std::optional<at::Tensor> optional_operand(const std::optional<at::Tensor>& t,
+                                           const at::Tensor& x, const char* name) {
+  if (!t.has_value() || !t->defined()) return std::nullopt;
+  return operand(*t, x, name);
+}
+
+void check_sizes(int64_t d_in, int64_t d_ff, int64_t d_out) {
+  TORCH_CHECK_VALUE(d_in % 8 == 0 && d_ff % 8 == 0 && d_out % 8 == 0,
+                    "the cuda gelu_ffn takes d_in, d_ff and d_out that are multiples of 8, got ",
+                    d_in, ", ", d_ff, ", ", d_out);
+}
+
+// t as [rows, cols], rows being the product of every dimension but the last.
+at::Tensor as_rows(const at::Tensor& t, int64_t cols) {
+  const auto sizes = t.sizes();
+  return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), cols});
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
+    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const std::string& approximate,
+    double dropout_p, const at::Tensor& seed) {
+  check_cuda(x, "x");
+  const bool approx_tanh = tanh_kind(approximate);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto x2 = operand(as_rows(x, x.size(-1)), x, "x");
+  const auto w1c = operand(w1, x, "w1"), w2c = operand(w2, x, "w2");
+  const auto b1c = optional_operand(b1, x, "b1"), b2c = optional_operand(b2, x, "b2");
+  const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = w2c.size(0);
+  check_sizes(d_in, d_ff, d_out);
+  auto pre = at::empty({rows, d_ff}, x2.options());
+  auto act = at::empty_like(pre);
+  dispatch_half(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    Params<T> p;
+    p.a = ptr<T>(x2);
+    p.b = ptr<T>(w1c);
+    p.m = rows, p.n = d_ff, p.k = d_in;
+    p.bias = b1c ? ptr<T>(*b1c) : nullptr;
+    p.pre = ptr<T>(pre);
+    p.act = ptr<T>(act);
+    p.dropout = dropout_stream(seed, dropout_p);
+    launch<T, false>(p, approx_tanh);
+  });
+  auto y = b2c ? at::addmm(*b2c, act, w2c.t()) : at::mm(act, w2c.t());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = d_out;
+  return {y.view(out_shape), pre};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pre_activation,
+    const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+    const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
+    const at::Tensor& seed) {
+  check_cuda(x, "x");
+  const bool approx_tanh = tanh_kind(approximate);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto x2 = operand(as_rows(x, x.size(-1)), x, "x");
+  const auto w1c = operand(w1, x, "w1"), w2c = operand(w2, x, "w2");
+  const auto g2 = operand(as_rows(grad, w2c.size(0)), x, "grad");
+  const auto pre = operand(pre_activation, x, "pre_activation");
+  const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = w2c.size(0);
+  check_sizes(d_in, d_ff, d_out);
+  TORCH_CHECK_VALUE(pre.sizes() == at::IntArrayRef({rows, d_ff}),
+                    "pre_activation must have shape [", rows, ", ", d_ff, "], got ", pre.sizes());
+  const bool has_b1 = b1.has_value() && b1->defined();
+  auto dpre = at::empty_like(pre);
+  auto act = at::empty_like(pre);
+  at::Tensor db1;
+  dispatch_half(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto part = at::empty({has_b1 ? ceil_div(rows, kBlockM) : 0, d_ff},
+                          x2.options().dtype(at::kFloat));
+    Params<T> p;
+    p.a = ptr<T>(g2);
+    p.b = ptr<T>(w2c);
+    p.m = rows, p.n = d_ff, p.k = d_out;
+    p.pre = ptr<T>(pre);
+    p.act = ptr<T>(act);
+    p.dpre = ptr<T>(dpre);
+    p.dbias_part = has_b1 ? ptr<float>(part) : nullptr;
+    p.dropout = dropout_stream(seed, dropout_p);
+    launch<T, true>(p, approx_tanh);
+    if (has_b1) db1 = sum_partials<T>(part, x.scalar_type());
+  });
+  auto dw2 = at::mm(g2.t(), act);
+  auto db2 = b2 ? g2.sum(0, false, at::kFloat).to(x.scalar_type()) : at::Tensor();
+  auto dx = at::mm(dpre, w1c).view(x.sizes());
+  auto dw1 = at::mm(dpre.t(), x2);
+  return {dx, dw1, db1, dw2, db2};
+}
+
+}  // namespace fusedlm::cuda
