@@ -4,7 +4,7 @@
 
 Shapes take each kernel through its vector and one-element paths, rows longer than the
 layer norm's register cache, dropout, ignored labels, the masked-LM chunks, and the
-attention kernels' partial blocks. It checks
+attention and FFN kernels' partial blocks. It checks
 no values (the tests do): it exits non-zero when the cuda backend cannot run.
 """
 import sys
@@ -77,6 +77,18 @@ def main() -> int:
             out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 70, 66, causal=True,
                                                dropout_p=0.1, backend="cuda")
             grads([out], (q, k, v))
+    # gelu_ffn: partial 128-row and 128-column blocks, a K tail inside a 32-wide step, and
+    # K longer than the 3-stage pipeline; with and without biases and dropout.
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, d_in, d_ff, d_out in ((130, 48, 136, 40), (7, 264, 256, 136)):
+            x = torch.randn(rows, d_in, dtype=dtype, **cuda)
+            w1 = torch.randn(d_ff, d_in, dtype=dtype, **cuda)
+            w2 = torch.randn(d_out, d_ff, dtype=dtype, **cuda)
+            b1, b2 = torch.randn(d_ff, dtype=dtype, **cuda), torch.randn(d_out, dtype=dtype, **cuda)
+            for biases, approximate, p in (((b1, b2), "none", 0.0), ((None, None), "tanh", 0.1)):
+                out = fusedlm.ops.gelu_ffn(x, w1, biases[0], w2, biases[1],
+                                           approximate=approximate, dropout_p=p, backend="cuda")
+                grads([out], (x, w1, *biases, w2))
     fusedlm._C.cuda.dropout_mask(torch.tensor(3), 5, [3, 7], 0.5, torch.cuda.current_device())
     torch.cuda.synchronize()
     print("ran every cuda kernel")
