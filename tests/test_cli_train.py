@@ -241,6 +241,37 @@ def test_fsdp_bad_input(capsys, tmp_path, corpus, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_fsdp_two_processes_match_one_and_resume(capsys, tmp_path, corpus):
+    # GPT: its loss is a mean over every token, so two processes' mean of their rows' losses is
+    # one process's loss of the global batch (BERT's mean over each process's masked tokens
+    # is not, with or without --fsdp); its lm head, tied to the token embedding, is sharded.
+    # Two steps, then --resume to a third: the optimizer state goes through a checkpoint.
+    common = ["--model", "gpt", "--corpus", corpus, "--steps", 2, "--dropout", 0, "--size",
+              "tiny", "--vocab-size", 400, "--seq-len", 32, "--device", "cpu", "--log-every", 1]
+    resume = ["pretrain", "--resume", "--steps", 3, "--device", "cpu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(capsys, "pretrain", *common, "--batch-size", 4, "--out", one)[0] == 0
+    assert run_cli(capsys, *resume, "--out", one)[0] == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", "-m", "fusedlm"]
+    for argv in (["pretrain", *common, "--batch-size", 2, "--fsdp", "--tokenizer", one],
+                 resume):
+        done = subprocess.run([*torchrun, *map(str, argv), "--out", str(two)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert [s for s, _ in losses(two)] == [1, 2, 3]
+    for (_, a), (_, b) in zip(losses(one), losses(two)):
+        assert abs(a - b) <= 1e-5 * abs(a), (losses(one), losses(two))
+    state = checkpoint.load_state(checkpoint.latest(two))
+    assert state["settings"]["fsdp"] and len(state["rng"]) == 2
+    model = GPTLMHeadModel.from_pretrained(two)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    expect = GPTLMHeadModel.from_pretrained(one).state_dict()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expect[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
 def _labelled_data(root):
     """Tiny generated fine-tuning sets: sentiment words decide the class; names and
     numbers are tagged PER and NUM, every other word O."""
