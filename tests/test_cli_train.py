@@ -1,6 +1,8 @@
 """fusedlm pretrain end to end: training then inference from the output folder, resume
 equality with an uninterrupted run, atomic checkpoints, and two processes under torchrun
 against one."""
+import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +13,9 @@ import torch
 
 from cli_helpers import TINY, run_cli, write_corpus
 from fusedlm.cli import checkpoint, registry
+from fusedlm.cli import tokenizer as tokenizer_module
 from fusedlm.cli import train as train_module
+from fusedlm.cli.distributed import Processes
 from fusedlm.cli.train import read_metrics
 from fusedlm.cli.tokenizer import load as load_tokenizer
 from fusedlm.models import (BertForMaskedLM, BertForSequenceClassification,
@@ -144,6 +148,128 @@ def test_two_processes_match_one_on_the_same_global_batch(capsys, tmp_path, corp
     state = checkpoint.load_state(checkpoint.latest(tmp_path / "two"))
     assert state["settings"]["global_batch"] == 4 and len(state["rng"]) == 2
     assert json.loads((tmp_path / "two" / "config.json").read_text())["n_layer"] == 2
+
+
+@pytest.fixture
+def fsdp_group():
+    """FSDP on a group of one process (in this one), as ``pretrain --fsdp`` without torchrun."""
+    processes = Processes(fsdp=True)
+    processes.start(torch.device("cpu"))
+    yield processes
+    processes.stop()
+
+
+def _ties(model) -> list:
+    """The groups of names under which one parameter appears more than once."""
+    names = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(prefix=module_name, recurse=False):
+            names.setdefault(id(param), set()).add(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)
+
+
+@pytest.mark.parametrize("name", sorted(registry.SPECS))
+def test_fsdp_shards_the_layers_keeps_ties_and_gradients(corpus, fsdp_group, name):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    spec = registry.SPECS[name]
+    documents = corpus.read_text().split("\n\n")
+    tokenizer = tokenizer_module.train(spec.tokenizer, documents, 400)
+    torch.manual_seed(0)
+    model = spec.build(registry.SIZES["tiny"], tokenizer, 0.0)
+    whole = copy.deepcopy(model)
+    ties = _ties(model)
+    if name in ("gpt", "electra"):
+        assert ties  # the lm head / the embeddings ELECTRA's halves share
+    inputs = spec.batch(spec.blocks(documents, tokenizer, 16)[:4], tokenizer,
+                        torch.Generator().manual_seed(1))
+
+    layers = spec.layers(model)
+    fsdp_group.shard(model, layers, torch.device("cpu"), torch.float32)
+    assert layers and all(isinstance(m, FSDPModule) for m in [model, *layers])
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert _ties(model) == ties
+    losses = [spec.loss(m, inputs, torch.Generator().manual_seed(2)) for m in (model, whole)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
+    reference = dict(whole.named_parameters())
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), reference[key].grad,
+                                   atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_fsdp_on_one_process_matches_and_resumes(capsys, tmp_path, corpus, monkeypatch):
+    # Without torchrun --fsdp runs on a group of one; killed and resumed, it logs the losses of
+    # the same run without --fsdp, and its checkpoint is an ordinary one.
+    argv = ["pretrain", "--model", "gpt", "--corpus", corpus, "--steps", 3, "--save-every", 2,
+            "--dropout", 0, *TINY]
+    assert run_cli(capsys, *argv, "--out", tmp_path / "plain")[0] == 0
+    with monkeypatch.context() as m:
+        _kill_at_step(m, 3)
+        with pytest.raises(RuntimeError, match="killed"):
+            run_cli(capsys, *argv, "--fsdp", "--tokenizer", tmp_path / "plain",
+                    "--out", tmp_path / "fsdp")
+    code, _, err = run_cli(capsys, "pretrain", "--resume", "--out", tmp_path / "fsdp",
+                           "--device", "cpu")  # --fsdp comes back with the settings
+    assert code == 0, err
+    assert checkpoint.load_state(checkpoint.latest(tmp_path / "fsdp"))["settings"]["fsdp"]
+    plain, sharded = losses(tmp_path / "plain"), losses(tmp_path / "fsdp")
+    assert [s for s, _ in sharded] == [1, 2, 3]
+    for (_, a), (_, b) in zip(plain, sharded):
+        assert abs(a - b) <= 1e-5 * abs(a), (plain, sharded)
+    model = GPTLMHeadModel.from_pretrained(tmp_path / "fsdp")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    expect = GPTLMHeadModel.from_pretrained(tmp_path / "plain").state_dict()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expect[key], atol=1e-5, rtol=1e-4, msg=key)
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "fsdp").eval()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, model.eval()(ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_fsdp_bad_input(capsys, tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(registry.SPECS, "bert",
+                        dataclasses.replace(registry.SPECS["bert"], layers=None))
+    code, _, err = run_cli(capsys, "pretrain", "--model", "bert", "--corpus", corpus, "--fsdp",
+                           "--out", tmp_path / "out", *TINY)
+    assert code == 2 and err.count("\n") == 1 and "--fsdp: bert has no layers to shard" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_two_processes_match_one_and_resume(capsys, tmp_path, corpus):
+    # GPT: its loss is a mean over every token, so two processes' mean of their rows' losses is
+    # one process's loss of the global batch (BERT's mean over each process's masked tokens
+    # is not, with or without --fsdp); its lm head, tied to the token embedding, is sharded.
+    # Two steps, then --resume to a third: the optimizer state goes through a checkpoint.
+    common = ["--model", "gpt", "--corpus", corpus, "--steps", 2, "--dropout", 0, "--size",
+              "tiny", "--vocab-size", 400, "--seq-len", 32, "--device", "cpu", "--log-every", 1]
+    resume = ["pretrain", "--resume", "--steps", 3, "--device", "cpu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(capsys, "pretrain", *common, "--batch-size", 4, "--out", one)[0] == 0
+    assert run_cli(capsys, *resume, "--out", one)[0] == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", "-m", "fusedlm"]
+    for argv in (["pretrain", *common, "--batch-size", 2, "--fsdp", "--tokenizer", one],
+                 resume):
+        done = subprocess.run([*torchrun, *map(str, argv), "--out", str(two)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert [s for s, _ in losses(two)] == [1, 2, 3]
+    for (_, a), (_, b) in zip(losses(one), losses(two)):
+        assert abs(a - b) <= 1e-5 * abs(a), (losses(one), losses(two))
+    state = checkpoint.load_state(checkpoint.latest(two))
+    assert state["settings"]["fsdp"] and len(state["rng"]) == 2
+    model = GPTLMHeadModel.from_pretrained(two)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    expect = GPTLMHeadModel.from_pretrained(one).state_dict()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expect[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
 def _labelled_data(root):

@@ -23,7 +23,7 @@ from .train import MetricsLog, Progress, Trainer, inputs_to, plot_losses, rows
 # as it would change the losses); None here: no default, derived at the start.
 FIXED = {"model": None, "size": "tiny", "corpus": None, "tokenizer": None, "vocab_size": None,
          "seq_len": 128, "grad_accum": 1, "lr": None, "warmup": None, "clip": 1.0,
-         "dropout": None, "dtype": "fp32", "seed": 0}
+         "dropout": None, "dtype": "fp32", "seed": 0, "fsdp": False}
 
 
 def add_parser(commands) -> None:
@@ -32,7 +32,8 @@ def add_parser(commands) -> None:
         description="Pretrains a model from scratch. Without --corpus it trains on the "
                     "docstrings of Python's standard library. Writes checkpoints, "
                     "metrics.jsonl and loss.png to --out. Under torchrun, every process "
-                    "trains on its share of each batch (DistributedDataParallel).")
+                    "trains on its share of each batch (DistributedDataParallel, or "
+                    "with --fsdp FSDP2).")
     p.add_argument("--model", choices=sorted(registry.SPECS), help="the model to train")
     p.add_argument("--size", choices=list(registry.SIZES),
                    help="tiny: 2 layers, hidden 128; small: 12 layers, hidden 256; base: "
@@ -55,6 +56,9 @@ def add_parser(commands) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard parameters, gradients and optimizer state between the processes "
+                        "(FSDP2), for a model that does not fit on one GPU")
     p.add_argument("--out", help="output folder (default <model>-<size>)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, with its settings")
@@ -72,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda", processes.local_rank)
     resumed, settings, state = _settings(args, processes)
     spec, size = registry.SPECS[settings["model"]], registry.SIZES[settings["size"]]
+    processes.fsdp = settings["fsdp"]
+    if processes.fsdp and spec.layers is None:
+        raise UsageError(f"--fsdp: {spec.name} has no layers to shard; train it without --fsdp")
     out = Path(settings["out"])
     corpus = read_corpus(settings["corpus"]) if settings["corpus"] else default_corpus()
     if corpus.replaced_bytes and processes.main:
@@ -100,6 +107,7 @@ def _settings(args, processes: Processes) -> tuple:
             raise UsageError(f"--resume: {out} holds no checkpoint to continue")
         state = checkpoint.load_state(found)
         settings = dict(state["settings"])
+        settings.setdefault("fsdp", False)  # written before --fsdp existed
         for name, value in given.items():
             if value is not None and value != settings[name]:
                 flag = "--" + name.replace("_", "-")
@@ -170,10 +178,14 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
         raise UsageError(f"--resume: the corpus or tokenizer differs from the one {resumed} "
                          "was trained on")
 
-    model.to(device)
-    trainer = Trainer(processes.wrap(model, device), lr=settings["lr"], warmup=settings["warmup"],
+    dtype = DTYPES[settings["dtype"]]
+    if processes.fsdp:
+        trained = processes.shard(model, spec.layers(model), device, dtype)
+    else:
+        trained = processes.wrap(model.to(device), device)
+    trainer = Trainer(trained, lr=settings["lr"], warmup=settings["warmup"],
                       steps=settings["steps"], clip=settings["clip"],
-                      dtype=DTYPES[settings["dtype"]], device=device, processes=processes)
+                      dtype=dtype, device=device, processes=processes)
     start = 0
     if resumed is not None:
         trainer.load_state_dict(state["trainer"])
@@ -225,11 +237,16 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
 
 def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, processes) -> None:
     rng = processes.gather(_rng(device))  # every process's, so each resumes its own stream
+    # Gathered by every process under FSDP; the whole state is rank 0's.
+    weights, trainer_state = processes.model_state(model), trainer.state_dict()
     if processes.main:
         # Saving may draw random numbers (a model built for export): not from the run's.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if processes.fsdp:  # the sharded model cannot save itself: a whole copy does
+                model = spec.heads["pretrain"](model.config)
+                model.load_checked(weights)
             checkpoint.save(out, step, model, spec.export(model), tokenizer, {
-                "step": step, "settings": settings, "trainer": trainer.state_dict(), "rng": rng,
+                "step": step, "settings": settings, "trainer": trainer_state, "rng": rng,
                 "data": fingerprint(blocks)})
 
 

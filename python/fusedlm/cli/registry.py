@@ -48,7 +48,10 @@ class ModelSpec:
     commands (the model itself, or the part of it that is used afterwards).
     ``hidden(model, tokenizer, texts, device)``: the ``embed`` head's token vectors of a
     batch of texts: (float [batch, seq, width], bool mask [batch, seq] True = token,
-    number of texts cut to the model's positions)."""
+    number of texts cut to the model's positions).
+    ``layers(model)``: the submodules ``--fsdp`` shards one by one (transformer blocks,
+    LSTM layers); parameters shared between submodules (tied embeddings) must stay
+    outside them, in the root. None: the model cannot be sharded."""
 
     name: str
     model_type: str
@@ -61,6 +64,7 @@ class ModelSpec:
     positions: Callable
     export: Callable = lambda model: model
     hidden: Optional[Callable] = None
+    layers: Optional[Callable] = None
 
 
 def token_ids(tokenizer, documents) -> list:
@@ -114,7 +118,7 @@ GPT = ModelSpec(
     name="gpt", model_type="gpt2", tokenizer="bpe", build=_gpt_build, blocks=_gpt_blocks,
     batch=_gpt_batch, loss=_lm_loss,
     heads={"pretrain": models.GPTLMHeadModel, "generate": models.GPTLMHeadModel},
-    positions=lambda config: config.n_positions)
+    positions=lambda config: config.n_positions, layers=lambda model: list(model.transformer.h))
 
 
 # BERT and ELECTRA: WordPiece, [CLS] block [SEP] (documents separated by [SEP]), BERT's
@@ -174,7 +178,8 @@ BERT = ModelSpec(
     heads={"pretrain": models.BertForMaskedLM, "fill-mask": models.BertForMaskedLM,
            "embed": models.BertForMaskedLM, "classify": models.BertForSequenceClassification,
            "tag": models.BertForTokenClassification},
-    positions=_max_positions, hidden=_encoder_hidden(lambda model: model.bert))
+    positions=_max_positions, hidden=_encoder_hidden(lambda model: model.bert),
+    layers=lambda model: list(model.bert.encoder.layers))
 
 ELECTRA = ModelSpec(
     name="electra", model_type="electra", tokenizer="wordpiece",
@@ -189,7 +194,10 @@ ELECTRA = ModelSpec(
     positions=_max_positions,
     # The discriminator is the model ELECTRA's pretraining is for (transformers'
     # ElectraForPreTraining layout); the whole pair stays in the checkpoints.
-    export=lambda model: model.discriminator, hidden=_encoder_hidden(lambda model: model.electra))
+    export=lambda model: model.discriminator, hidden=_encoder_hidden(lambda model: model.electra),
+    # The embeddings both halves share stay in the root.
+    layers=lambda model: [*model.generator.electra.encoder.layers,
+                          *model.discriminator.electra.encoder.layers])
 
 
 # ELMo: words read as characters; a block holds, per word, its id in the softmax
@@ -257,7 +265,8 @@ ELMO = ModelSpec(
     batch=_elmo_batch, loss=_elmo_loss,
     heads={"pretrain": models.ElmoBiLM, "embed": models.ELMo},
     positions=lambda config: sys.maxsize,  # an LSTM takes any length
-    export=_elmo_export, hidden=_elmo_hidden)
+    export=_elmo_export, hidden=_elmo_hidden,
+    layers=lambda model: [*model.lstm.forward_layers, *model.lstm.backward_layers])
 
 SPECS = {spec.name: spec for spec in (BERT, ELECTRA, ELMO, GPT)}
 

@@ -44,7 +44,8 @@ def linear_schedule(optimizer, warmup: int, total: int) -> torch.optim.lr_schedu
 
 class Trainer:
     """One optimizer step over several micro-batches. ``model`` may be wrapped in
-    DistributedDataParallel; gradients are all-reduced on the last micro-batch only."""
+    DistributedDataParallel or sharded by FSDP (``processes.fsdp``); gradients are
+    reduced on the last micro-batch only."""
 
     def __init__(self, model: nn.Module, *, lr: float, warmup: int, steps: int, clip: float,
                  dtype: torch.dtype, device: torch.device, processes: Processes):
@@ -52,7 +53,12 @@ class Trainer:
         self.processes = processes
         self.optimizer = adamw(model, lr)
         self.scheduler = linear_schedule(self.optimizer, warmup, steps)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        scaler = torch.amp.GradScaler
+        if processes.fsdp:
+            # Each process sees only its shard's gradients: whether any is inf is agreed
+            # between them, or one process would skip a step the others take.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as scaler
+        self.scaler = scaler(device.type, enabled=dtype == torch.float16)
 
     def step(self, micro_losses: List[Callable]) -> float:
         """Runs forward and backward of every micro-batch (``loss(model)`` each), then the
@@ -60,8 +66,11 @@ class Trainer:
         self.model.train()
         total = torch.zeros((), device=self.device)
         for i, micro_loss in enumerate(micro_losses):
-            sync = i == len(micro_losses) - 1 or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync():
+            last = i == len(micro_losses) - 1
+            if self.processes.fsdp:
+                self.model.set_requires_gradient_sync(last)
+            with self.model.no_sync() if not last and hasattr(self.model, "no_sync") \
+                    else contextlib.nullcontext():
                 with torch.autocast(self.device.type, dtype=self.dtype,
                                     enabled=self.dtype != torch.float32):
                     loss = micro_loss(self.model)
@@ -81,11 +90,13 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict()}
+        """Under FSDP every process must call it (the optimizer's shards are gathered);
+        rank 0's is the whole state."""
+        return {"optimizer": self.processes.optimizer_state(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.processes.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
 
