@@ -11,10 +11,18 @@ sides with a KV cache, neither stopping early). ELMo: LSTM cell 512, projection 
 filters [[1, 32], [2, 32], [3, 64], [4, 128]], one highway layer, 16 sentences of 10 to 20
 random words. Training steps run in training mode (dropout on). The rate is real tokens
 (new tokens for generate) per second.
+
+Two more at BERT-base's width (hidden 768, 12 heads, FFN 3072): ``encoder-layer``, a
+post-LN GELU ``TransformerEncoderLayer`` training step (dropout 0.1, batch 8 x seq 128,
+lengths uniform in [64, 128] as a bool src_key_padding_mask), fusedlm.nn against torch.nn
+with the same weights; and ``hf-bert``, transformers' 12-layer BertForMaskedLM patched by
+fusedlm.patch against the unpatched model (a training step, batch 8 x 128 without
+padding, 15% labelled, vocab 30522).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import string
 import tempfile
@@ -46,14 +54,21 @@ class Sizes:
     elmo_lstm: int
     elmo_projection: int
     elmo_filters: tuple
+    base_hidden: int  # encoder-layer and hf-bert
+    base_heads: int
+    base_ffn: int
+    base_layers: int
+    base_vocab: int
 
 
 FULL = Sizes(batch=8, seq=128, hidden=256, layers=4, heads=4, ffn=1024, vocab=8192, prompt=16,
              new_tokens=32, elmo_batch=16, elmo_words=20, elmo_lstm=512, elmo_projection=128,
-             elmo_filters=((1, 32), (2, 32), (3, 64), (4, 128)))
+             elmo_filters=((1, 32), (2, 32), (3, 64), (4, 128)), base_hidden=768, base_heads=12,
+             base_ffn=3072, base_layers=12, base_vocab=30522)
 QUICK = Sizes(batch=2, seq=16, hidden=32, layers=2, heads=2, ffn=64, vocab=300, prompt=4,
               new_tokens=4, elmo_batch=2, elmo_words=6, elmo_lstm=32, elmo_projection=16,
-              elmo_filters=((1, 8), (2, 8)))
+              elmo_filters=((1, 8), (2, 8)), base_hidden=32, base_heads=2, base_ffn=64,
+              base_layers=2, base_vocab=300)
 
 
 def sizes_for(bench: Bench) -> Sizes:
@@ -219,4 +234,55 @@ def elmo(bench: Bench) -> Iterator[Case]:
     yield _case("ELMo embed forward", shape, _ours(embedder, embed), int(real.sum()), {})
 
 
-MODELS = {"bert": bert, "gpt": gpt, "electra": electra, "elmo": elmo}
+def encoder_layer(bench: Bench) -> Iterator[Case]:
+    from torch import nn
+
+    from .. import nn as fused_nn
+
+    z = sizes_for(bench)
+    shape = dict(d_model=z.base_hidden, nhead=z.base_heads, dim_feedforward=z.base_ffn, dropout=0.1,
+                 activation="gelu", batch_first=True)
+    theirs = nn.TransformerEncoderLayer(**shape).to(bench.device)
+    ours = fused_nn.TransformerEncoderLayer(**shape).to(bench.device)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(z.batch, z.seq, z.base_hidden, device=bench.device, requires_grad=True)
+    lengths = torch.randint(z.seq // 2, z.seq + 1, (z.batch,), device=bench.device)
+    padding = torch.arange(z.seq, device=bench.device)[None, :] >= lengths[:, None]
+    upstream = torch.randn_like(x)
+
+    def train(layer):
+        layer.train().zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x, src_key_padding_mask=padding).backward(upstream)
+
+    steps = {"fusedlm": _step(lambda: train(ours)), "torch": _step(lambda: train(theirs))}
+    yield _case("TransformerEncoderLayer training step",
+                f"{z.batch}x{z.seq}x{z.base_hidden}, {z.base_heads} heads, FFN {z.base_ffn}, padded",
+                steps, int((~padding).sum()), {})
+
+
+def hf_bert(bench: Bench) -> Iterator[Case]:
+    from ..patching import patch
+
+    z = sizes_for(bench)
+    shape = f"{z.base_layers} layers, hidden {z.base_hidden}, {z.batch}x{z.seq}, {LABELLED:.0%} labelled"
+    try:
+        import transformers
+    except ImportError:
+        yield Case("transformers BERT MLM training step", shape, {},
+                   skipped={"fusedlm": "transformers is not installed"})
+        return
+    config = transformers.BertConfig(vocab_size=z.base_vocab, hidden_size=z.base_hidden,
+                                     num_hidden_layers=z.base_layers, num_attention_heads=z.base_heads,
+                                     intermediate_size=z.base_ffn)
+    theirs = transformers.BertForMaskedLM(config).to(bench.device)
+    ours = patch(copy.deepcopy(theirs))
+    ids = torch.randint(0, z.base_vocab, (z.batch, z.seq), device=bench.device)
+    labels = ids.masked_fill(torch.rand(ids.shape, device=bench.device) >= LABELLED, -100)
+    train = _train_step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    steps = {"fusedlm": _step(lambda: train(ours)), "transformers": _step(lambda: train(theirs))}
+    yield _case("transformers BERT MLM training step, patched", shape, steps, ids.numel(), {})
+
+
+MODELS = {"bert": bert, "gpt": gpt, "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer,
+          "hf-bert": hf_bert}
