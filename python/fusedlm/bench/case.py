@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .. import ops
 from ..backends import _REGISTRY, explain
 from . import ceilings as ceilings_module
 from .timing import Timer
@@ -56,8 +57,6 @@ class Bench:
         """({"fusedlm[backend]": (fn, inputs)} for every kernel backend that takes this call
         here, {"fusedlm[backend]": why not} for those that run on this device but refuse
         the call (a dtype, a head dim, no kernel for the op))."""
-        import fusedlm.ops
-
         impls, skipped = {}, {}
         for name in KERNEL_BACKENDS:
             backend = _REGISTRY[name]
@@ -70,7 +69,7 @@ class Bench:
                 continue
 
             def fn(*args, name=name):
-                return getattr(fusedlm.ops, op)(*args, backend=name, **kwargs)
+                return getattr(ops, op)(*args, backend=name, **kwargs)
 
             impls[f"fusedlm[{name}]"] = (fn, inputs)
         return impls, skipped

@@ -54,7 +54,7 @@ GPU = Shapes(dtypes=(_BF16,), matmul_dtypes=(_BF16,), tokens=32 * 128, hidden=76
 CPU = Shapes(dtypes=(_FP32, _BF16), matmul_dtypes=(_FP32,), tokens=8 * 128, hidden=768, ffn=3072,
              vocab=30522, layer_norm=((8 * 128, 768),), ffn_tokens=(8 * 128,),
              cross_entropy=((8 * 128, 30522),), heads=12, bert_seqs=(128,), long_seqs=(1024,),
-             long_dims=(64,), long_hidden=768, long_tokens=1024, copy_bytes=256 << 20, matmul=1024)
+             long_dims=(64,), long_hidden=768, long_tokens=1024, copy_bytes=256 << 20, matmul=2048)
 QUICK = Shapes(dtypes=(_FP32,), matmul_dtypes=(_FP32,), tokens=16, hidden=32, ffn=64, vocab=300,
                layer_norm=((16, 48),), ffn_tokens=(16,), cross_entropy=((16, 300),), heads=2,
                bert_seqs=(8,), long_seqs=(24,), long_dims=(16,), long_hidden=32, long_tokens=24,
