@@ -103,3 +103,25 @@ def test_plot_without_matplotlib_is_exit_2(capsys, monkeypatch):
     code, _, err = run_cli(capsys, "bench", "--quick", "--device", "cpu", "--ops", "bias_gelu",
                            "--plot", "chart.png")
     assert code == 2 and "--plot needs matplotlib" in err and err.count("\n") == 1
+
+
+def test_a_baseline_that_fails_is_reported_and_fusedlm_still_timed():
+    import torch
+
+    from fusedlm.bench.case import Bench, measure, passes
+    from fusedlm.bench.timing import Timer
+
+    bench = Bench(torch.device("cpu"), quick=True)
+    inputs = [bench.tensor(4, 8, dtype=torch.float32), bench.tensor(8, dtype=torch.float32)]
+    impls, skipped = bench.fused("bias_gelu", inputs)
+
+    def broken(x, b):
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    impls["compiled"] = (broken, inputs)
+    for case in passes("bias_gelu", "4x8", impls, unit="GB/s", skipped=skipped,
+                       work={"forward": 96, "forward+backward": 240}):
+        rows = measure(case, Timer(bench.device, min_rounds=1, seconds=0.0),
+                       {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0})
+        assert [r["impl"] for r in rows] == ["fusedlm[cpu]"] and rows[0]["time_ms"] > 0
+        assert case.skipped == {"compiled": "RuntimeError: no C++ compiler"}

@@ -80,14 +80,19 @@ def first(out):
 
 
 def forward_backward(fn: Callable, inputs: list) -> Callable[[], None]:
-    """fn(*inputs) then its backward with a fixed upstream gradient, as one step."""
-    upstream = torch.ones_like(first(fn(*inputs)))
+    """fn(*inputs) then its backward with a fixed upstream gradient, as one step. The
+    gradient is made on the first call, so that a baseline that cannot run (torch.compile
+    without a compiler, say) fails while it is timed, where the failure is reported."""
+    upstream = []
 
     def step():
         for t in inputs:
             if isinstance(t, torch.Tensor):
                 t.grad = None
-        first(fn(*inputs)).backward(upstream)
+        out = first(fn(*inputs))
+        if not upstream:
+            upstream.append(torch.ones_like(out))
+        out.backward(upstream[0])
 
     return step
 
