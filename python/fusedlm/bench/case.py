@@ -46,9 +46,9 @@ class Bench:
     device: torch.device
     quick: bool
 
-    def tensor(self, *shape, dtype, scale: float = 1.0, grad: bool = True) -> torch.Tensor:
-        t = torch.randn(*shape, device=self.device, dtype=dtype) * scale
-        return t.requires_grad_(grad)
+    def tensor(self, *shape, dtype, scale: float = 1.0) -> torch.Tensor:
+        """A random leaf that takes a gradient."""
+        return (torch.randn(*shape, device=self.device, dtype=dtype) * scale).requires_grad_()
 
     def compile(self, fn: Callable) -> Callable:
         return torch.compile(fn, backend="eager" if self.quick else "inductor")
