@@ -1,7 +1,7 @@
 # make demo   set up, build fusedlm, pretrain a tiny BERT on the CPU on the embedded
 #             default corpus, then fill in a masked word with it
 # make test   set up, build fusedlm, and run the test suite
-# make bench  set up, build fusedlm, and print the CPU benchmark table
+# make bench  set up, build fusedlm, and print the CPU benchmark table (fusedlm bench)
 #
 # Each creates .venv, installs what fusedlm needs into it, and compiles fusedlm.
 # A PyTorch that the Python running make already sees (e.g. a CUDA build) is
@@ -32,8 +32,7 @@ test: $(VENV)/.fusedlm
 
 bench: $(VENV)/.fusedlm
 	mkdir -p $(RESULTS)
-	$(PY) -m pytest benchmarks -q --benchmark-json=$(RESULTS)/cpu.json --benchmark-min-rounds=5
-	$(PY) benchmarks/report.py $(RESULTS)/cpu.json
+	$(PY) -m fusedlm bench --device cpu --json $(RESULTS)/cpu.json --plot $(RESULTS)/cpu.png
 
 demo: $(VENV)/.fusedlm
 	rm -rf $(DEMO)

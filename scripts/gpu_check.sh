@@ -6,8 +6,9 @@
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16)
 # test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
-# bench     benchmarks/gpu.py: triton kernels against torch and the device's ceilings;
-#           results also go to benchmarks/results/<device>-<date>.json
+# bench     fusedlm bench --device cuda: every op on each GPU backend and each model step
+#           against torch, with the device's ceilings; the JSON also goes to
+#           benchmarks/results/<device>-<date>.json
 # sanitize  compute-sanitizer memcheck and racecheck over a small run of every cuda kernel
 #
 # Logs, junit XML and JSON go to OUTDIR (default build/gpu-check); each stage is cut off
@@ -61,7 +62,18 @@ stage_test() {
 }
 
 stage_bench() {
-  run_stage bench env -u TRITON_INTERPRET "$PY" benchmarks/gpu.py --out "$OUT"
+  # The chart only where matplotlib is installed: the numbers matter more than the picture.
+  local plot=()
+  "$PY" -c "import matplotlib" 2> /dev/null && plot=(--plot "$OUT/bench.png")
+  run_stage bench env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda \
+      --json "$OUT/bench.json" ${plot[@]+"${plot[@]}"} || return
+  local name
+  name=$("$PY" -c 'import json, sys; from fusedlm.bench.report import slug
+r = json.load(open(sys.argv[1])); print(slug(r["device"]) + "-" + r["date"] + ".json")' \
+    "$OUT/bench.json") || return
+  mkdir -p benchmarks/results
+  cp "$OUT/bench.json" "benchmarks/results/$name"
+  echo "results: $OUT/bench.json, benchmarks/results/$name"
 }
 
 stage_sanitize() {

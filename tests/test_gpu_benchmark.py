@@ -1,38 +1,43 @@
-"""benchmarks/gpu.py end to end in its dry mode: tiny shapes on the CPU, the kernels in
-Triton's interpreter. It checks the script runs and writes its report, not the speed."""
-import importlib.util
+"""fusedlm bench through the triton backend: every op at --quick's tiny shapes, on a GPU or,
+without one, on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1). It checks that
+every case runs on every backend and is reported, not the speed."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import torch
 
 import fusedlm
-
-ROOT = Path(__file__).resolve().parents[1]
+from cli_helpers import run_cli
+from fusedlm.bench import OPS
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_gpu_benchmark_dry_run(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(Path(fusedlm.__file__).parents[1]),
-                                           os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run",
-                          "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (path,) = tmp_path.glob("cpu-dry-run-*.json")
-    report = json.loads(path.read_text())
-    assert {"device", "date", "commit", "versions", "ceilings", "targets"} <= set(report)
-    names = {b["name"] for b in report["benchmarks"]}
+@pytest.mark.triton
+def test_quick_run_times_every_op_on_every_backend(capsys, tmp_path):
+    available = fusedlm.backends()["triton"]
+    if available is not True:
+        pytest.skip(f"triton: {available}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    code, out, err = run_cli(capsys, "bench", "--quick", "--device", device, "--ops", *OPS,
+                             "--json", tmp_path / "bench.json")
+    assert code == 0, err[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    cases = {(r["benchmark"], r["shape"]) for r in report["rows"]}
+    benchmarks = {benchmark for benchmark, _ in cases}
     for op in ("add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy", "masked_lm_loss",
-               "attention_varlen", "attention causal"):
-        assert {f"{op} forward", f"{op} forward+backward"} <= names
-    for b in report["benchmarks"]:
-        assert b["times_ms"]["fusedlm"] > 0 and set(b["speedups"]) == set(b["times_ms"]) - {"fusedlm"}
-    # The table is printed last: its header, then one row per benchmark.
-    lines = run.stdout.strip().splitlines()
-    assert lines[-1 - len(report["benchmarks"])].startswith("benchmark")
+               "attention", "attention padded", "attention causal"):
+        assert {f"{op} forward", f"{op} forward+backward"} <= benchmarks
+    impls = {}
+    for row in report["rows"]:
+        impls.setdefault((row["benchmark"], row["shape"]), set()).add(row["impl"])
+        assert row["time_ms"] > 0
+    refused = {(s["benchmark"], s["shape"], s["impl"]) for s in report["skipped"]}
+    for (benchmark, shape), names in impls.items():
+        assert "fusedlm[triton]" in names and {"eager", "compiled"} <= names, (benchmark, names)
+        if benchmark.startswith("attention"):
+            assert "sdpa" in names
+        # The cuda backend, where it runs, has a row or says why it refused the call.
+        if fusedlm.backends()["cuda"] is True:
+            assert "fusedlm[cuda]" in names or (benchmark, shape, "fusedlm[cuda]") in refused
+    assert all(s["reason"] for s in report["skipped"])
+    assert out.splitlines()[1].startswith("benchmark")

@@ -1,4 +1,4 @@
-"""The ``fusedlm`` command: pretrain, finetune, fill-mask, generate, embed, info
+"""The ``fusedlm`` command: pretrain, finetune, fill-mask, generate, embed, bench, info
 (``fusedlm --help``).
 
 Each command is a module with ``add_parser(commands)`` and ``run(args) -> exit code``;
@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from .errors import UsageError
 
-COMMANDS = ("pretrain", "finetune", "fill-mask", "generate", "embed", "info")
+COMMANDS = ("pretrain", "finetune", "fill-mask", "generate", "embed", "bench", "info")
 
 
 def parser() -> argparse.ArgumentParser:

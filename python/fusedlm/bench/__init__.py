@@ -1,0 +1,40 @@
+"""Benchmarks of fusedlm's fused ops and models against PyTorch (``fusedlm bench``).
+
+Each case is defined once, in :mod:`.ops` (the fused ops) and :mod:`.models` (the models'
+steps); :func:`run` times them on one device next to the device's ceilings
+(:mod:`.ceilings`) and :mod:`.report` prints, saves and plots the result.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+
+from . import ceilings, report
+from .case import Bench, measure
+from .models import MODELS
+from .ops import OPS, shapes_for
+from .timing import Timer
+
+
+def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: bool = False,
+        log=sys.stderr) -> dict:
+    """The report (see :func:`.report.report`) of `ops` and `models` (names in OPS and
+    MODELS) timed on `device`; one line per case goes to `log` as it is measured."""
+    torch.manual_seed(0)
+    bench = Bench(device, quick)
+    timer = Timer(device, min_rounds=1, seconds=0.0) if quick else Timer(device)
+    shapes = shapes_for(bench)
+    peak = ceilings.measure(timer, shapes.copy_bytes, shapes.matmul)
+    rows, skipped = [], []
+    for cases in [OPS[name](bench) for name in ops] + [MODELS[name](bench) for name in models]:
+        for case in cases:
+            print(f"bench: {case.benchmark} [{case.shape}]", file=log, flush=True)
+            rows += measure(case, timer, peak)
+            skipped += [{"benchmark": case.benchmark, "shape": case.shape, "impl": impl,
+                         "reason": reason} for impl, reason in case.skipped.items()]
+    return report.report(device, quick, timer.statistic, peak, rows, skipped)
+
+
+__all__ = ["MODELS", "OPS", "run"]

@@ -1,0 +1,288 @@
+"""The models' cases: a training or inference step of each fusedlm model, against the same
+model with every op pinned to the plain-PyTorch ``reference`` backend (what the kernels
+buy inside the model) and, for BERT and GPT, transformers' model with the same weights
+(SDPA attention).
+
+Shapes (CPU and GPU): hidden 256, 4 layers, 4 heads, FFN 1024, vocab 8192, float32,
+randomly initialised. BERT and ELECTRA: batch 8 x seq 128, lengths uniform in [64, 128],
+15% of the real tokens labelled (ELECTRA: masked by mask_tokens). GPT: batch 8 x seq 128
+without padding; generate adds 32 tokens greedily to a 16-token prompt at batch 1 (both
+sides with a KV cache, neither stopping early). ELMo: LSTM cell 512, projection 128,
+filters [[1, 32], [2, 32], [3, 64], [4, 128]], one highway layer, 16 sentences of 10 to 20
+random words. Training steps run in training mode (dropout on). The rate is real tokens
+(new tokens for generate) per second.
+
+Two more at BERT-base's width (hidden 768, 12 heads, FFN 3072): ``encoder-layer``, a
+post-LN GELU ``TransformerEncoderLayer`` training step (dropout 0.1, batch 8 x seq 128,
+lengths uniform in [64, 128] as a bool src_key_padding_mask), fusedlm.nn against torch.nn
+with the same weights; and ``hf-bert``, transformers' 12-layer BertForMaskedLM patched by
+fusedlm.patch against the unpatched model (a training step, batch 8 x 128 without
+padding, 15% labelled, vocab 30522).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import string
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .. import models
+from ..backends import get_backend, set_backend
+from .case import Bench, Case
+
+LABELLED = 0.15
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batch: int
+    seq: int
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    vocab: int
+    prompt: int
+    new_tokens: int
+    elmo_batch: int
+    elmo_words: int
+    elmo_lstm: int
+    elmo_projection: int
+    elmo_filters: tuple
+    base_hidden: int  # encoder-layer and hf-bert
+    base_heads: int
+    base_ffn: int
+    base_layers: int
+    base_vocab: int
+
+
+FULL = Sizes(batch=8, seq=128, hidden=256, layers=4, heads=4, ffn=1024, vocab=8192, prompt=16,
+             new_tokens=32, elmo_batch=16, elmo_words=20, elmo_lstm=512, elmo_projection=128,
+             elmo_filters=((1, 32), (2, 32), (3, 64), (4, 128)), base_hidden=768, base_heads=12,
+             base_ffn=3072, base_layers=12, base_vocab=30522)
+QUICK = Sizes(batch=2, seq=16, hidden=32, layers=2, heads=2, ffn=64, vocab=300, prompt=4,
+              new_tokens=4, elmo_batch=2, elmo_words=6, elmo_lstm=32, elmo_projection=16,
+              elmo_filters=((1, 8), (2, 8)), base_hidden=32, base_heads=2, base_ffn=64,
+              base_layers=2, base_vocab=300)
+
+
+def sizes_for(bench: Bench) -> Sizes:
+    return QUICK if bench.quick else FULL
+
+
+@contextlib.contextmanager
+def _pinned(backend):
+    """Every op on `backend` (None: the automatic choice) for the duration of a step."""
+    previous = get_backend()
+    set_backend(backend)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def _step(fn: Callable[[], object], backend=None) -> Callable[[], None]:
+    def step():
+        with _pinned(backend):
+            fn()
+
+    return step
+
+
+def _ours(model, fn: Callable) -> dict:
+    """fusedlm's model with automatic dispatch, and the same model on the reference backend."""
+    return {"fusedlm": _step(lambda: fn(model)), "reference": _step(lambda: fn(model), "reference")}
+
+
+def _transformers_twin(model, class_name: str, device) -> tuple[dict, dict]:
+    """({"transformers": model}, {}) with model's weights loaded into transformers' class,
+    or ({}, {"transformers": why not})."""
+    try:
+        import transformers
+    except ImportError:
+        return {}, {"transformers": "transformers is not installed"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        twin = getattr(transformers, class_name).from_pretrained(tmp, attn_implementation="sdpa")
+    return {"transformers": twin.to(device)}, {}
+
+
+def _train_step(batch: dict) -> Callable:
+    def step(model):
+        model.train().zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+
+    return step
+
+
+def _padded_batch(bench: Bench, z: Sizes) -> dict:
+    """Ids, a right-padding attention_mask (lengths uniform in [seq/2, seq]) and labels on
+    LABELLED of the real tokens."""
+    ids = torch.randint(1, z.vocab, (z.batch, z.seq), device=bench.device)
+    lengths = torch.randint(z.seq // 2, z.seq + 1, (z.batch,), device=bench.device)
+    mask = (torch.arange(z.seq, device=bench.device) < lengths[:, None]).long()
+    ids = ids * mask
+    picked = (torch.rand(ids.shape, device=bench.device) < LABELLED) & mask.bool()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(~picked, -100)}
+
+
+def _case(benchmark: str, shape: str, steps: dict, tokens: int, skipped: dict) -> Case:
+    return Case(benchmark, shape, steps, unit="tokens/s", work=tokens, skipped=dict(skipped), slow=True)
+
+
+def bert(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    config = models.BertConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
+                               num_attention_heads=z.heads, intermediate_size=z.ffn)
+    model = models.BertForMaskedLM(config).to(bench.device)
+    twin, skipped = _transformers_twin(model, "BertForMaskedLM", bench.device)
+    batch = _padded_batch(bench, z)
+    tokens = int(batch["attention_mask"].sum())
+    train = _train_step(batch)
+    steps = _ours(model, train) | {name: _step(lambda m=m: train(m)) for name, m in twin.items()}
+    yield _case("BERT MLM training step", f"{z.batch}x{z.seq} padded, {LABELLED:.0%} labelled",
+                steps, tokens, skipped)
+
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    @torch.no_grad()
+    def forward(m):
+        m.eval()(**inputs)
+
+    steps = _ours(model, forward) | {name: _step(lambda m=m: forward(m)) for name, m in twin.items()}
+    yield _case("BERT MLM eval forward", f"{z.batch}x{z.seq} padded, logits", steps, tokens, skipped)
+
+
+def electra(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    config = models.ElectraConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
+                                  num_attention_heads=z.heads, intermediate_size=z.ffn)
+    model = models.ElectraForPreTraining(config).to(bench.device)
+    batch = _padded_batch(bench, z)
+    ids, labels = models.mask_tokens(batch["input_ids"], mask_token_id=3, vocab_size=z.vocab,
+                                     special_token_ids=(0,), attention_mask=batch["attention_mask"],
+                                     probability=LABELLED)
+    train = _train_step({"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": labels})
+    yield _case("ELECTRA pretraining step", f"{z.batch}x{z.seq} padded, {LABELLED:.0%} masked",
+                _ours(model, train), int(batch["attention_mask"].sum()), {})
+
+
+def gpt(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    # The default eos id (50256) lies outside this vocabulary, so both sides' greedy decoding
+    # always runs the full new_tokens steps.
+    config = models.GPTConfig(vocab_size=z.vocab, n_positions=2 * z.seq, n_embd=z.hidden,
+                              n_layer=z.layers, n_head=z.heads, n_inner=z.ffn)
+    model = models.GPTLMHeadModel(config).to(bench.device)
+    twin, skipped = _transformers_twin(model, "GPT2LMHeadModel", bench.device)
+    ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=bench.device)
+    train = _train_step({"input_ids": ids, "labels": ids})
+    steps = _ours(model, train) | {name: _step(lambda m=m: train(m)) for name, m in twin.items()}
+    yield _case("GPT LM training step", f"{z.batch}x{z.seq}", steps, ids.numel(), skipped)
+
+    prompt = torch.randint(0, z.vocab, (1, z.prompt), device=bench.device)
+    mask = torch.ones_like(prompt)
+
+    def generate(m):
+        out = m.eval().generate(prompt, mask, max_new_tokens=z.new_tokens)
+        assert out.shape[1] == z.prompt + z.new_tokens
+
+    def generate_transformers(m):
+        out = m.eval().generate(prompt, attention_mask=mask, max_new_tokens=z.new_tokens,
+                                min_new_tokens=z.new_tokens, do_sample=False, use_cache=True,
+                                pad_token_id=0)
+        assert out.shape[1] == z.prompt + z.new_tokens
+
+    steps = _ours(model, generate) | {name: _step(lambda m=m: generate_transformers(m))
+                                      for name, m in twin.items()}
+    yield _case("GPT greedy generate", f"1x{z.prompt} prompt, {z.new_tokens} new tokens", steps,
+                z.new_tokens, skipped)
+
+
+def _sentences(bench: Bench, z: Sizes) -> torch.Tensor:
+    """Character ids of elmo_batch random sentences of elmo_words/2 to elmo_words words."""
+    rng = random.Random(0)
+    words = [["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 10)))
+              for _ in range(rng.randint(z.elmo_words // 2, z.elmo_words))] for _ in range(z.elmo_batch)]
+    return models.elmo.batch_to_ids(words).to(bench.device)
+
+
+def elmo(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    config = models.ElmoConfig(lstm_dim=z.elmo_lstm, projection_dim=z.elmo_projection,
+                               filters=[list(f) for f in z.elmo_filters], n_highway=1,
+                               vocab_size=z.vocab)
+    char_ids = _sentences(bench, z)
+    real = (char_ids > 0).any(-1)
+    shape = f"{z.elmo_batch}x{z.elmo_words} words"
+    bilm = models.ElmoBiLM(config).to(bench.device)
+    word_ids = torch.randint(0, z.vocab, real.shape, device=bench.device).masked_fill(~real, -100)
+    train = _train_step({"char_ids": char_ids, "word_ids": word_ids})
+    yield _case("ELMo biLM training step", shape, _ours(bilm, train), int(real.sum()), {})
+
+    embedder = models.ELMo(config).to(bench.device)
+
+    @torch.no_grad()
+    def embed(m):
+        m.eval().embed(char_ids)
+
+    yield _case("ELMo embed forward", shape, _ours(embedder, embed), int(real.sum()), {})
+
+
+def encoder_layer(bench: Bench) -> Iterator[Case]:
+    from torch import nn
+
+    from .. import nn as fused_nn
+
+    z = sizes_for(bench)
+    shape = dict(d_model=z.base_hidden, nhead=z.base_heads, dim_feedforward=z.base_ffn, dropout=0.1,
+                 activation="gelu", batch_first=True)
+    theirs = nn.TransformerEncoderLayer(**shape).to(bench.device)
+    ours = fused_nn.TransformerEncoderLayer(**shape).to(bench.device)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(z.batch, z.seq, z.base_hidden, device=bench.device, requires_grad=True)
+    lengths = torch.randint(z.seq // 2, z.seq + 1, (z.batch,), device=bench.device)
+    padding = torch.arange(z.seq, device=bench.device)[None, :] >= lengths[:, None]
+    upstream = torch.randn_like(x)
+
+    def train(layer):
+        layer.train().zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x, src_key_padding_mask=padding).backward(upstream)
+
+    steps = {"fusedlm": _step(lambda: train(ours)), "torch": _step(lambda: train(theirs))}
+    yield _case("TransformerEncoderLayer training step",
+                f"{z.batch}x{z.seq}x{z.base_hidden}, {z.base_heads} heads, FFN {z.base_ffn}, padded",
+                steps, int((~padding).sum()), {})
+
+
+def hf_bert(bench: Bench) -> Iterator[Case]:
+    from ..patching import patch
+
+    z = sizes_for(bench)
+    shape = f"{z.base_layers} layers, hidden {z.base_hidden}, {z.batch}x{z.seq}, {LABELLED:.0%} labelled"
+    try:
+        import transformers
+    except ImportError:
+        yield Case("transformers BERT MLM training step", shape, {},
+                   skipped={"fusedlm": "transformers is not installed"})
+        return
+    config = transformers.BertConfig(vocab_size=z.base_vocab, hidden_size=z.base_hidden,
+                                     num_hidden_layers=z.base_layers, num_attention_heads=z.base_heads,
+                                     intermediate_size=z.base_ffn)
+    theirs = transformers.BertForMaskedLM(config).to(bench.device)
+    ours = patch(copy.deepcopy(theirs))
+    ids = torch.randint(0, z.base_vocab, (z.batch, z.seq), device=bench.device)
+    labels = ids.masked_fill(torch.rand(ids.shape, device=bench.device) >= LABELLED, -100)
+    train = _train_step({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    steps = {"fusedlm": _step(lambda: train(ours)), "transformers": _step(lambda: train(theirs))}
+    yield _case("transformers BERT MLM training step, patched", shape, steps, ids.numel(), {})
+
+
+MODELS = {"bert": bert, "gpt": gpt, "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer,
+          "hf-bert": hf_bert}

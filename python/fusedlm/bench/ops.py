@@ -1,0 +1,255 @@
+"""The fused ops' cases: each op and pass on every fusedlm kernel backend that takes the
+call, against torch's eager composition of the same computation, torch.compile of it, and
+SDPA for attention.
+
+Shapes. GPU: BERT-base (32 x 128 tokens, hidden 768, FFN 3072, vocab 30522, 15% of tokens
+labelled for the masked-LM loss), GPT-2 small (8 x 1024 tokens, vocab 50257), the
+add+LayerNorm bandwidth target (65536 tokens x hidden 1024), padded BERT batches of
+lengths 128 to 512 and long causal sequences (2048 to 8192) at head dims 64 and 128, in
+bfloat16. CPU: BERT-base at batch 8 x seq 128 in float32 (and bfloat16 where the op is
+memory-bound, and for attention), one causal sequence of 1024. --quick: tiny shapes in
+float32, to check the command rather than measure.
+
+Each case's work is the least traffic (GB/s) or the matrix-product FLOPs (TFLOP/s) a
+fused implementation needs; a baseline's rate is the same work over its own time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .case import Bench, Case, passes
+
+
+@dataclass(frozen=True)
+class Shapes:
+    dtypes: tuple  # the memory-bound ops and attention
+    matmul_dtypes: tuple  # gelu_ffn and the losses
+    tokens: int
+    hidden: int
+    ffn: int
+    vocab: int
+    layer_norm: tuple  # (tokens, hidden) ...
+    ffn_tokens: tuple
+    cross_entropy: tuple  # (tokens, vocab) ...
+    heads: int
+    bert_seqs: tuple  # padded batches of `tokens` tokens, lengths uniform in [seq/2, seq]
+    long_seqs: tuple  # causal, `long_tokens` tokens a batch, `long_hidden` wide
+    long_dims: tuple
+    long_hidden: int
+    long_tokens: int
+    copy_bytes: int  # the ceilings
+    matmul: int
+
+
+_BF16, _FP32 = torch.bfloat16, torch.float32
+GPU = Shapes(dtypes=(_BF16,), matmul_dtypes=(_BF16,), tokens=32 * 128, hidden=768, ffn=3072,
+             vocab=30522, layer_norm=((65536, 1024), (32 * 128, 768)), ffn_tokens=(32 * 128, 8 * 1024),
+             cross_entropy=((32 * 128, 30522), (8 * 1024, 50257)), heads=12,
+             bert_seqs=(128, 256, 512), long_seqs=(2048, 4096, 8192), long_dims=(64, 128),
+             long_hidden=2048, long_tokens=8192, copy_bytes=2 << 30, matmul=8192)
+CPU = Shapes(dtypes=(_FP32, _BF16), matmul_dtypes=(_FP32,), tokens=8 * 128, hidden=768, ffn=3072,
+             vocab=30522, layer_norm=((8 * 128, 768),), ffn_tokens=(8 * 128,),
+             cross_entropy=((8 * 128, 30522),), heads=12, bert_seqs=(128,), long_seqs=(1024,),
+             long_dims=(64,), long_hidden=768, long_tokens=1024, copy_bytes=256 << 20, matmul=2048)
+QUICK = Shapes(dtypes=(_FP32,), matmul_dtypes=(_FP32,), tokens=16, hidden=32, ffn=64, vocab=300,
+               layer_norm=((16, 48),), ffn_tokens=(16,), cross_entropy=((16, 300),), heads=2,
+               bert_seqs=(8,), long_seqs=(24,), long_dims=(16,), long_hidden=32, long_tokens=24,
+               copy_bytes=1 << 20, matmul=64)
+LABELLED = 0.15
+
+
+def shapes_for(bench: Bench) -> Shapes:
+    if bench.quick:
+        return QUICK
+    return GPU if bench.device.type == "cuda" else CPU
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def add_layer_norm(bench: Bench) -> Iterator[Case]:
+    for dtype in shapes_for(bench).dtypes:
+        for tokens, hidden in shapes_for(bench).layer_norm:
+            inputs = [bench.tensor(tokens, hidden, dtype=dtype), bench.tensor(tokens, hidden, dtype=dtype),
+                      bench.tensor(hidden, dtype=dtype), bench.tensor(hidden, dtype=dtype)]
+
+            def eager(x, r, w, b, hidden=hidden):
+                summed = x + r
+                return F.layer_norm(summed, (hidden,), w, b), summed
+
+            impls, skipped = bench.fused("add_layer_norm", inputs)
+            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
+            # Forward: x and the residual read, out and summed written. Backward: the
+            # upstream gradient and summed read, one gradient (x's = the residual's) written.
+            size = tokens * hidden * inputs[0].element_size()
+            yield from passes("add_layer_norm", f"{tokens}x{hidden} {_name(dtype)}", impls,
+                              unit="GB/s", work={"forward": 4 * size, "forward+backward": 7 * size},
+                              skipped=skipped)
+
+
+def bias_gelu(bench: Bench) -> Iterator[Case]:
+    s = shapes_for(bench)
+    for dtype in s.dtypes:
+        inputs = [bench.tensor(s.tokens, s.ffn, dtype=dtype), bench.tensor(s.ffn, dtype=dtype)]
+
+        def eager(x, b):
+            return F.gelu(x + b)
+
+        impls, skipped = bench.fused("bias_gelu", inputs)
+        impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
+        # Forward: x read, y written; backward: the upstream gradient and x read, dx written.
+        size = s.tokens * s.ffn * inputs[0].element_size()
+        yield from passes("bias_gelu", f"{s.tokens}x{s.ffn} {_name(dtype)}", impls, unit="GB/s",
+                          work={"forward": 2 * size, "forward+backward": 5 * size}, skipped=skipped)
+
+
+def gelu_ffn(bench: Bench) -> Iterator[Case]:
+    s = shapes_for(bench)
+    d, f = s.hidden, s.ffn
+    for dtype in s.matmul_dtypes:
+        for tokens in s.ffn_tokens:
+            inputs = [bench.tensor(tokens, d, dtype=dtype),
+                      bench.tensor(f, d, dtype=dtype, scale=d ** -0.5), bench.tensor(f, dtype=dtype),
+                      bench.tensor(d, f, dtype=dtype, scale=f ** -0.5), bench.tensor(d, dtype=dtype)]
+
+            def eager(x, w1, b1, w2, b2):
+                return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+            def matmuls(x, w1, b1, w2, b2):
+                """The two bare products: what the fused op should come close to."""
+                return (x @ w1.t()) @ w2.t()
+
+            impls, skipped = bench.fused("gelu_ffn", inputs)
+            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs),
+                         matmuls=(matmuls, inputs))
+            flops = 2 * 2 * tokens * d * f
+            yield from passes("gelu_ffn", f"{tokens}x{d}->{f}->{d} {_name(dtype)}", impls,
+                              unit="TFLOP/s", work={"forward": flops, "forward+backward": 3 * flops},
+                              skipped=skipped)
+
+
+def cross_entropy(bench: Bench) -> Iterator[Case]:
+    s = shapes_for(bench)
+    for dtype in s.matmul_dtypes:
+        for tokens, vocab in s.cross_entropy:
+            inputs = [bench.tensor(tokens, vocab, dtype=dtype),
+                      torch.randint(0, vocab, (tokens,), device=bench.device)]
+
+            def eager(x, y):
+                return F.cross_entropy(x.float(), y)
+
+            impls, skipped = bench.fused("cross_entropy", inputs)
+            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
+            # The logits read; with the backward, their gradient written too.
+            size = tokens * vocab * inputs[0].element_size()
+            yield from passes("cross_entropy", f"{tokens}x{vocab} {_name(dtype)}", impls,
+                              unit="GB/s", work={"forward": size, "forward+backward": 2 * size},
+                              skipped=skipped)
+
+
+def masked_lm_loss(bench: Bench) -> Iterator[Case]:
+    s = shapes_for(bench)
+    tokens, d, vocab = s.tokens, s.hidden, s.vocab
+    for dtype in s.matmul_dtypes:
+        labels = torch.randint(0, vocab, (tokens,), device=bench.device)
+        labels = labels.masked_fill(torch.rand(tokens, device=bench.device) >= LABELLED, -100)
+        inputs = [bench.tensor(tokens, d, dtype=dtype), bench.tensor(vocab, d, dtype=dtype, scale=d ** -0.5),
+                  bench.tensor(vocab, dtype=dtype), labels]
+
+        def eager(h, w, b, y):
+            """What BERT implementations run: logits for every token, then the loss."""
+            return F.cross_entropy(F.linear(h, w, b).float(), y)
+
+        def gathered(h, w, b, y):
+            """The labelled rows selected first: the cheap half of the fused op's saving."""
+            keep = y != -100
+            return F.cross_entropy(F.linear(h[keep], w, b).float(), y[keep])
+
+        impls, skipped = bench.fused("masked_lm_loss", inputs)
+        impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs),
+                     **{"eager-gathered": (gathered, inputs)})
+        flops = 2 * int((labels != -100).sum()) * d * vocab  # the labelled rows' projection
+        yield from passes("masked_lm_loss", f"{tokens}x{d}->{vocab} {_name(dtype)}, "
+                          f"{LABELLED:.0%} labelled", impls, unit="TFLOP/s",
+                          work={"forward": flops, "forward+backward": 3 * flops}, skipped=skipped)
+
+
+def _eager_attention(q, k, v, allowed=None, causal=False):
+    """The unfused composition: scores, mask, softmax, product."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        seq_q, seq_k = scores.shape[-2:]
+        above = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).triu(seq_k - seq_q + 1)
+        scores = scores.masked_fill(above, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _attention_flops(pairs: int, heads: int, head_dim: int) -> dict:
+    """QK^T and PV over `pairs` (query, key) pairs forward, and 2.5 times that again
+    backward (dV, dP, dS K, dS^T Q)."""
+    forward = 4 * pairs * heads * head_dim
+    return {"forward": forward, "forward+backward": 3.5 * forward}
+
+
+def _attention_baselines(bench: Bench, inputs: list, **mask) -> dict:
+    def sdpa(q, k, v):
+        if "allowed" in mask:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask["allowed"])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask.get("causal", False))
+
+    def eager(q, k, v):
+        return _eager_attention(q, k, v, **mask)
+
+    return {"sdpa": (sdpa, inputs), "eager": (eager, inputs), "compiled": (bench.compile(eager), inputs)}
+
+
+def attention(bench: Bench) -> Iterator[Case]:
+    """BERT batches without padding; BERT batches with padding (fusedlm packs the real
+    tokens and runs attention_varlen, as its BERT does; torch gets the padded batch and a
+    mask); long causal sequences."""
+    s = shapes_for(bench)
+    heads, head_dim = s.heads, s.hidden // s.heads
+    generator = torch.Generator().manual_seed(0)
+    for dtype in s.dtypes:
+        for seq in s.bert_seqs:
+            batch = s.tokens // seq
+            shape = f"{batch}x{heads}x{seq}x{head_dim} {_name(dtype)}"
+            inputs = [bench.tensor(batch, heads, seq, head_dim, dtype=dtype) for _ in range(3)]
+            impls, skipped = bench.fused("attention", inputs)
+            impls.update(_attention_baselines(bench, inputs))
+            yield from passes("attention", shape, impls, unit="TFLOP/s", skipped=skipped,
+                              work=_attention_flops(batch * seq * seq, heads, head_dim))
+
+            lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=generator).tolist()
+            lengths[0] = seq  # the longest fills the padded batch
+            allowed = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]
+            allowed = allowed.to(bench.device)[:, None, None, :]
+            cu_seqlens = torch.tensor([0] + lengths, device=bench.device).cumsum(0).to(torch.int32)
+            packed = [bench.tensor(sum(lengths), heads, head_dim, dtype=dtype) for _ in range(3)]
+            packed += [cu_seqlens, cu_seqlens, seq, seq]
+            impls, skipped = bench.fused("attention_varlen", packed)
+            impls.update(_attention_baselines(bench, inputs, allowed=allowed))
+            yield from passes("attention padded", f"{shape}, lengths {seq // 2}-{seq}", impls,
+                              unit="TFLOP/s", skipped=skipped,
+                              work=_attention_flops(sum(n * n for n in lengths), heads, head_dim))
+        for dim in s.long_dims:
+            wide = s.long_hidden // dim  # heads
+            for seq in s.long_seqs:
+                batch = max(1, s.long_tokens // seq)
+                inputs = [bench.tensor(batch, wide, seq, dim, dtype=dtype) for _ in range(3)]
+                impls, skipped = bench.fused("attention", inputs, causal=True)
+                impls.update(_attention_baselines(bench, inputs, causal=True))
+                yield from passes("attention causal", f"{batch}x{wide}x{seq}x{dim} {_name(dtype)}",
+                                  impls, unit="TFLOP/s", skipped=skipped,
+                                  work=_attention_flops(batch * seq * (seq + 1) // 2, wide, dim))
+
+
+OPS = {"attention": attention, "add_layer_norm": add_layer_norm, "bias_gelu": bias_gelu,
+       "gelu_ffn": gelu_ffn, "cross_entropy": cross_entropy, "masked_lm_loss": masked_lm_loss}

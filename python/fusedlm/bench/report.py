@@ -1,0 +1,147 @@
+"""The results of a run as a table, a JSON report and a bar chart of the speed-ups."""
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .case import is_fused
+
+# (benchmark prefix, baseline, the least speed-up that meets the project's target)
+TARGETS = (("gelu_ffn", "matmuls", 1 / 1.1), ("masked_lm_loss", "eager", 5.0))
+# add+LayerNorm's forward at 65536 x 1024 should reach this share of the copy bandwidth.
+LAYER_NORM_TARGET = ("add_layer_norm forward", "65536x1024", 0.8)
+
+
+def targets(rows: list) -> list:
+    verdicts = []
+    for row in rows:
+        if not is_fused(row["impl"]):
+            continue
+        label = f"{row['benchmark']} [{row['shape']}] {row['impl']}"
+        for prefix, baseline, least in TARGETS:
+            if row["benchmark"].startswith(prefix) and baseline in row["speedups"]:
+                ratio = row["speedups"][baseline]
+                verdicts.append({"benchmark": label, "against": baseline, "value": ratio,
+                                 "target": least, "met": ratio >= least})
+        benchmark, shape, least = LAYER_NORM_TARGET
+        if row["benchmark"] == benchmark and row["shape"].startswith(shape):
+            verdicts.append({"benchmark": label, "against": "copy bandwidth", "value": row["of_peak"],
+                             "target": least, "met": row["of_peak"] >= least})
+    return verdicts
+
+
+def report(device: torch.device, quick: bool, statistic: str, ceilings: dict, rows: list,
+           skipped: list) -> dict:
+    return {"device": device_name(device), "date": datetime.date.today().isoformat(),
+            "commit": git_commit(), "versions": versions(), "quick": quick,
+            "statistic": statistic, "ceilings": ceilings,
+            # The targets are the project's for a GPU, at the GPU shapes.
+            "targets": targets(rows) if device.type == "cuda" and not quick else [], "rows": rows,
+            "skipped": skipped}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def slug(name: str) -> str:
+    """A device name as a file name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def git_commit():
+    """The commit of the source tree fusedlm runs from (with -dirty for uncommitted changes),
+    or None when it is not in a git checkout (an installed package)."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+def versions() -> dict:
+    import fusedlm
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"fusedlm": fusedlm.__version__, "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "cpu_capability": fusedlm._C.cpu_capability()}
+
+
+def _rate(row: dict) -> tuple[str, str]:
+    if "rate" not in row:
+        return "", ""
+    unit = row["unit"]
+    rate = f"{row['rate']:.3g} {unit}" if unit != "tokens/s" else f"{row['rate']:.0f} {unit}"
+    return rate, (f"{row['of_peak']:.0%}" if "of_peak" in row else "")
+
+
+def table(result: dict) -> str:
+    """One line per implementation, the benchmark named on its first; fusedlm's lines carry
+    the speed-up over each baseline (baseline time / fusedlm time: above 1, fusedlm is faster)."""
+    c = result["ceilings"]
+    lines = [f"device: {result['device']}; ceilings: copy {c['copy_GBps']:.1f} GB/s, "
+             f"{c['matmul_dtype']} matmul {c['matmul_TFLOPs']:.2f} TFLOP/s; "
+             f"times: {result['statistic']} of rounds"]
+    cells, previous = [], None
+    for row in result["rows"]:
+        name = f"{row['benchmark']} [{row['shape']}]"
+        speedups = "  ".join(f"{b} {s:.2f}x" for b, s in row.get("speedups", {}).items())
+        cells.append([name if name != previous else "", row["impl"], f"{row['time_ms']:.3f}",
+                      speedups, *_rate(row)])
+        previous = name
+    header = ["benchmark", "impl", "ms", "speed-up", "rate", "of peak"]
+    widths = [max(len(r[i]) for r in cells + [header]) for i in range(len(header))]
+    right = {2, 5}
+    for r in [header] + cells:
+        lines.append("  ".join(v.rjust(w) if i in right else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(r, widths))).rstrip())
+    for s in result["skipped"]:
+        lines.append(f"no row: {s['benchmark']} [{s['shape']}] {s['impl']}: {s['reason']}")
+    for t in result["targets"]:
+        lines.append(f"target: {t['benchmark']} vs {t['against']}: {t['value']:.2f} "
+                     f"(>= {t['target']:.2f}) {'met' if t['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """A horizontal bar per fusedlm row and baseline: its speed-up, on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fused = [r for r in result["rows"] if r.get("speedups")]
+    baselines = sorted({b for r in fused for b in r["speedups"]})
+    height = 0.8 / max(1, len(baselines))
+    fig, ax = plt.subplots(figsize=(10, 1.5 + 0.35 * len(fused) * max(1, len(baselines)) ** 0.5))
+    for i, baseline in enumerate(baselines):
+        ys = [j + i * height for j, r in enumerate(fused) if baseline in r["speedups"]]
+        xs = [r["speedups"][baseline] for r in fused if baseline in r["speedups"]]
+        ax.barh(ys, xs, height=height, label=baseline)
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(fused))])
+    ax.set_yticklabels([f"{r['benchmark']} [{r['shape']}] {r['impl']}" for r in fused], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speed-up of fusedlm (baseline time / fusedlm time)")
+    ax.set_title(f"fusedlm bench: {result['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

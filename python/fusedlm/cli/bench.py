@@ -1,0 +1,68 @@
+"""fusedlm bench: the fused ops and the models' steps against PyTorch, as a table."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+from .common import resolve_device
+from .errors import UsageError
+
+
+def add_parser(commands) -> None:
+    from ..bench import MODELS, OPS
+
+    p = commands.add_parser("bench", help="benchmark the fused ops and models against PyTorch",
+                            description="Times each fused op (on every fusedlm backend that takes "
+                                        "it) and each model's step against PyTorch eager, "
+                                        "torch.compile and SDPA, and prints time, speed-up, "
+                                        "GB/s or TFLOP/s and the share of the device's measured "
+                                        "peak. Without --ops or --models: all of both.")
+    p.add_argument("--device", help="cpu or cuda (default cuda if present)")
+    p.add_argument("--ops", nargs="+", metavar="OP", help=f"among {', '.join(OPS)}")
+    p.add_argument("--models", nargs="+", metavar="MODEL", help=f"among {', '.join(MODELS)}")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write every row, the device, "
+                   "versions, commit and ceilings here")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="a bar chart of the speed-ups (needs matplotlib)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes and few rounds: checks the benchmarks, measures nothing")
+    p.set_defaults(run=run)
+
+
+def _names(option: str, given, known: dict) -> list:
+    if given is None:
+        return []
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise UsageError(f"{option}: unknown {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(known)})")
+    return list(dict.fromkeys(given))
+
+
+def _writable(option: str, path):
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"{option} {path}: no such directory {path.parent}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import bench
+    from ..bench import report
+
+    ops = _names("--ops", args.ops, bench.OPS)
+    models = _names("--models", args.models, bench.MODELS)
+    if args.ops is None and args.models is None:
+        ops, models = list(bench.OPS), list(bench.MODELS)
+    device = resolve_device(args.device)
+    _writable("--json", args.json)
+    _writable("--plot", args.plot)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)")
+    result = bench.run(device, ops, models, quick=args.quick)
+    print(report.table(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot is not None:
+        report.plot(result, args.plot)
+    return 0
