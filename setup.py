@@ -163,7 +163,7 @@ setup(
         "hf": ["transformers", "tokenizers", "safetensors"],
         "cli": ["tokenizers", "safetensors", "tqdm", "matplotlib"],
         "elmo": ["h5py"],
-        "test": ["pytest", "pytest-benchmark", "hypothesis"],
+        "test": ["pytest", "hypothesis"],
     },
     zip_safe=False,
 )

@@ -2,12 +2,14 @@
 # Builds, tests and benchmarks fusedlm on a GPU machine, with that machine's own torch and
 # triton (no network, no virtual environment).
 #
-#   scripts/gpu_check.sh STAGE [OUTDIR]     STAGE: build | test | bench | sanitize | all
+#   scripts/gpu_check.sh STAGE [OUTDIR]
+#   STAGE: build | test | bench | bench-models | sanitize | all
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16)
 # test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
-# bench     fusedlm bench --device cuda: every op on each GPU backend and each model step
-#           against torch, with the device's ceilings; the JSON also goes to
+# bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
+#           torch, with the device's ceilings
+# bench-models  the same for each model's steps; both stages' rows also go to one record,
 #           benchmarks/results/<device>-<date>.json
 # sanitize  compute-sanitizer memcheck and racecheck over a small run of every cuda kernel
 #
@@ -61,19 +63,33 @@ stage_test() {
       -k "cuda" --junitxml="$OUT/test-cuda.xml" -rfE
 }
 
-stage_bench() {
+stage_bench() {  # part: ops or models (one stage each, so that each fits a stage's time)
+  local part=${1:-ops} stage=bench
+  [ "$part" = models ] && stage=bench-models
+  local names
+  names=$("$PY" -c "import fusedlm.bench as b; print(*b.${part^^})") || return
   # The chart only where matplotlib is installed: the numbers matter more than the picture.
   local plot=()
-  "$PY" -c "import matplotlib" 2> /dev/null && plot=(--plot "$OUT/bench.png")
-  run_stage bench env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda \
-      --json "$OUT/bench.json" ${plot[@]+"${plot[@]}"} || return
+  "$PY" -c "import matplotlib" 2> /dev/null && plot=(--plot "$OUT/$stage.png")
+  # shellcheck disable=SC2086  # names is a list of words
+  run_stage "$stage" env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda --$part $names \
+      --json "$OUT/$stage.json" ${plot[@]+"${plot[@]}"} || return
+  # One record a device and day: the parts measured so far, rows and skips together.
   local name
-  name=$("$PY" -c 'import json, sys; from fusedlm.bench.report import slug
-r = json.load(open(sys.argv[1])); print(slug(r["device"]) + "-" + r["date"] + ".json")' \
-    "$OUT/bench.json") || return
-  mkdir -p benchmarks/results
-  cp "$OUT/bench.json" "benchmarks/results/$name"
-  echo "results: $OUT/bench.json, benchmarks/results/$name"
+  name=$("$PY" - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+from fusedlm.bench.report import slug
+parts = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("bench*.json"))]
+record = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
+              skipped=[s for p in parts for s in p["skipped"]])
+name = slug(record["device"]) + "-" + record["date"] + ".json"
+Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
+Path("benchmarks/results", name).write_text(json.dumps(record, indent=2) + "\n")
+print(name)
+PYEOF
+  ) || return
+  echo "results: $OUT/$stage.json, benchmarks/results/$name"
 }
 
 stage_sanitize() {
@@ -98,19 +114,23 @@ stage_sanitize() {
 status=0
 case "$STAGE" in
   build|test|bench|sanitize) "stage_$STAGE" || status=$? ;;
+  bench-models) stage_bench models || status=$? ;;
   all) if stage_build; then
          for s in test bench sanitize; do "stage_$s" || status=$?; done
+         stage_bench models || status=$?
        else
          status=1
        fi ;;
-  *) echo "usage: $0 build|test|bench|sanitize|all [OUTDIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 build|test|bench|bench-models|sanitize|all [OUTDIR]" >&2; exit 2 ;;
 esac
 
 echo
 printf '%-9s %-12s %6s  %s\n' stage result time log
 printf '%s\n' "${SUMMARY[@]}"
-if [ -f "$OUT/bench.log" ] && [[ "$STAGE" == bench || "$STAGE" == all ]]; then
-  echo
-  sed -n '/^benchmark /,$p' "$OUT/bench.log"
-fi
+for log in "$OUT/bench.log" "$OUT/bench-models.log"; do
+  if [ -f "$log" ] && [[ "$STAGE" == bench* || "$STAGE" == all ]]; then
+    echo
+    sed -n '/^benchmark /,$p' "$log"
+  fi
+done
 exit "$status"
