@@ -201,9 +201,12 @@ class LstmDirection(nn.Module):
             return self._torch_forward(x, mask)
         batch, seq, _ = x.shape
         weight = self.state_linearity.weight.t()  # [proj, 4 * cell]
-        # The input's share of the gates and the bias, every step at once and time-major
-        # [seq, batch, 4 * cell]: each step then adds W_h h in one addmm on a contiguous block.
+        # The input's share of the gates and the bias, every step at once, time-major: each
+        # step then adds W_h h in one addmm on a contiguous block. unbind, not inputs[t]: the
+        # backward of one unbind stacks the steps' gradients once, where each select's
+        # would add a whole [seq, batch, 4 * cell] gradient per step.
         inputs = (self.input_linearity(x) + self.state_linearity.bias).transpose(0, 1).contiguous()
+        inputs = inputs.unbind(0)  # seq x [batch, 4 * cell]
         h = weight.new_zeros(batch, weight.shape[0])
         c = weight.new_zeros(batch, self.state_projection.weight.shape[1])
         cell_step = lstm_cell_stepper(inputs[0].to(c.dtype), c, cell_clip=self.cell_clip,
