@@ -176,7 +176,10 @@ class BertEncoder(nn.Module):
         """x [batch, seq, hidden] -> (last hidden state, every layer's input and output or None)."""
         batch, seq = x.shape[:2]
         packing, unpack = None, (lambda h: h)
-        if attention_mask is not None and not bool(attention_mask.all()):
+        # Whether the batch has padding is data: torch.compile would break the graph to
+        # read it, so a compiled forward packs every masked batch (the same result).
+        if attention_mask is not None and (torch.compiler.is_compiling()
+                                           or not bool(attention_mask.all())):
             x, indices, cu_seqlens, max_seqlen = ops.unpad(x, attention_mask == 0)  # [tokens, hidden]
             packing = (cu_seqlens, max_seqlen)
             unpack = lambda h: ops.pad(h, indices, batch, seq)  # noqa: E731

@@ -95,10 +95,13 @@ class ElectraModel(ElectraPreTrainedModel):
 
 def replaced_token_loss(logits: Tensor, labels: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
     """Binary cross-entropy of 'replaced' over the real tokens (mean)."""
-    if attention_mask is not None:
-        real = attention_mask == 1
-        logits, labels = logits[real], labels[real]
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    if attention_mask is None:
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    # A weighted mean rather than selecting the real tokens: no data-dependent size, so
+    # torch.compile keeps it in the graph.
+    per_token = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
+    real = (attention_mask == 1).float()
+    return (per_token * real).sum() / real.sum()
 
 
 class ElectraDiscriminator(ElectraPreTrainedModel):
@@ -159,7 +162,8 @@ class ElectraGenerator(ElectraPreTrainedModel):
 def gumbel_sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
     """One draw per row of softmax(logits) [rows, vocab] (Gumbel-max), without gradient."""
     device = generator.device if generator is not None else logits.device
-    uniform = torch.rand(logits.shape, generator=generator, device=device).to(logits.device)
+    # rand(shape, generator=None) cannot trace a data-dependent row count; uniform_ can.
+    uniform = torch.empty(logits.shape, device=device).uniform_(generator=generator).to(logits.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(uniform.dtype).tiny)))
     return (logits.detach().float() + gumbel).argmax(-1)
 

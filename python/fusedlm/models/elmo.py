@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ops
+from ..ops.lstm import lstm_cell_stepper
 from ._pretrained import Config, PreTrainedModel
 from .outputs import ModelOutput
 
@@ -199,24 +200,42 @@ class LstmDirection(nn.Module):
         if self.use_torch_lstm:
             return self._torch_forward(x, mask)
         batch, seq, _ = x.shape
-        weight = self.state_linearity.weight
-        projected = self.input_linearity(x)  # [batch, seq, 4 * cell], every step at once
-        h = weight.new_zeros(batch, weight.shape[1])
+        weight = self.state_linearity.weight.t()  # [proj, 4 * cell]
+        # The input's share of the gates and the bias, every step at once, time-major: each
+        # step then adds W_h h in one addmm on a contiguous block. unbind, not inputs[t]: the
+        # backward of one unbind stacks the steps' gradients once, where each select's
+        # would add a whole [seq, batch, 4 * cell] gradient per step.
+        inputs = (self.input_linearity(x) + self.state_linearity.bias).transpose(0, 1).contiguous()
+        inputs = inputs.unbind(0)  # seq x [batch, 4 * cell]
+        h = weight.new_zeros(batch, weight.shape[0])
         c = weight.new_zeros(batch, self.state_projection.weight.shape[1])
+        cell_step = lstm_cell_stepper(inputs[0].to(c.dtype), c, cell_clip=self.cell_clip,
+                                      backend=backend)
         outputs = [None] * seq
-        for t in (range(seq) if self.go_forward else reversed(range(seq))):
-            gates = torch.addmm(self.state_linearity.bias, h, weight.t()) + projected[:, t]
+        for t, everyone in self._steps(mask):
+            gates = torch.addmm(inputs[t], h, weight)
             # The cell state stays in the parameters' dtype under autocast.
-            cell_out, c_new = ops.lstm_cell(gates.to(c.dtype), c, cell_clip=self.cell_clip,
-                                            backend=backend)
+            cell_out, c_new = cell_step(gates.to(c.dtype), c)
             h_new = self.state_projection(cell_out)
             if self.proj_clip is not None:
                 h_new = torch.clamp(h_new, -self.proj_clip, self.proj_clip)
+            if everyone:
+                c, h, outputs[t] = c_new, h_new.to(h.dtype), h_new
+                continue
             keep = mask[:, t, None]
             c = torch.where(keep, c_new, c)
             h = torch.where(keep, h_new.to(h.dtype), h)
             outputs[t] = h_new * keep
         return torch.stack(outputs, dim=1)
+
+    def _steps(self, mask: Tensor):
+        """(t, whether every sequence has a token at t) in this direction's order. Those
+        steps need no masking; which they are is data, read once per call (not traced)."""
+        order = range(mask.shape[1]) if self.go_forward else reversed(range(mask.shape[1]))
+        if torch.compiler.is_compiling():
+            return ((t, False) for t in order)
+        full = mask.all(dim=0).tolist()
+        return ((t, full[t]) for t in order)
 
     def _torch_forward(self, x: Tensor, mask: Tensor) -> Tensor:
         lengths = mask.sum(dim=1)

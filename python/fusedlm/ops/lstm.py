@@ -6,7 +6,7 @@ torch's; cuDNN's LSTM cannot clip the cell, so this is what a clipped LSTM fuses
 gate pre-activations and c_prev are saved for backward; the activations are recomputed.
 """
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -85,3 +85,41 @@ def _lstm_cell_grad(ctx, grad_h, grad_c):
 
 
 _lstm_cell.register_autograd(_lstm_cell_grad, setup_context=_lstm_cell_setup)
+
+
+# --- a loop of steps -----------------------------------------------------------------------------
+
+def lstm_cell_stepper(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[float] = None,
+                      backend: Optional[str] = None) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """lstm_cell planned once for a recurrence whose every step has the shapes, dtype and
+    device of gates and c_prev: the function returned runs one step, step(gates, c_prev)
+    -> (h, c), without validating again.
+
+    A step of a small batch takes tens of microseconds in the kernel; the planner and the
+    custom op's dispatch took several times that. So outside torch.compile the step calls
+    the backend's kernels straight, in a plain autograd.Function; compiled, it is the
+    registered op, which the trace needs.
+    """
+    choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
+    if choice.backend == "reference":
+        return lambda g, c: reference.lstm_cell(g, c, cell_clip=cell_clip)
+    clip = _clip_value(cell_clip)
+    if torch.compiler.is_compiling():
+        return lambda g, c: torch.ops.fusedlm.lstm_cell(g, c, clip, choice.backend)
+    step = kernel(choice.backend, "lstm_cell")
+    return lambda g, c: _LstmCellStep.apply(g, c, clip, step)
+
+
+class _LstmCellStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates, c_prev, cell_clip, step):
+        ctx.cell_clip, ctx.step = cell_clip, step
+        ctx.save_for_backward(gates, c_prev)
+        return step.forward(gates, c_prev, cell_clip)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_c):
+        gates, c_prev = ctx.saved_tensors
+        dgates, dc_prev = ctx.step.backward(grad_h.contiguous(), grad_c.contiguous(), gates, c_prev,
+                                            ctx.cell_clip)
+        return dgates, dc_prev, None, None
