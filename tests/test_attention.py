@@ -67,6 +67,19 @@ def _check_against_reference(backend, leaves, layout, *, bias=None, out_scale=1.
     return out, grads
 
 
+def _assert_matches(out, leaves, expected_of, *, out_scale=1.0, grad_scale=1.0):
+    """out, and the gradients of ``leaves`` under one random output gradient, against
+    ``expected_of`` applied to float64 copies of the leaves."""
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad)
+    ref = as_reference(*leaves)
+    expected = expected_of(*ref)
+    ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    assert_close(out, expected, scale=out_scale, name="out")
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert_close(g, r, scale=grad_scale, name=name)
+
+
 CASES = {
     # name: (batch, heads, seq_q, seq_k, head_dim, options)
     "plain": (2, 3, 37, 37, 32, {}),
@@ -314,15 +327,9 @@ def test_attention_compiles_without_graph_breaks():
         return out.transpose(1, 2).flatten(2) * 2
 
     out = torch.compile(block, fullgraph=True)(*leaves, bias)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves + [bias], grad)
-    ref = as_reference(*leaves, bias)
-    expected = reference.attention(*(t.transpose(1, 2) for t in ref[:3]), key_padding_mask=mask,
-                                   attn_bias=ref[3], causal=True).transpose(1, 2).flatten(2) * 2
-    ref_grads = torch.autograd.grad(expected, ref, grad.double())
-    assert_close(out, expected)
-    for g, r in zip(grads, ref_grads):
-        assert_close(g, r, scale=5)
+    _assert_matches(out, leaves + [bias], lambda q, k, v, bias: reference.attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_padding_mask=mask,
+        attn_bias=bias, causal=True).transpose(1, 2).flatten(2) * 2, grad_scale=5)
 
 
 # --- dropout -------------------------------------------------------------------------------------
@@ -405,15 +412,9 @@ def test_attention_dropout_is_the_backends_stream(backend):
     keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), p)
     out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, dropout_p=p,
                                 backend=backend)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, grad)
-    ref = as_reference(*leaves)
-    expected = reference.attention(*_views(ref, "bshd"), key_padding_mask=mask, causal=True,
-                                   dropout_p=p, dropout_mask=keep)
-    ref_grads = torch.autograd.grad(expected, ref, grad.double())
-    assert_close(out, expected, scale=2, name="out")
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(g, r, scale=4, name=name)
+    _assert_matches(out, leaves, lambda *ref: reference.attention(
+        *_views(ref, "bshd"), key_padding_mask=mask, causal=True, dropout_p=p, dropout_mask=keep),
+        out_scale=2, grad_scale=4)
 
 
 @pytest.mark.parametrize("backend", backends_for("attention_varlen"))
@@ -430,15 +431,9 @@ def test_attention_varlen_dropout_is_the_backends_stream(backend):
     keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
                                        backend=backend)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref = as_reference(q, k, v)
-    expected = reference.attention_varlen(*ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
-                                          dropout_mask=keep)
-    ref_grads = torch.autograd.grad(expected, ref, grad.double())
-    assert_close(out, expected, scale=2, name="out")
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(g, r, scale=4, name=name)
+    _assert_matches(out, (q, k, v), lambda *ref: reference.attention_varlen(
+        *ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p, dropout_mask=keep),
+        out_scale=2, grad_scale=4)
 
 
 @pytest.mark.parametrize("backend", backends_for("attention_varlen"))
@@ -453,15 +448,8 @@ def test_attention_varlen_dropout_replays_its_mask(backend):
     keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
                                        backend=backend)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref = as_reference(q, k, v)
-    expected = reference.attention_varlen(*ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
-                                          dropout_mask=keep)
-    ref_grads = torch.autograd.grad(expected, ref, grad.double())
-    assert_close(out, expected)
-    for g, r in zip(grads, ref_grads):
-        assert_close(g, r, scale=2)
+    _assert_matches(out, (q, k, v), lambda *ref: reference.attention_varlen(
+        *ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p, dropout_mask=keep), grad_scale=2)
 
 
 # --- attention_varlen ----------------------------------------------------------------------------
@@ -496,15 +484,9 @@ def test_attention_varlen_matches_reference(backend, dtype, causal, case):
                      max(lengths_k), causal=causal)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                        causal=causal, backend=backend)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref = as_reference(q, k, v)
-    expected = reference.attention_varlen(*ref, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                          causal=causal)
-    ref_grads = torch.autograd.grad(expected, ref, grad.double())
-    assert_close(out, expected, name="out")
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(g, r, dtype=dtype, scale=2 if dtype == torch.float32 else 3, name=name)
+    _assert_matches(out, (q, k, v), lambda *ref: reference.attention_varlen(
+        *ref, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal),
+        grad_scale=2 if dtype == torch.float32 else 3)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -556,14 +538,8 @@ def test_attention_varlen_compiles_without_graph_breaks():
                                             backend="cpu") * 2
 
     out = torch.compile(attend, fullgraph=True)(q, k, v)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    ref = as_reference(q, k, v)
-    expected = reference.attention_varlen(*ref, cu_q, cu_k, 11, 12, causal=True) * 2
-    ref_grads = torch.autograd.grad(expected, ref, grad.double())
-    assert_close(out, expected)
-    for g, r in zip(grads, ref_grads):
-        assert_close(g, r, scale=2)
+    _assert_matches(out, (q, k, v), lambda *ref: reference.attention_varlen(
+        *ref, cu_q, cu_k, 11, 12, causal=True) * 2, grad_scale=2)
 
 
 def test_unpad_attention_varlen_pad_compiles_without_graph_breaks():

@@ -10,6 +10,7 @@ import torch
 import fusedlm
 from fusedlm.models import GPTConfig, GPTLMHeadModel, GPTModel
 from fusedlm.models.gpt import KVCache, filter_logits
+from models_helpers import train
 from test_readme import _python_block
 
 transformers = pytest.importorskip("transformers")
@@ -149,29 +150,17 @@ def _corpus() -> torch.Tensor:
     return torch.tensor(list(text.encode()), dtype=torch.long)
 
 
-def _batches(corpus, steps, batch=16, seq=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        starts = torch.randint(0, corpus.numel() - seq, (batch,), generator=g)
-        yield torch.stack([corpus[s:s + seq] for s in starts.tolist()])
+def _batch(corpus, generator, batch=16, seq=32):
+    starts = torch.randint(0, corpus.numel() - seq, (batch,), generator=generator)
+    ids = torch.stack([corpus[s:s + seq] for s in starts.tolist()])
+    return {"input_ids": ids, "labels": ids}
 
 
 def _train(steps, backend=None, seed=0):
     torch.manual_seed(seed)
     model = GPTLMHeadModel(_config(vocab_size=256, n_embd=48, n_positions=32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    fusedlm.set_backend(backend)
-    try:
-        for ids in _batches(_corpus(), steps):
-            loss = model(ids, labels=ids).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    finally:
-        fusedlm.set_backend(None)
-    return losses
+    corpus = _corpus()
+    return train(model, lambda generator: _batch(corpus, generator), steps, backend, seed=seed)
 
 
 def test_the_model_trains():

@@ -310,6 +310,133 @@ def check_inputs(input_ids: Tensor, attention_mask: Optional[Tensor], token_type
                              f"{tuple(t.shape)}")
 
 
+# --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
+#
+# Each mixin goes before a task model base (BertTaskModel, ElectraTaskModel) whose
+# ``base_model`` is the encoder, and gives the head's forward (and, where the head's
+# modules are the same in both families, its __init__).
+
+def classifier_dropout(config: BertConfig) -> float:
+    return config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
+
+
+def classification_loss(logits: Tensor, labels: Tensor, config: BertConfig) -> Tensor:
+    """transformers' rule: regression for one label, single-label for integer labels,
+    multi-label (independent sigmoids) otherwise, unless config.problem_type says."""
+    problem = config.problem_type
+    if problem is None:
+        if config.num_labels == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.int64, torch.int32):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.view(logits.shape[:-1]).float())
+    if problem == "single_label_classification":
+        return ops.cross_entropy(logits, labels.long(), ignore_index=IGNORE_INDEX)
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+def span_logits(logits: Tensor, attention_mask: Optional[Tensor]) -> tuple:
+    """[batch, seq, 2] -> start and end logits [batch, seq]; padding can never be an answer
+    (its logits are the dtype's lowest value)."""
+    start, end = logits.float().unbind(-1)
+    if attention_mask is not None:
+        padding = attention_mask == 0
+        lowest = torch.finfo(start.dtype).min
+        start, end = start.masked_fill(padding, lowest), end.masked_fill(padding, lowest)
+    return start, end
+
+
+def span_loss(start: Tensor, end: Tensor, start_positions: Tensor, end_positions: Tensor) -> Tensor:
+    """transformers' QA loss: the mean of the start and end cross-entropies; positions
+    outside the sequence are clamped to seq and ignored."""
+    seq = start.shape[1]
+    start_positions, end_positions = start_positions.clamp(0, seq), end_positions.clamp(0, seq)
+    return (ops.cross_entropy(start, start_positions, ignore_index=seq)
+            + ops.cross_entropy(end, end_positions, ignore_index=seq)) / 2
+
+
+class MaskedLMMixin:
+    """The masked LM through the model's ``head`` (a BertLMHead), tied to the encoder's
+    word embeddings."""
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, output_hidden_states: bool = False,
+                return_logits: bool = False) -> ModelOutput:
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
+                              output_hidden_states)
+        loss, logits = self.head(out.last_hidden_state,
+                                 self.base_model.embeddings.word_embeddings.weight,
+                                 labels, return_logits)
+        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
+                           hidden_states=out.hidden_states)
+
+
+class SequenceClassificationMixin:
+    """One label per sequence: the model's ``classify`` turns the encoder's output into
+    logits [batch, num_labels]; the loss follows classification_loss."""
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
+                              output_hidden_states)
+        logits = self.classify(out)
+        loss = None if labels is None else classification_loss(logits, labels, self.config)
+        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
+                           pooler_output=out.pooler_output, hidden_states=out.hidden_states)
+
+
+class TokenClassificationMixin:
+    """A label per token: ``classifier`` over the dropped-out hidden states."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.dropout = classifier_dropout(config)
+        self.init_weights()
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
+                              output_hidden_states)
+        logits = self.classifier(F.dropout(out.last_hidden_state, self.dropout, self.training))
+        loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
+                           hidden_states=out.hidden_states)
+
+
+class QuestionAnsweringMixin:
+    """Answer spans: ``qa_outputs`` gives each token a start and an end logit."""
+
+    def __init__(self, config: BertConfig):
+        # transformers sizes qa_outputs by num_labels and reads it as (start, end).
+        if config.num_labels != 2:
+            raise ValueError(f"question answering needs num_labels == 2 (start and end), got "
+                             f"{config.num_labels}")
+        super().__init__(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.init_weights()
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                start_positions: Optional[Tensor] = None, end_positions: Optional[Tensor] = None,
+                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
+                              output_hidden_states)
+        start, end = span_logits(self.qa_outputs(out.last_hidden_state), attention_mask)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = span_loss(start, end, start_positions, end_positions)
+        return QuestionAnsweringOutput(loss=loss, start_logits=start, end_logits=end,
+                                       last_hidden_state=out.last_hidden_state,
+                                       hidden_states=out.hidden_states)
+
+
 # --- the models --------------------------------------------------------------------------------
 
 class BertModel(BertPreTrainedModel):
@@ -336,7 +463,21 @@ class BertModel(BertPreTrainedModel):
         return ModelOutput(last_hidden_state=hidden, pooler_output=pooled, hidden_states=states)
 
 
-class BertForPreTraining(BertPreTrainedModel):
+class BertTaskModel(BertPreTrainedModel):
+    """Base of the models that put a task head on a BertModel, kept as ``bert`` (their
+    checkpoints' prefix); ``pooled``: whether it has the pooler."""
+
+    def __init__(self, config: BertConfig, pooled: bool = False):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, add_pooling_layer=pooled)
+
+    @property
+    def base_model(self) -> BertModel:
+        return self.bert
+
+
+class BertForPreTraining(BertTaskModel):
     """Masked LM + next-sentence prediction. The loss is the sum of the losses whose
     labels are given (``labels``: token ids, -100 = not predicted; ``next_sentence_label``:
     0 = B follows A, 1 = random B)."""
@@ -345,9 +486,7 @@ class BertForPreTraining(BertPreTrainedModel):
                      + [KeyRule("nsp.*", "cls.seq_relationship.*")])
 
     def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config)
+        super().__init__(config, pooled=True)
         self.head = BertLMHead(config)
         self.nsp = nn.Linear(config.hidden_size, 2)
         self.init_weights()
@@ -367,7 +506,7 @@ class BertForPreTraining(BertPreTrainedModel):
                                  last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states)
 
 
-class BertForMaskedLM(BertPreTrainedModel):
+class BertForMaskedLM(MaskedLMMixin, BertTaskModel):
     """The masked-LM head alone. In training with labels the loss comes from the
     labelled rows only and ``logits`` is None; ``return_logits=True`` (or eval mode)
     builds the [batch, seq, vocab] logits."""
@@ -375,153 +514,27 @@ class BertForMaskedLM(BertPreTrainedModel):
     key_map = KeyMap(encoder_rules("bert.", "bert.") + LM_HEAD_RULES)
 
     def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
+        super().__init__(config)
         self.head = BertLMHead(config)
         self.init_weights()
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False,
-                return_logits: bool = False) -> ModelOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        loss, logits = self.head(out.last_hidden_state, self.bert.embeddings.word_embeddings.weight,
-                                 labels, return_logits)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
 
-
-def classification_loss(logits: Tensor, labels: Tensor, config: BertConfig) -> Tensor:
-    """transformers' rule: regression for one label, single-label for integer labels,
-    multi-label (independent sigmoids) otherwise, unless config.problem_type says."""
-    problem = config.problem_type
-    if problem is None:
-        if config.num_labels == 1:
-            problem = "regression"
-        elif labels.dtype in (torch.int64, torch.int32):
-            problem = "single_label_classification"
-        else:
-            problem = "multi_label_classification"
-    if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.view(logits.shape[:-1]).float())
-    if problem == "single_label_classification":
-        return ops.cross_entropy(logits, labels.long(), ignore_index=IGNORE_INDEX)
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-
-
-class BertForSequenceClassification(BertPreTrainedModel):
+class BertForSequenceClassification(SequenceClassificationMixin, BertTaskModel):
     """dropout -> linear over the pooled first token: logits [batch, num_labels]."""
 
-    key_map = KeyMap(encoder_rules("bert.", "bert."))
-
     def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config)
+        super().__init__(config, pooled=True)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.dropout = classifier_dropout(config)
         self.init_weights()
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        logits = self.classifier(F.dropout(out.pooler_output, self.dropout, self.training))
-        loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           pooler_output=out.pooler_output, hidden_states=out.hidden_states)
+    def classify(self, out: ModelOutput) -> Tensor:
+        return self.classifier(F.dropout(out.pooler_output, self.dropout, self.training))
 
 
-class BertForTokenClassification(BertPreTrainedModel):
+class BertForTokenClassification(TokenClassificationMixin, BertTaskModel):
     """dropout -> linear per token: logits [batch, seq, num_labels]; labels -100 are ignored."""
 
-    key_map = KeyMap(encoder_rules("bert.", "bert."))
 
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = classifier_dropout(config)
-        self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        return tag_tokens(self, out, labels)
-
-
-def check_span_labels(config: BertConfig) -> None:
-    # transformers sizes qa_outputs by num_labels and reads it as (start, end).
-    if config.num_labels != 2:
-        raise ValueError(f"question answering needs num_labels == 2 (start and end), got {config.num_labels}")
-
-
-def span_logits(logits: Tensor, attention_mask: Optional[Tensor]) -> tuple:
-    """[batch, seq, 2] -> start and end logits [batch, seq]; padding can never be an answer
-    (its logits are the dtype's lowest value)."""
-    start, end = logits.float().unbind(-1)
-    if attention_mask is not None:
-        padding = attention_mask == 0
-        lowest = torch.finfo(start.dtype).min
-        start, end = start.masked_fill(padding, lowest), end.masked_fill(padding, lowest)
-    return start, end
-
-
-def span_loss(start: Tensor, end: Tensor, start_positions: Tensor, end_positions: Tensor) -> Tensor:
-    """transformers' QA loss: the mean of the start and end cross-entropies; positions
-    outside the sequence are clamped to seq and ignored."""
-    seq = start.shape[1]
-    start_positions, end_positions = start_positions.clamp(0, seq), end_positions.clamp(0, seq)
-    return (ops.cross_entropy(start, start_positions, ignore_index=seq)
-            + ops.cross_entropy(end, end_positions, ignore_index=seq)) / 2
-
-
-class BertForQuestionAnswering(BertPreTrainedModel):
+class BertForQuestionAnswering(QuestionAnsweringMixin, BertTaskModel):
     """Span extraction: start and end logits per token; the loss needs both positions."""
-
-    key_map = KeyMap(encoder_rules("bert.", "bert."))
-
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        check_span_labels(config)
-        self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                start_positions: Optional[Tensor] = None, end_positions: Optional[Tensor] = None,
-                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        return answer_spans(self, out, attention_mask, start_positions, end_positions)
-
-
-def classifier_dropout(config: BertConfig) -> float:
-    return config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
-
-
-# The heads' outputs, shared with ELECTRA's heads (which wrap another encoder).
-
-def tag_tokens(head: nn.Module, out: ModelOutput, labels: Optional[Tensor]) -> ModelOutput:
-    """dropout -> head.classifier per token; labels -100 are ignored."""
-    logits = head.classifier(F.dropout(out.last_hidden_state, head.dropout, head.training))
-    loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-    return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                       hidden_states=out.hidden_states)
-
-
-def answer_spans(head: nn.Module, out: ModelOutput, attention_mask: Optional[Tensor],
-                 start_positions: Optional[Tensor],
-                 end_positions: Optional[Tensor]) -> QuestionAnsweringOutput:
-    """head.qa_outputs per token -> start and end logits, and their loss when both are given."""
-    start, end = span_logits(head.qa_outputs(out.last_hidden_state), attention_mask)
-    loss = None
-    if start_positions is not None and end_positions is not None:
-        loss = span_loss(start, end, start_positions, end_positions)
-    return QuestionAnsweringOutput(loss=loss, start_logits=start, end_logits=end,
-                                   last_hidden_state=out.last_hidden_state,
-                                   hidden_states=out.hidden_states)

@@ -20,9 +20,10 @@ from .. import ops
 from ..nn._autocast import lower
 from ._pretrained import KeyMap, KeyRule
 from .bert import (IGNORE_INDEX, BertConfig, BertEmbeddings, BertEncoder, BertLMHead,
-                   BertPreTrainedModel, answer_spans, check_inputs, check_span_labels,
-                   classification_loss, classifier_dropout, encoder_rules, tag_tokens)
-from .outputs import ElectraPreTrainingOutput, ModelOutput, QuestionAnsweringOutput
+                   BertPreTrainedModel, MaskedLMMixin, QuestionAnsweringMixin,
+                   SequenceClassificationMixin, TokenClassificationMixin, check_inputs,
+                   classifier_dropout, encoder_rules)
+from .outputs import ElectraPreTrainingOutput, ModelOutput
 
 
 @dataclass
@@ -93,6 +94,20 @@ class ElectraModel(ElectraPreTrainedModel):
         return ModelOutput(last_hidden_state=hidden, hidden_states=states)
 
 
+class ElectraTaskModel(ElectraPreTrainedModel):
+    """Base of the models that put a task head on an ElectraModel, kept as ``electra``
+    (their checkpoints' prefix); ``embeddings`` as ElectraModel's."""
+
+    def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
+        super().__init__()
+        self.config = config
+        self.electra = ElectraModel(config, embeddings)
+
+    @property
+    def base_model(self) -> ElectraModel:
+        return self.electra
+
+
 def replaced_token_loss(logits: Tensor, labels: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
     """Binary cross-entropy of 'replaced' over the real tokens (mean)."""
     if attention_mask is None:
@@ -104,7 +119,7 @@ def replaced_token_loss(logits: Tensor, labels: Tensor, attention_mask: Optional
     return (per_token * real).sum() / real.sum()
 
 
-class ElectraDiscriminator(ElectraPreTrainedModel):
+class ElectraDiscriminator(ElectraTaskModel):
     """Replaced-token detection: dense -> GELU -> one logit per token [batch, seq];
     ``labels`` 1 = replaced. transformers' ElectraForPreTraining."""
 
@@ -113,9 +128,7 @@ class ElectraDiscriminator(ElectraPreTrainedModel):
         KeyRule("prediction.*", "discriminator_predictions.dense_prediction.*")])
 
     def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
-        super().__init__()
-        self.config = config
-        self.electra = ElectraModel(config, embeddings)
+        super().__init__(config, embeddings)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.prediction = nn.Linear(config.hidden_size, 1)
         self.init_weights()
@@ -131,7 +144,7 @@ class ElectraDiscriminator(ElectraPreTrainedModel):
                            hidden_states=out.hidden_states)
 
 
-class ElectraGenerator(ElectraPreTrainedModel):
+class ElectraGenerator(MaskedLMMixin, ElectraTaskModel):
     """The masked-LM generator: BERT's LM head (GELU, projecting to embedding_size) with
     the decoder tied to the word embeddings. transformers' ElectraForMaskedLM."""
 
@@ -141,22 +154,10 @@ class ElectraGenerator(ElectraPreTrainedModel):
         KeyRule("head.bias", "generator_lm_head.bias")])
 
     def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
-        super().__init__()
-        self.config = config
-        self.electra = ElectraModel(config, embeddings)
+        super().__init__(config, embeddings)
         # transformers' generator head is erf GELU whatever hidden_act says
         self.head = BertLMHead(config, width=config.embedding_size, approximate="none")
         self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False,
-                return_logits: bool = False) -> ModelOutput:
-        out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        loss, logits = self.head(out.last_hidden_state, self.electra.embeddings.word_embeddings.weight,
-                                 labels, return_logits)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
 
 
 def gumbel_sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -216,69 +217,26 @@ class ElectraForPreTraining(ElectraPreTrainedModel):
                                         replaced_labels=replaced)
 
 
-class ElectraForSequenceClassification(ElectraPreTrainedModel):
+class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):
     """First token -> dropout -> dense -> GELU -> dropout -> out_proj: [batch, num_labels]."""
 
-    key_map = KeyMap(ElectraPreTrainedModel.key_map.rules)
-
     def __init__(self, config: ElectraConfig):
-        super().__init__()
-        self.config = config
-        self.electra = ElectraModel(config)
+        super().__init__(config)
         self.classifier = nn.ModuleDict({"dense": nn.Linear(config.hidden_size, config.hidden_size),
                                          "out_proj": nn.Linear(config.hidden_size, config.num_labels)})
         self.dropout = classifier_dropout(config)
         self.init_weights()
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+    def classify(self, out: ModelOutput) -> Tensor:
         x = F.dropout(out.last_hidden_state[:, 0], self.dropout, self.training)  # [batch, hidden]
         pre, bias = lower(F.linear(x, self.classifier.dense.weight), self.classifier.dense.bias)
         x = F.dropout(ops.bias_gelu(pre, bias), self.dropout, self.training)
-        logits = self.classifier.out_proj(x)
-        loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
+        return self.classifier.out_proj(x)
 
 
-class ElectraForTokenClassification(ElectraPreTrainedModel):
+class ElectraForTokenClassification(TokenClassificationMixin, ElectraTaskModel):
     """dropout -> linear per token: logits [batch, seq, num_labels]; labels -100 are ignored."""
 
-    key_map = KeyMap(ElectraPreTrainedModel.key_map.rules)
 
-    def __init__(self, config: ElectraConfig):
-        super().__init__()
-        self.config = config
-        self.electra = ElectraModel(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = classifier_dropout(config)
-        self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        return tag_tokens(self, out, labels)
-
-
-class ElectraForQuestionAnswering(ElectraPreTrainedModel):
+class ElectraForQuestionAnswering(QuestionAnsweringMixin, ElectraTaskModel):
     """Span extraction as BertForQuestionAnswering: start and end logits per token."""
-
-    key_map = KeyMap(ElectraPreTrainedModel.key_map.rules)
-
-    def __init__(self, config: ElectraConfig):
-        super().__init__()
-        check_span_labels(config)
-        self.config = config
-        self.electra = ElectraModel(config)
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                start_positions: Optional[Tensor] = None, end_positions: Optional[Tensor] = None,
-                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
-        out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        return answer_spans(self, out, attention_mask, start_positions, end_positions)
