@@ -61,12 +61,13 @@ def main() -> int:
         finally:
             ce_module.LOGITS_CHUNK_BYTES = saved
     # attention: head dims 64 and 128, query and key tails past a block of 64, padding,
-    # the causal diagonal with more queries than keys, dropout; varlen with an empty sequence.
+    # the causal diagonal with more queries than keys, dropout; the resident path (up to
+    # 512) and the streamed one; varlen with an empty sequence.
     for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in (64, 128):
-            q = torch.randn(2, 70, 2, head_dim, dtype=dtype, **cuda).transpose(1, 2)
-            k, v = (torch.randn(2, 2, 67, head_dim, dtype=dtype, **cuda) for _ in range(2))
-            mask = torch.rand(2, 67, device="cuda") < 0.3
+        for head_dim, seq_q, seq_k in ((64, 70, 67), (128, 70, 67), (64, 603, 600)):
+            q = torch.randn(2, seq_q, 2, head_dim, dtype=dtype, **cuda).transpose(1, 2)
+            k, v = (torch.randn(2, 2, seq_k, head_dim, dtype=dtype, **cuda) for _ in range(2))
+            mask = torch.rand(2, seq_k, device="cuda") < 0.3
             for causal, p in ((False, 0.0), (True, 0.1)):
                 out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=causal,
                                             dropout_p=p, backend="cuda")

@@ -2,22 +2,31 @@
 // cores with mma.sync m16n8k16, bf16/fp16 in and fp32 accumulation, for head dims 64
 // and 128 (tensor_core.cuh has the fragment layouts every index below is derived from).
 //
-// Forward: one block of 4 warps per 64 query rows of one (sequence, head); each warp
-// owns 16 rows and keeps their Q fragments, output accumulator, running max and sum in
-// registers. Key tiles of 64 rows of K and V come through shared memory (cp.async, K and
-// V in separate groups so S = Q K^T starts before V has landed); the online softmax
-// works in base 2 with scale * log2(e) folded into the scores. It writes O and the
-// natural log-sum-exp of each row (+inf for a row that sees no key, whose output is 0).
+// Forward: a block of 4 warps (8 on the resident path below) owns 64 (128) query rows
+// of one (sequence, head); each warp owns 16 rows and keeps their Q fragments, output
+// accumulator, running max and sum in registers. Key tiles of 64 rows of K and V come
+// through shared memory (cp.async); the online softmax works in base 2 with
+// scale * log2(e) folded into the scores. It writes O and the natural log-sum-exp of
+// each row (+inf for a row that sees no key, whose output is 0).
 //
 // Backward, three kernels and no atomics, so the gradients repeat bit for bit:
 //   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D) (when every
-//     sequence's keys fit one tile, the dQ kernel takes it from P and dP themselves, exactly);
-//   dK/dV: one block per 64 keys, each warp owning 16 of them, walking the query tiles
-//     that see them and recomputing P^T = exp(K Q^T * scale - lse) in registers;
-//   dQ: one block per 64 queries walking their key tiles, recomputing P the same way.
-// Traffic: the forward reads Q once and K, V once per query block; the backward reads
-// Q, dO once per key block and K, V once per query block. Limits: the recomputation
-// (5 products in the backward against 2 in the forward), single-buffered key tiles, and
+//     sequence's keys fit one tile, the dQ kernel takes it from P and dP themselves);
+//   dK/dV: a block owns 64 keys (128 resident), each warp 16 of them, and walks the
+//     query tiles that see them, recomputing P^T = exp(K Q^T * scale - lse) in registers;
+//   dQ: a block owns 64 queries (128 resident) and walks their key tiles, recomputing P
+//     the same way.
+//
+// Two paths walk the tiles. Streamed (FlashAttention-2, any length): the walked tiles
+// pass through one shared buffer, each copied, waited for and used in turn (the forward
+// starts S = Q K^T before V has landed). Resident (BERT lengths, a walked sequence of at
+// most kResidentMax rows whose tiles fit in shared memory): a block of 8 warps owns 128
+// rows and copies every walked tile of its sequence into shared memory up front, each
+// tile its own cp.async group, then waits for one tile at a time. A head's K and V are
+// then read once per 128 queries (once per head at length 128) instead of once per 64,
+// and no step waits for a buffer to be free again: at these lengths the streamed path
+// has too few steps a block to hide its copies behind.
+// Limits: the recomputation (5 products in the backward against 2 in the forward), and
 // dropout, which costs one Philox call per one or two probabilities.
 //
 // Padded and packed (varlen) batches run the same kernels: a sequence is a row offset
@@ -36,12 +45,26 @@ namespace {
 
 using namespace tc;
 
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kBlockM = 64;    // query rows of a forward or dQ block: 16 a warp
-constexpr int kBlockN = 64;    // key rows of a key tile, and of a dK/dV block: 16 a warp
+constexpr int kBlockN = 64;  // key rows of a key tile (forward and dQ)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A block's shape on each path. Each warp owns 16 of the block's own rows: queries in
+// the forward and dQ kernels, keys in the dK/dV kernel.
+template <bool kResident>
+struct Shape {
+  static constexpr int warps = kResident ? 8 : 4;
+  static constexpr int threads = 32 * warps;
+  static constexpr int rows = 16 * warps;
+};
+
+// The longest sequence the resident path walks: at head dim 64 its K and V tiles then
+// take 144 KiB of shared memory (the 16-byte row padding included).
+constexpr int kResidentMax = 512;
+
+// Threads of the delta kernel.
+constexpr int kDeltaThreads = 128;
 
 // Query rows per step of the dK/dV kernel: at head dim 128 the dK and dV accumulators
 // take 128 registers a thread, so the score tiles shrink to stay clear of spills.
@@ -97,11 +120,11 @@ __device__ __forceinline__ uint64_t stream_row(const Params<T>& p, int b, int h,
   return ((uint64_t(b) * p.heads + h) * p.seq_q + i) * p.seq_k;
 }
 
-// key_ok[j] = whether key n0 + j exists and is not padding, for a tile of kBlockN keys.
-template <typename T>
+// key_ok[j] = whether key n0 + j exists and is not padding, for j < count.
+template <int kThreads, typename T>
 __device__ __forceinline__ void stage_keys(bool* key_ok, const Params<T>& p, int b, const Seq& s,
-                                           int n0) {
-  for (int j = threadIdx.x; j < kBlockN; j += kThreads) {
+                                           int n0, int count) {
+  for (int j = threadIdx.x; j < count; j += kThreads) {
     const int key = n0 + j;
     key_ok[j] = key < s.len_k && !(p.key_padding && p.key_padding[int64_t(b) * p.seq_k + key]);
   }
@@ -113,17 +136,17 @@ __device__ __forceinline__ bool visible(const bool* key_ok, int n0, int i, int j
   return key_ok[j - n0] && (!causal || j <= i + shift);
 }
 
-// Whether a tile of queries m0 .. m0 + rows - 1 and keys n0 .. n0 + kBlockN - 1 needs the
-// mask element by element: key padding, the sequence's last keys, or the causal diagonal
-// (a key past the first query's limit).
-__device__ __forceinline__ bool tile_needs_mask(bool padding, int n0, int len_k, bool causal,
-                                                int m0, int shift) {
-  return padding || n0 + kBlockN > len_k || (causal && n0 + kBlockN - 1 > m0 + shift);
+// Whether a tile of queries from m0 and keys n0 .. n0 + keys - 1 needs the mask element
+// by element: key padding, the sequence's last keys, or the causal diagonal (a key past
+// the first query's limit).
+__device__ __forceinline__ bool tile_needs_mask(bool padding, int n0, int keys, int len_k,
+                                                bool causal, int m0, int shift) {
+  return padding || n0 + keys > len_k || (causal && n0 + keys - 1 > m0 + shift);
 }
 
-// The end of the keys a query block m0 .. m0 + kBlockM - 1 may see.
-__device__ __forceinline__ int key_end(const Seq& s, bool causal, int m0) {
-  return causal ? max(0, min(s.len_k, m0 + kBlockM + s.len_k - s.len_q)) : s.len_k;
+// The end of the keys a block of queries m0 .. m0 + rows - 1 may see.
+__device__ __forceinline__ int key_end(const Seq& s, bool causal, int m0, int rows) {
+  return causal ? max(0, min(s.len_k, m0 + rows + s.len_k - s.len_q)) : s.len_k;
 }
 
 // A query block's index: under causal masking the last blocks carry the most keys, so
@@ -132,48 +155,80 @@ __device__ __forceinline__ int query_block(bool causal) {
   return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
 }
 
+// Tiles of `rows` rows a resident block holds: enough for the longest sequence (the
+// padded length, or max_seqlen). Streamed blocks hold one.
+__host__ __device__ __forceinline__ int held_tiles(bool resident, int64_t len, int rows) {
+  return resident ? static_cast<int>((len + rows - 1) / rows) : 1;
+}
+
 template <int D>
 constexpr int kPitch = D + 8;  // shared tile pitch in elements (tensor_core.cuh)
 
-template <int D>
-constexpr size_t forward_smem() {
-  return size_t(kBlockM + 2 * kBlockN) * kPitch<D> * 2 + kBlockN;
+// Shared memory of a block; seq_k (seq_q for dK/dV) sizes the resident path's tiles.
+template <int D, bool kResident>
+size_t forward_smem(int64_t seq_k) {
+  const int64_t keys = int64_t(held_tiles(kResident, seq_k, kBlockN)) * kBlockN;
+  return size_t(Shape<kResident>::rows + 2 * keys) * kPitch<D> * 2 + keys;
 }
 
-template <int D>
-constexpr size_t dkdv_smem() {
-  return size_t(2 * kBlockN + 2 * kBackwardM<D>) * kPitch<D> * 2 +
-         2 * kBackwardM<D> * sizeof(float) + kBlockN;
+template <int D, bool kResident>
+size_t dq_smem(int64_t seq_k) {
+  const int64_t keys = int64_t(held_tiles(kResident, seq_k, kBlockN)) * kBlockN;
+  return size_t(2 * Shape<kResident>::rows + 2 * keys) * kPitch<D> * 2 + keys;
 }
 
-template <int D>
-constexpr size_t dq_smem() {
-  return size_t(2 * kBlockM + 2 * kBlockN) * kPitch<D> * 2 + kBlockN;
+template <int D, bool kResident>
+size_t dkdv_smem(int64_t seq_q) {
+  const int64_t queries = int64_t(held_tiles(kResident, seq_q, kBackwardM<D>)) * kBackwardM<D>;
+  return size_t(2 * Shape<kResident>::rows + 2 * queries) * kPitch<D> * 2 +
+         2 * queries * sizeof(float) + Shape<kResident>::rows;
 }
 
 // --- forward ------------------------------------------------------------------------------
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Params<T> p) {
-  constexpr int P = kPitch<D>;
+template <typename T, int D, bool kResident>
+__global__ void __launch_bounds__(Shape<kResident>::threads)
+    attention_forward_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>, kRows = Shape<kResident>::rows;
+  constexpr int kThreads = Shape<kResident>::threads;
+  const int held = held_tiles(kResident, p.seq_k, kBlockN);
   extern __shared__ __align__(16) unsigned char smem[];
-  T* q_tile = reinterpret_cast<T*>(smem);  // [kBlockM][P]
-  T* k_tile = q_tile + kBlockM * P;        // [kBlockN][P]
-  T* v_tile = k_tile + kBlockN * P;        // [kBlockN][P]
-  bool* key_ok = reinterpret_cast<bool*>(v_tile + kBlockN * P);
+  T* q_tile = reinterpret_cast<T*>(smem);     // [kRows][P]
+  T* k_tiles = q_tile + kRows * P;            // [held][kBlockN][P]
+  T* v_tiles = k_tiles + held * kBlockN * P;  // [held][kBlockN][P]
+  bool* key_ok = reinterpret_cast<bool*>(v_tiles + held * kBlockN * P);  // [held * kBlockN]
 
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
-  const int m0 = query_block(p.causal) * kBlockM;
+  const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int shift = s.len_k - s.len_q;
   // This thread's rows of C fragments: g and g + 8 of the warp's 16.
   const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+  // A resident block never walks past the tiles it holds, even for a sequence longer
+  // than the max_seqlen_k it was promised.
+  const int n_end = kResident ? min(key_end(s, p.causal, m0, kRows), held * kBlockN)
+                              : key_end(s, p.causal, m0, kRows);
+  const int tiles = (n_end + kBlockN - 1) / kBlockN;
 
-  load_tile<kBlockM, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
+  load_tile<kRows, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
   cp_async_commit();
-  cp_async_wait<0>();
+  if constexpr (kResident) {
+    // Every key tile at once, one group each, waited for one at a time.
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int n0 = tile * kBlockN;
+      load_tile<kBlockN, D, kThreads>(k_tiles + tile * kBlockN * P, p.k.at(b, h, s.k0 + n0),
+                                      p.k.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(v_tiles + tile * kBlockN * P, p.v.at(b, h, s.k0 + n0),
+                                      p.v.row, s.len_k - n0);
+      cp_async_commit();
+    }
+    stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
+    cp_async_wait_runtime(tiles);  // Q; the key tiles may still be in flight
+  } else {
+    cp_async_wait<0>();
+  }
   __syncthreads();
   uint32_t qf[D / 16][4];  // A fragments of the warp's rows, one per 16 columns of head_dim
 #pragma unroll
@@ -182,16 +237,24 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Param
   float acc[D / 8][4] = {};  // O, n-tiles of 8 head_dim columns
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};  // base 2; sums per thread
   const float c = p.scale * kLog2e;
-  const int n_end = key_end(s, p.causal, m0);
-  for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
-    __syncthreads();  // every warp is done with the previous tiles
-    load_tile<kBlockN, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
-    cp_async_commit();
-    load_tile<kBlockN, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
-    cp_async_commit();
-    stage_keys(key_ok, p, b, s, n0);
-    cp_async_wait<1>();  // K has landed; V may still be in flight
-    __syncthreads();
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int n0 = tile * kBlockN;
+    const T* k_tile = k_tiles + (kResident ? tile * kBlockN * P : 0);
+    const T* v_tile = v_tiles + (kResident ? tile * kBlockN * P : 0);
+    const bool* tile_ok = key_ok + (kResident ? n0 : 0);
+    if constexpr (kResident) {
+      cp_async_wait_runtime(tiles - 1 - tile);  // K and V of this tile
+      __syncthreads();
+    } else {
+      __syncthreads();  // every warp is done with the previous tiles
+      load_tile<kBlockN, D, kThreads>(k_tiles, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+      cp_async_commit();
+      load_tile<kBlockN, D, kThreads>(v_tiles, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+      cp_async_commit();
+      stage_keys<kThreads>(key_ok, p, b, s, n0, kBlockN);
+      cp_async_wait<1>();  // K has landed; V may still be in flight
+      __syncthreads();
+    }
 
     // S = Q K^T: n-tile nt holds keys n0 + 8nt + 2t, +1 of rows g (sc[nt][0..1]) and g + 8.
     float sc[kBlockN / 8][4] = {};
@@ -205,13 +268,14 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Param
         mma<T>(sc[2 * np + 1], qf[kk], kb[2], kb[3]);
       }
     }
-    const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    const bool masked =
+        tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
 #pragma unroll
     for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = n0 + nt * 8 + 2 * t + e % 2;
-        sc[nt][e] = masked && !visible(key_ok, n0, rows[e / 2], j, p.causal, shift)
+        sc[nt][e] = masked && !visible(tile_ok, n0, rows[e / 2], j, p.causal, shift)
                         ? -kInf
                         : sc[nt][e] * c;
       }
@@ -256,8 +320,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Param
           if (!bit(kept, 2 * (8 * (e / 2) + nt) + e % 2)) sc[nt][e] = 0.0f;
     }
 
-    cp_async_wait<0>();  // V
-    __syncthreads();
+    if constexpr (!kResident) {
+      cp_async_wait<0>();  // V
+      __syncthreads();
+    }
     // O += P V: k-step kt covers keys 16kt .. 16kt + 15 of the tile.
 #pragma unroll
     for (int kt = 0; kt < kBlockN / 16; ++kt) {
@@ -294,8 +360,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const Param
 
 // delta[i] = sum_d dO[i, d] * O[i, d]: D / 8 threads a row, one 16-byte vector each.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_delta_kernel(const Params<T> p) {
-  constexpr int kLanes = D / 8, kRows = kThreads / kLanes;
+__global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Params<T> p) {
+  constexpr int kLanes = D / 8, kRows = kDeltaThreads / kLanes;
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
   const int i = blockIdx.x * kRows + threadIdx.x / kLanes, col = threadIdx.x % kLanes * 8;
@@ -314,51 +380,87 @@ __global__ void __launch_bounds__(kThreads) attention_delta_kernel(const Params<
   if (i < s.len_q && threadIdx.x % kLanes == 0) *p.delta.at(b, h, s.q0 + i) = sum;
 }
 
-// dK and dV of kBlockN keys. Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16
+// lse2[r] = the base-2 log-sum-exp and delta[r] the delta of query m0 + r, for r < count;
+// +inf past the sequence makes those probabilities exp2(-inf) = 0.
+template <int kThreads, typename T>
+__device__ __forceinline__ void stage_stats(float* lse2, float* delta, const Params<T>& p, int b,
+                                            int h, const Seq& s, int m0, int count) {
+  for (int r = threadIdx.x; r < count; r += kThreads) {
+    const bool in = m0 + r < s.len_q;
+    lse2[r] = in ? *p.lse.at(b, h, s.q0 + m0 + r) * kLog2e : kInf;
+    delta[r] = in ? *p.delta.at(b, h, s.q0 + m0 + r) : 0.0f;
+  }
+}
+
+// dK and dV of a block's keys. Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16
 // keys against kM queries at a time (keys are the rows of the C fragments: g and g + 8 of
 // the warp's 16, queries the columns), then dV += P^T dO and dK += dS^T Q with those
 // accumulators reused as A fragments (k = the queries).
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T> p) {
-  constexpr int P = kPitch<D>, kM = kBackwardM<D>;
+template <typename T, int D, bool kResident>
+__global__ void __launch_bounds__(Shape<kResident>::threads)
+    attention_dkdv_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>, kM = kBackwardM<D>, kKeys = Shape<kResident>::rows;
+  constexpr int kThreads = Shape<kResident>::threads;
+  const int held = held_tiles(kResident, p.seq_q, kM);
   extern __shared__ __align__(16) unsigned char smem[];
-  T* k_tile = reinterpret_cast<T*>(smem);  // [kBlockN][P]
-  T* v_tile = k_tile + kBlockN * P;        // [kBlockN][P]
-  T* q_tile = v_tile + kBlockN * P;        // [kM][P]
-  T* do_tile = q_tile + kM * P;            // [kM][P]
-  float* lse2 = reinterpret_cast<float*>(do_tile + kM * P);  // [kM], base 2
-  float* delta = lse2 + kM;                                   // [kM]
-  bool* key_ok = reinterpret_cast<bool*>(delta + kM);         // [kBlockN]
+  T* k_tile = reinterpret_cast<T*>(smem);  // [kKeys][P]
+  T* v_tile = k_tile + kKeys * P;          // [kKeys][P]
+  T* q_tiles = v_tile + kKeys * P;         // [held][kM][P]
+  T* do_tiles = q_tiles + held * kM * P;   // [held][kM][P]
+  float* lse2 = reinterpret_cast<float*>(do_tiles + held * kM * P);  // [held * kM], base 2
+  float* delta = lse2 + held * kM;                                    // [held * kM]
+  bool* key_ok = reinterpret_cast<bool*>(delta + held * kM);          // [kKeys]
 
-  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * kBlockN;
+  const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * kKeys;
   const Seq s = sequence(p, b);
   if (n0 >= s.len_k) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int shift = s.len_k - s.len_q;
   const int keys[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
 
-  load_tile<kBlockN, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
-  load_tile<kBlockN, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+  load_tile<kKeys, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+  load_tile<kKeys, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
   cp_async_commit();
-  stage_keys(key_ok, p, b, s, n0);
+  stage_keys<kThreads>(key_ok, p, b, s, n0, kKeys);
+
+  // Query tiles first .. last - 1: under causal masking the first query that sees key n0
+  // is n0 - shift. A resident block never walks past the tiles it holds.
+  const int first = p.causal ? max(0, n0 - shift) / kM : 0;
+  const int last = kResident ? min((s.len_q + kM - 1) / kM, held) : (s.len_q + kM - 1) / kM;
+  if constexpr (kResident) {
+    // Every query tile at once, one group each, waited for one at a time.
+    for (int tile = first; tile < last; ++tile) {
+      const int m0 = tile * kM;
+      load_tile<kM, D, kThreads>(q_tiles + tile * kM * P, p.q.at(b, h, s.q0 + m0), p.q.row,
+                                 s.len_q - m0);
+      load_tile<kM, D, kThreads>(do_tiles + tile * kM * P, p.dout.at(b, h, s.q0 + m0), p.dout.row,
+                                 s.len_q - m0);
+      cp_async_commit();
+    }
+    stage_stats<kThreads>(lse2 + first * kM, delta + first * kM, p, b, h, s, first * kM,
+                          (last - first) * kM);
+  }
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const float c = p.scale * kLog2e;
-  // Under causal masking the first query that sees key n0 is n0 - shift.
-  const int m_begin = p.causal ? max(0, n0 - shift) / kM * kM : 0;
-  for (int m0 = m_begin; m0 < s.len_q; m0 += kM) {
-    __syncthreads();  // every warp is done with the previous query tiles
-    load_tile<kM, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
-    load_tile<kM, D, kThreads>(do_tile, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
-    cp_async_commit();
-    for (int r = threadIdx.x; r < kM; r += kThreads) {
-      const bool in = m0 + r < s.len_q;
-      // +inf past the sequence makes those probabilities exp2(-inf) = 0.
-      lse2[r] = in ? *p.lse.at(b, h, s.q0 + m0 + r) * kLog2e : kInf;
-      delta[r] = in ? *p.delta.at(b, h, s.q0 + m0 + r) : 0.0f;
+  for (int tile = first; tile < last; ++tile) {
+    const int m0 = tile * kM, slot = kResident ? tile : 0;
+    const T* q_tile = q_tiles + slot * kM * P;
+    const T* do_tile = do_tiles + slot * kM * P;
+    const float* tile_lse2 = lse2 + slot * kM;
+    const float* tile_delta = delta + slot * kM;
+    if constexpr (kResident) {
+      cp_async_wait_runtime(last - 1 - tile);  // Q and dO of this tile (K and V before them)
+      __syncthreads();
+    } else {
+      __syncthreads();  // every warp is done with the previous query tiles
+      load_tile<kM, D, kThreads>(q_tiles, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
+      load_tile<kM, D, kThreads>(do_tiles, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
+      cp_async_commit();
+      stage_stats<kThreads>(lse2, delta, p, b, h, s, m0, kM);
+      cp_async_wait<0>();
+      __syncthreads();
     }
-    cp_async_wait<0>();
-    __syncthreads();
 
     // st[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
     float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
@@ -378,7 +480,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T
         mma<T>(dpt[2 * np + 1], va, ob[2], ob[3]);
       }
     }
-    const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    const bool masked = tile_needs_mask(p.key_padding, n0, kKeys, s.len_k, p.causal, m0, shift);
     // Bit 4nt + e: whether dropout keeps element e of n-tile nt. Here the pairs of a C
     // fragment run along the queries, a stream row apart: one Philox call per element.
     uint32_t kept = ~0u;
@@ -398,12 +500,12 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + 2 * t + e % 2, i = m0 + col, j = keys[e / 2];
-        float prob = exp2f(st[nt][e] * c - lse2[col]);
+        float prob = exp2f(st[nt][e] * c - tile_lse2[col]);
         if (masked && !visible(key_ok, n0, i, j, p.causal, shift)) prob = 0.0f;
         const bool k1 = bit(kept, 4 * nt + e);
         const float dprob = k1 ? dpt[nt][e] * p.dropout.scale : 0.0f;
         st[nt][e] = k1 ? prob * p.dropout.scale : 0.0f;  // the probability that multiplied V
-        dpt[nt][e] = prob * (dprob - delta[col]);        // dS
+        dpt[nt][e] = prob * (dprob - tile_delta[col]);        // dS
       }
     }
 #pragma unroll
@@ -444,29 +546,46 @@ __global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const Params<T
   }
 }
 
-// dQ of kBlockM queries: each warp recomputes S = Q K^T and dP = dO V^T for its 16 rows
+// dQ of a block's queries: each warp recomputes S = Q K^T and dP = dO V^T for its 16 rows
 // against each key tile, forms dS and adds dS K.
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> p) {
-  constexpr int P = kPitch<D>;
+template <typename T, int D, bool kResident>
+__global__ void __launch_bounds__(Shape<kResident>::threads)
+    attention_dq_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>, kRows = Shape<kResident>::rows;
+  constexpr int kThreads = Shape<kResident>::threads;
+  const int held = held_tiles(kResident, p.seq_k, kBlockN);
   extern __shared__ __align__(16) unsigned char smem[];
-  T* q_tile = reinterpret_cast<T*>(smem);  // [kBlockM][P]
-  T* do_tile = q_tile + kBlockM * P;       // [kBlockM][P]
-  T* k_tile = do_tile + kBlockM * P;       // [kBlockN][P]
-  T* v_tile = k_tile + kBlockN * P;        // [kBlockN][P]
-  bool* key_ok = reinterpret_cast<bool*>(v_tile + kBlockN * P);
+  T* q_tile = reinterpret_cast<T*>(smem);     // [kRows][P]
+  T* do_tile = q_tile + kRows * P;            // [kRows][P]
+  T* k_tiles = do_tile + kRows * P;           // [held][kBlockN][P]
+  T* v_tiles = k_tiles + held * kBlockN * P;  // [held][kBlockN][P]
+  bool* key_ok = reinterpret_cast<bool*>(v_tiles + held * kBlockN * P);  // [held * kBlockN]
 
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
-  const int m0 = query_block(p.causal) * kBlockM;
+  const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int shift = s.len_k - s.len_q;
   const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+  const int n_end = kResident ? min(key_end(s, p.causal, m0, kRows), held * kBlockN)
+                              : key_end(s, p.causal, m0, kRows);
+  const int tiles = (n_end + kBlockN - 1) / kBlockN;
 
-  load_tile<kBlockM, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
-  load_tile<kBlockM, D, kThreads>(do_tile, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
+  load_tile<kRows, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
+  load_tile<kRows, D, kThreads>(do_tile, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
   cp_async_commit();
+  if constexpr (kResident) {
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int n0 = tile * kBlockN;
+      load_tile<kBlockN, D, kThreads>(k_tiles + tile * kBlockN * P, p.k.at(b, h, s.k0 + n0),
+                                      p.k.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(v_tiles + tile * kBlockN * P, p.v.at(b, h, s.k0 + n0),
+                                      p.v.row, s.len_k - n0);
+      cp_async_commit();
+    }
+    stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
+  }
   float lse2[2], delta[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -477,15 +596,23 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
 
   float dq[D / 8][4] = {};
   const float c = p.scale * kLog2e;
-  const int n_end = key_end(s, p.causal, m0);
-  for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
-    __syncthreads();  // every warp is done with the previous key tiles
-    load_tile<kBlockN, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
-    load_tile<kBlockN, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
-    cp_async_commit();
-    stage_keys(key_ok, p, b, s, n0);
-    cp_async_wait<0>();
-    __syncthreads();
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int n0 = tile * kBlockN;
+    const T* k_tile = k_tiles + (kResident ? tile * kBlockN * P : 0);
+    const T* v_tile = v_tiles + (kResident ? tile * kBlockN * P : 0);
+    const bool* tile_ok = key_ok + (kResident ? n0 : 0);
+    if constexpr (kResident) {
+      cp_async_wait_runtime(tiles - 1 - tile);  // K and V of this tile (Q and dO before them)
+      __syncthreads();
+    } else {
+      __syncthreads();  // every warp is done with the previous key tiles
+      load_tile<kBlockN, D, kThreads>(k_tiles, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(v_tiles, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+      cp_async_commit();
+      stage_keys<kThreads>(key_ok, p, b, s, n0, kBlockN);
+      cp_async_wait<0>();
+      __syncthreads();
+    }
 
     // sc[nt][e], dp[nt][e]: row rows[e / 2], key n0 + 8nt + 2t + e % 2.
     float sc[kBlockN / 8][4] = {}, dp[kBlockN / 8][4] = {};
@@ -507,7 +634,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
         mma<T>(dp[2 * np + 1], oa, vb[2], vb[3]);
       }
     }
-    const bool masked = tile_needs_mask(p.key_padding, n0, s.len_k, p.causal, m0, shift);
+    const bool masked =
+        tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
     uint32_t kept = ~0u;
     if (p.dropout.active) {
       kept = kept_pairs<kBlockN / 8>(p.dropout, stream_row(p, b, h, rows[0]) + n0 + 2 * t,
@@ -519,7 +647,7 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const Params<T> 
       for (int e = 0; e < 4; ++e) {
         const int j = n0 + nt * 8 + 2 * t + e % 2;
         sc[nt][e] = exp2f(sc[nt][e] * c - lse2[e / 2]);  // P
-        if (masked && !visible(key_ok, n0, rows[e / 2], j, p.causal, shift)) sc[nt][e] = 0.0f;
+        if (masked && !visible(tile_ok, n0, rows[e / 2], j, p.causal, shift)) sc[nt][e] = 0.0f;
         dp[nt][e] = bit(kept, 2 * (8 * (e / 2) + nt) + e % 2) ? dp[nt][e] * p.dropout.scale : 0.0f;
       }
     }
@@ -763,8 +891,8 @@ void dispatch_attention(const Problem& pb, F&& f) {
 }
 
 template <typename T>
-void launch(void (*kernel)(Params<T>), int64_t blocks, size_t smem, const Problem& pb,
-            const Params<T>& p) {
+void launch(void (*kernel)(Params<T>), int64_t blocks, int threads, size_t smem,
+            const Problem& pb, const Params<T>& p) {
   if (blocks == 0 || pb.heads == 0 || pb.batch == 0) return;
   // Past 48 KiB a block's dynamic shared memory has to be asked for.
   if (smem > 48 * 1024)
@@ -772,8 +900,25 @@ void launch(void (*kernel)(Params<T>), int64_t blocks, size_t smem, const Proble
                                         static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(pb.heads),
                   static_cast<unsigned>(pb.batch));
-  kernel<<<grid, kThreads, smem, current_stream()>>>(p);
+  kernel<<<grid, threads, smem, current_stream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Launches kernel_of(path) over `own` rows a sequence (the queries of the forward and dQ
+// kernels, the keys of dK/dV): on the resident path when the rows it walks (keys, or
+// queries for dK/dV) number at most kResidentMax and their tiles fit in shared memory,
+// else on the streamed path. smem_of(path) is a block's shared memory on that path.
+template <typename T, typename KernelOf, typename SmemOf>
+void launch_path(KernelOf kernel_of, SmemOf smem_of, int64_t own, int64_t walked,
+                 const Problem& pb, const Params<T>& p) {
+  constexpr std::true_type resident;
+  constexpr std::false_type streamed;
+  if (walked <= kResidentMax && smem_of(resident) <= max_shared_memory())
+    launch<T>(kernel_of(resident), ceil_div(own, Shape<true>::rows), Shape<true>::threads,
+              smem_of(resident), pb, p);
+  else
+    launch<T>(kernel_of(streamed), ceil_div(own, Shape<false>::rows), Shape<false>::threads,
+              smem_of(streamed), pb, p);
 }
 
 void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
@@ -783,8 +928,10 @@ void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
     Params<T> p = params<T>(pb);
     p.out = rows_of<T>(out, pb.varlen);
     p.lse = stat_rows(lse, pb.varlen);
-    launch<T>(attention_forward_kernel<T, D>, ceil_div(pb.seq_q, kBlockM), forward_smem<D>(), pb,
-              p);
+    launch_path<T>(
+        [](auto path) { return attention_forward_kernel<T, D, decltype(path)::value>; },
+        [&](auto path) { return forward_smem<D, decltype(path)::value>(pb.seq_k); }, pb.seq_q,
+        pb.seq_k, pb, p);
   });
 }
 
@@ -805,10 +952,17 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
     p.dv = rows_of<T>(dv, pb.varlen);
     p.own_delta = pb.seq_k <= kBlockN;
     if (!p.own_delta)
-      launch<T>(attention_delta_kernel<T, D>, ceil_div(pb.seq_q, kThreads / (D / 8)), 0, pb, p);
+      launch<T>(attention_delta_kernel<T, D>, ceil_div(pb.seq_q, kDeltaThreads / (D / 8)),
+                kDeltaThreads, 0, pb, p);
     // With own_delta the dQ kernel stores the delta the dK/dV kernel reads.
-    launch<T>(attention_dq_kernel<T, D>, ceil_div(pb.seq_q, kBlockM), dq_smem<D>(), pb, p);
-    launch<T>(attention_dkdv_kernel<T, D>, ceil_div(pb.seq_k, kBlockN), dkdv_smem<D>(), pb, p);
+    launch_path<T>(
+        [](auto path) { return attention_dq_kernel<T, D, decltype(path)::value>; },
+        [&](auto path) { return dq_smem<D, decltype(path)::value>(pb.seq_k); }, pb.seq_q,
+        pb.seq_k, pb, p);
+    launch_path<T>(
+        [](auto path) { return attention_dkdv_kernel<T, D, decltype(path)::value>; },
+        [&](auto path) { return dkdv_smem<D, decltype(path)::value>(pb.seq_q); }, pb.seq_k,
+        pb.seq_q, pb, p);
   });
 }
 

@@ -214,6 +214,14 @@ inline int multiprocessors() {
   return count;
 }
 
+// The most shared memory one block of the current device may ask for.
+inline size_t max_shared_memory() {
+  int bytes = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        c10::cuda::current_device()));
+  return static_cast<size_t>(bytes);
+}
+
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 // Threads per block of the row kernels; with __launch_bounds__(kRowThreads) each thread

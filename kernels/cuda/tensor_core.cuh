@@ -47,6 +47,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
 }
 
+// cp_async_wait with a count known only at run time (the same in every thread of the
+// block). A count past kMax waits for more groups than asked, which is only slower.
+template <int kMax = 16, int N = 0>
+__device__ __forceinline__ void cp_async_wait_runtime(int pending) {
+  if constexpr (N == kMax) {
+    cp_async_wait<N>();
+  } else if (pending == N) {
+    cp_async_wait<N>();
+  } else {
+    cp_async_wait_runtime<kMax, N + 1>(pending);
+  }
+}
+
 // Starts copying rows [0, kRows) of a tile of head_dim D into shared memory `tile`
 // (pitch D + 8): row r from src + r * row_stride, zeros for rows >= valid. The whole
 // block shares the work, one 16-byte chunk per thread per step.

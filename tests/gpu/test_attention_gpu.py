@@ -2,6 +2,8 @@
 
 BERT-base (12 heads of 64, seq 128 and 512, mixed padding), GPT-2 small (seq 1024,
 causal), long causal sequences, the head dims of common models, and packed sequences.
+The cuda backend's sequences up to 512 take its resident path and longer ones its
+streamed path: both are here, with padding, causal masks and dropout.
 Half-precision products and the probabilities rounded before P V bound the error at
 1e-2 norm-wise for both bfloat16 and float16.
 """
@@ -30,6 +32,7 @@ SHAPES = {
     "dim-80": (4, 8, 256, 300, 80, {"causal": True}),
     "dim-96": (4, 8, 333, 256, 96, {"mask": True, "causal": True}),
     "dim-128": (4, 8, 256, 256, 128, {}),
+    "padded-640x768": (4, 12, 768, 640, 64, {"mask": True}),
     "bias-per-head": (4, 12, 128, 128, 64, {"bias": (12, 128, 128)}),
     "bias-full": (2, 4, 200, 180, 64, {"bias": (2, 4, 200, 180), "causal": True}),
 }
@@ -89,8 +92,9 @@ def test_attention_real_shapes(backend, dtype, case):
 
 @pytest.mark.parametrize("backend", gpu_backends("attention"))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_dropout_replays_its_mask(backend, dtype):
-    _run(backend, 4, 12, 256, 256, 64, dtype, {"mask": True, "causal": True}, dropout_p=0.1)
+@pytest.mark.parametrize("seq", [256, 640])
+def test_attention_dropout_replays_its_mask(backend, dtype, seq):
+    _run(backend, 4, 12, seq, seq, 64, dtype, {"mask": True, "causal": True}, dropout_p=0.1)
 
 
 @pytest.mark.parametrize("backend", gpu_backends("attention_varlen"))
