@@ -8,7 +8,8 @@
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16)
 # test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
-#           torch, with the device's ceilings
+#           torch, with the device's ceilings; then the attention again with the cuda
+#           backend's resident path off (rows "fusedlm[cuda] streamed")
 # bench-models  the same for each model's steps; both stages' rows also go to one record,
 #           benchmarks/results/<device>-<date>.json
 # sanitize  compute-sanitizer memcheck and racecheck over a small run of every cuda kernel
@@ -74,15 +75,26 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
   # shellcheck disable=SC2086  # names is a list of words
   run_stage "$stage" env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda --$part $names \
       --json "$OUT/$stage.json" ${plot[@]+"${plot[@]}"} || return
+  if [ "$part" = ops ]; then
+    # The cuda attention once more with its resident path off: each run's ratio to SDPA
+    # shows what that path buys at BERT lengths.
+    run_stage bench-streamed env -u TRITON_INTERPRET FUSEDLM_ATTENTION_RESIDENT=0 "$PY" -m fusedlm \
+        bench --device cuda --ops attention --json "$OUT/streamed.json" || return
+  fi
   # One record a device and day: the parts measured so far, rows and skips together.
   local name
   name=$("$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path
 from fusedlm.bench.report import slug
-parts = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("bench*.json"))]
+out = Path(sys.argv[1])
+parts = [json.loads(p.read_text()) for p in sorted(out.glob("bench*.json"))]
 record = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
               skipped=[s for p in parts for s in p["skipped"]])
+if (out / "streamed.json").exists():  # its fusedlm[cuda] rows, named for the path
+    streamed = json.loads((out / "streamed.json").read_text())["rows"]
+    record["rows"] += [dict(r, impl=r["impl"] + " streamed") for r in streamed
+                       if r["impl"] == "fusedlm[cuda]"]
 name = slug(record["device"]) + "-" + record["date"] + ".json"
 Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
 Path("benchmarks/results", name).write_text(json.dumps(record, indent=2) + "\n")

@@ -34,7 +34,9 @@
 // to the bottom right (key j is visible to query i when j <= i + len_k - len_q); whole
 // key tiles past the diagonal are skipped, and only tiles that cross it, the key
 // padding or the sequence's end are masked element by element.
+#include <cstdlib>
 #include <limits>
+#include <string_view>
 #include <type_traits>
 
 #include "tensor_core.cuh"
@@ -904,6 +906,13 @@ void launch(void (*kernel)(Params<T>), int64_t blocks, int threads, size_t smem,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the resident path may run: FUSEDLM_ATTENTION_RESIDENT=0 sends every sequence
+// down the streamed path, to compare the two at the same shapes.
+bool resident_enabled() {
+  const char* setting = std::getenv("FUSEDLM_ATTENTION_RESIDENT");
+  return setting == nullptr || std::string_view(setting) != "0";
+}
+
 // Launches kernel_of(path) over `own` rows a sequence (the queries of the forward and dQ
 // kernels, the keys of dK/dV): on the resident path when the rows it walks (keys, or
 // queries for dK/dV) number at most kResidentMax and their tiles fit in shared memory,
@@ -913,7 +922,7 @@ void launch_path(KernelOf kernel_of, SmemOf smem_of, int64_t own, int64_t walked
                  const Problem& pb, const Params<T>& p) {
   constexpr std::true_type resident;
   constexpr std::false_type streamed;
-  if (walked <= kResidentMax && smem_of(resident) <= max_shared_memory())
+  if (resident_enabled() && walked <= kResidentMax && smem_of(resident) <= max_shared_memory())
     launch<T>(kernel_of(resident), ceil_div(own, Shape<true>::rows), Shape<true>::threads,
               smem_of(resident), pb, p);
   else
