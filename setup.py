@@ -100,12 +100,20 @@ def write_build_info(with_cuda):
     )
 
 
+def sm90a_flags():
+    """FUSEDLM_SM90A when the CUDA targets include sm_90a: the host code may then launch
+    the kernels that need Hopper's arch-specific instructions (on an sm_90 device)."""
+    arches = os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ").split()
+    return ["-DFUSEDLM_SM90A"] if any(a.startswith("9.0a") for a in arches) else []
+
+
 def extension(sources, with_cuda):
+    nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", *(sm90a_flags() if with_cuda else [])]
     kwargs = dict(
         name="fusedlm._C",
         sources=sources["host"] + (sources.get("cuda", []) if with_cuda else []),
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": HOST_FLAGS, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+        extra_compile_args={"cxx": HOST_FLAGS, "nvcc": nvcc_flags},
         define_macros=[("FUSEDLM_WITH_CUDA", None)] if with_cuda else [],
         extra_link_args=OPENMP_FLAGS,
     )

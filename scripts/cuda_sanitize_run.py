@@ -7,6 +7,7 @@ layer norm's register cache, dropout, ignored labels, the masked-LM chunks, and 
 attention and FFN kernels' partial blocks. It checks
 no values (the tests do): it exits non-zero when the cuda backend cannot run.
 """
+import os
 import sys
 
 import torch
@@ -62,9 +63,13 @@ def main() -> int:
             ce_module.LOGITS_CHUNK_BYTES = saved
     # attention: head dims 64 and 128, query and key tails past a block of 64, padding,
     # the causal diagonal with more queries than keys, dropout; the resident path (up to
-    # 512) and the streamed one; varlen with an empty sequence.
+    # 512) and the streamed one, whose forward runs on wgmma on sm_90 unless turned off;
+    # varlen with an empty sequence.
+    cases = ((64, 70, 67, "1"), (128, 70, 67, "1"), (64, 603, 600, "1"), (128, 603, 600, "1"),
+             (64, 603, 600, "0"))
     for dtype in (torch.bfloat16, torch.float16):
-        for head_dim, seq_q, seq_k in ((64, 70, 67), (128, 70, 67), (64, 603, 600)):
+        for head_dim, seq_q, seq_k, wgmma in cases:
+            os.environ["FUSEDLM_ATTENTION_WGMMA"] = wgmma
             q = torch.randn(2, seq_q, 2, head_dim, dtype=dtype, **cuda).transpose(1, 2)
             k, v = (torch.randn(2, 2, seq_k, head_dim, dtype=dtype, **cuda) for _ in range(2))
             mask = torch.rand(2, seq_k, device="cuda") < 0.3

@@ -9,7 +9,8 @@
 # test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
-#           backend's resident path off (rows "fusedlm[cuda] streamed")
+#           backend's resident path off (rows "fusedlm[cuda] streamed") and with its
+#           wgmma forward off (rows "fusedlm[cuda] mma-sync")
 # bench-models  the same for each model's steps; both stages' rows also go to one record,
 #           benchmarks/results/<device>-<date>.json
 # sanitize  compute-sanitizer memcheck and racecheck over a small run of every cuda kernel
@@ -76,10 +77,14 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
   run_stage "$stage" env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda --$part $names \
       --json "$OUT/$stage.json" ${plot[@]+"${plot[@]}"} || return
   if [ "$part" = ops ]; then
-    # The cuda attention once more with its resident path off: each run's ratio to SDPA
-    # shows what that path buys at BERT lengths.
-    run_stage bench-streamed env -u TRITON_INTERPRET FUSEDLM_ATTENTION_RESIDENT=0 "$PY" -m fusedlm \
-        bench --device cuda --ops attention --json "$OUT/streamed.json" || return
+    # The attention again with one of the cuda backend's paths off, each run against its
+    # own SDPA: what the resident path buys at BERT lengths, and wgmma on sm_90.
+    local variant setting
+    for variant in streamed:FUSEDLM_ATTENTION_RESIDENT mma-sync:FUSEDLM_ATTENTION_WGMMA; do
+      setting=${variant#*:}=0 variant=${variant%%:*}
+      run_stage "bench-$variant" env -u TRITON_INTERPRET "$setting" "$PY" -m fusedlm bench \
+          --device cuda --ops attention --json "$OUT/variant-$variant.json" || return
+    done
   fi
   # One record a device and day: the parts measured so far, rows and skips together.
   local name
@@ -91,10 +96,10 @@ out = Path(sys.argv[1])
 parts = [json.loads(p.read_text()) for p in sorted(out.glob("bench*.json"))]
 record = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
               skipped=[s for p in parts for s in p["skipped"]])
-if (out / "streamed.json").exists():  # its fusedlm[cuda] rows, named for the path
-    streamed = json.loads((out / "streamed.json").read_text())["rows"]
-    record["rows"] += [dict(r, impl=r["impl"] + " streamed") for r in streamed
-                       if r["impl"] == "fusedlm[cuda]"]
+for path in sorted(out.glob("variant-*.json")):  # their fusedlm[cuda] rows, named for it
+    variant = path.stem.removeprefix("variant-")
+    record["rows"] += [dict(r, impl=f"{r['impl']} {variant}")
+                       for r in json.loads(path.read_text())["rows"] if r["impl"] == "fusedlm[cuda]"]
 name = slug(record["device"]) + "-" + record["date"] + ".json"
 Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
 Path("benchmarks/results", name).write_text(json.dumps(record, indent=2) + "\n")

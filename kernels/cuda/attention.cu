@@ -26,8 +26,13 @@
 // then read once per 128 queries (once per head at length 128) instead of once per 64,
 // and no step waits for a buffer to be free again: at these lengths the streamed path
 // has too few steps a block to hide its copies behind.
-// Limits: the recomputation (5 products in the backward against 2 in the forward), and
-// dropout, which costs one Philox call per one or two probabilities.
+// On sm_90 (a build with sm_90a code) the streamed forward runs on Hopper's warpgroup
+// products instead (attention_forward_sm90_kernel, wgmma.cuh): Q and K are read by the
+// tensor cores straight from swizzled shared memory, P from registers.
+// Limits: the recomputation (5 products in the backward against 2 in the forward), the
+// backward's mma.sync on Hopper too, no TMA or warp specialisation in the wgmma forward
+// (its copies are cp.async, double-buffered), and dropout, which costs one Philox call
+// per one or two probabilities.
 //
 // Padded and packed (varlen) batches run the same kernels: a sequence is a row offset
 // and a length per tensor, from cu_seqlens or from the padded shape. Causal masks align
@@ -40,6 +45,7 @@
 #include <type_traits>
 
 #include "tensor_core.cuh"
+#include "wgmma.cuh"
 #include "cuda/ops.h"
 
 namespace fusedlm::cuda {
@@ -186,6 +192,98 @@ size_t dkdv_smem(int64_t seq_q) {
          2 * queries * sizeof(float) + Shape<kResident>::rows;
 }
 
+// --- the forward's steps, shared by its kernels -------------------------------------------
+
+// One key tile of the online softmax, for this thread's share of a warp's 16 query rows
+// (rows[0], rows[1]) against keys n0 .. n0 + kBlockN - 1 of a block whose first query is
+// m0: sc goes from the raw scores Q K^T to the probabilities P (masked, in base 2, with
+// dropout applied), and the running max, sum and output accumulator are rescaled.
+template <typename T, int D>
+__device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 8][4],
+                                               float (&acc)[D / 8][4], float (&row_max)[2],
+                                               float (&row_sum)[2], const Params<T>& p,
+                                               const bool* tile_ok, int b, int h, const Seq& s,
+                                               const int (&rows)[2], int m0, int n0) {
+  const int t = threadIdx.x % 4, shift = s.len_k - s.len_q;
+  const float c = p.scale * kLog2e;
+  const bool masked =
+      tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
+#pragma unroll
+  for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = n0 + nt * 8 + 2 * t + e % 2;
+      sc[nt][e] = masked && !visible(tile_ok, n0, rows[e / 2], j, p.causal, shift)
+                      ? -kInf
+                      : sc[nt][e] * c;
+    }
+  }
+  // The online softmax, per row: the quad of lanes sharing g holds the whole row.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float tile_max = -kInf;
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt)
+      tile_max = fmaxf(tile_max, fmaxf(sc[nt][2 * hh], sc[nt][2 * hh + 1]));
+    const float new_max = fmaxf(row_max[hh], quad_max(tile_max));
+    // While a row has seen no visible key its max is -inf, and exp2(-inf - -inf) would
+    // be NaN: subtract 0 instead (every term is then exp2(-inf) = 0).
+    const float base = new_max == -kInf ? 0.0f : new_max;
+    const float rescale = exp2f(row_max[hh] - base);
+    row_max[hh] = new_max;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+      sc[nt][2 * hh] = exp2f(sc[nt][2 * hh] - base);
+      sc[nt][2 * hh + 1] = exp2f(sc[nt][2 * hh + 1] - base);
+      sum += sc[nt][2 * hh] + sc[nt][2 * hh + 1];
+    }
+    row_sum[hh] = row_sum[hh] * rescale + sum;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      acc[dt][2 * hh] *= rescale;
+      acc[dt][2 * hh + 1] *= rescale;
+    }
+  }
+  // Dropout zeroes probabilities after the sum (the softmax is of the undropped scores);
+  // the 1 / (1 - p) factor is applied once, to the output.
+  if (p.dropout.active) {
+    const uint32_t kept = kept_pairs<kBlockN / 8>(p.dropout,
+                                                  stream_row(p, b, h, rows[0]) + n0 + 2 * t,
+                                                  stream_row(p, b, h, rows[1]) + n0 + 2 * t);
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!bit(kept, 2 * (8 * (e / 2) + nt) + e % 2)) sc[nt][e] = 0.0f;
+  }
+}
+
+// O = acc / sum (times the dropout's 1 / (1 - p)) and the natural log-sum-exp of each of
+// this thread's rows.
+template <typename T, int D>
+__device__ __forceinline__ void store_output(const float (&acc)[D / 8][4],
+                                             const float (&row_max)[2], const float (&row_sum)[2],
+                                             const Params<T>& p, int b, int h, const Seq& s,
+                                             const int (&rows)[2]) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sum = quad_sum(row_sum[hh]);
+    if (rows[hh] >= s.len_q) continue;
+    // A row that saw no key has sum 0 and accumulator 0: its output is 0.
+    const float inv = sum > 0.0f ? p.dropout.scale / sum : 0.0f;
+    T* o = p.out.at(b, h, s.q0 + rows[hh]);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * t) =
+          pack<T>(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
+    // lse = +inf for such a row makes the backward's exp(s - lse) zero.
+    if (t == 0)
+      *p.lse.at(b, h, s.q0 + rows[hh]) = sum > 0.0f ? (row_max[hh] + log2f(sum)) * kLn2 : kInf;
+  }
+}
+
 // --- forward ------------------------------------------------------------------------------
 
 template <typename T, int D, bool kResident>
@@ -204,8 +302,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const Seq s = sequence(p, b);
   const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int shift = s.len_k - s.len_q;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   // This thread's rows of C fragments: g and g + 8 of the warp's 16.
   const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
   // A resident block never walks past the tiles it holds, even for a sequence longer
@@ -238,7 +335,6 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
 
   float acc[D / 8][4] = {};  // O, n-tiles of 8 head_dim columns
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};  // base 2; sums per thread
-  const float c = p.scale * kLog2e;
   for (int tile = 0; tile < tiles; ++tile) {
     const int n0 = tile * kBlockN;
     const T* k_tile = k_tiles + (kResident ? tile * kBlockN * P : 0);
@@ -270,58 +366,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
         mma<T>(sc[2 * np + 1], qf[kk], kb[2], kb[3]);
       }
     }
-    const bool masked =
-        tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
-#pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = n0 + nt * 8 + 2 * t + e % 2;
-        sc[nt][e] = masked && !visible(tile_ok, n0, rows[e / 2], j, p.causal, shift)
-                        ? -kInf
-                        : sc[nt][e] * c;
-      }
-    }
-    // The online softmax, per row: the quad of lanes sharing g holds the whole row.
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float tile_max = -kInf;
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt)
-        tile_max = fmaxf(tile_max, fmaxf(sc[nt][2 * hh], sc[nt][2 * hh + 1]));
-      const float new_max = fmaxf(row_max[hh], quad_max(tile_max));
-      // While a row has seen no visible key its max is -inf, and exp2(-inf - -inf) would
-      // be NaN: subtract 0 instead (every term is then exp2(-inf) = 0).
-      const float base = new_max == -kInf ? 0.0f : new_max;
-      const float rescale = exp2f(row_max[hh] - base);
-      row_max[hh] = new_max;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        sc[nt][2 * hh] = exp2f(sc[nt][2 * hh] - base);
-        sc[nt][2 * hh + 1] = exp2f(sc[nt][2 * hh + 1] - base);
-        sum += sc[nt][2 * hh] + sc[nt][2 * hh + 1];
-      }
-      row_sum[hh] = row_sum[hh] * rescale + sum;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        acc[dt][2 * hh] *= rescale;
-        acc[dt][2 * hh + 1] *= rescale;
-      }
-    }
-    // Dropout zeroes probabilities after the sum (the softmax is of the undropped scores);
-    // the 1 / (1 - p) factor is applied once, to the output.
-    if (p.dropout.active) {
-      const uint32_t kept = kept_pairs<kBlockN / 8>(p.dropout,
-                                                    stream_row(p, b, h, rows[0]) + n0 + 2 * t,
-                                                    stream_row(p, b, h, rows[1]) + n0 + 2 * t);
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!bit(kept, 2 * (8 * (e / 2) + nt) + e % 2)) sc[nt][e] = 0.0f;
-    }
-
+    online_softmax<T, D>(sc, acc, row_max, row_sum, p, tile_ok, b, h, s, rows, m0, n0);
     if constexpr (!kResident) {
       cp_async_wait<0>();  // V
       __syncthreads();
@@ -341,21 +386,108 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     }
   }
 
+  store_output<T, D>(acc, row_max, row_sum, p, b, h, s, rows);
+}
+
+// The forward on Hopper's warpgroup products (wgmma.cuh), for the streamed path on
+// sm_90a: a block of two warpgroups owns 128 query rows, 64 each. Q sits in shared
+// memory for the whole block and feeds S = Q K^T straight from there; the key tiles are
+// double-buffered, the next one's copy in flight while this one is used; P stays in
+// registers as the A operand of O += P V. The softmax between the two products is the
+// other forward kernel's, on the same fragment layout.
+constexpr int kSm90Rows = 128;
+constexpr int kSm90Threads = 256;
+
+template <int D>
+constexpr size_t sm90_forward_smem() {
+  // Q, two stages of K and V, two stages of key flags, and 1 KiB to align the tiles to
+  // the 1024 bytes their swizzle needs.
+  return size_t(kSm90Rows + 4 * kBlockN) * D * 2 + 2 * kBlockN + 1024;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(const Params<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kTile = kBlockN * D;  // elements of a K or V tile
+  extern __shared__ unsigned char sm90_smem[];
+  const uint32_t align = (1024 - smem_address(sm90_smem) % 1024) % 1024;
+  T* q_tile = reinterpret_cast<T*>(sm90_smem + align);  // [kSm90Rows][D], swizzled
+  T* k_tiles = q_tile + kSm90Rows * D;                   // [2][kBlockN][D], swizzled
+  T* v_tiles = k_tiles + 2 * kTile;                      // [2][kBlockN][D], swizzled
+  bool* key_ok = reinterpret_cast<bool*>(v_tiles + 2 * kTile);  // [2][kBlockN]
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const Seq s = sequence(p, b);
+  const int m0 = query_block(p.causal) * kSm90Rows;
+  if (m0 >= s.len_q) return;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+  const int group_row = warp / 4 * 64;  // the warpgroup's first row in the block
+  const int tiles = (key_end(s, p.causal, m0, kSm90Rows) + kBlockN - 1) / kBlockN;
+
+  // Key tile i into stage i % 2, one cp.async group.
+  auto load_keys = [&](int i) {
+    const int n0 = i * kBlockN;
+    wg::load_tile<kBlockN, D, kSm90Threads>(k_tiles + i % 2 * kTile, p.k.at(b, h, s.k0 + n0),
+                                            p.k.row, s.len_k - n0);
+    wg::load_tile<kBlockN, D, kSm90Threads>(v_tiles + i % 2 * kTile, p.v.at(b, h, s.k0 + n0),
+                                            p.v.row, s.len_k - n0);
+    stage_keys<kSm90Threads>(key_ok + i % 2 * kBlockN, p, b, s, n0, kBlockN);
+    cp_async_commit();
+  };
+  wg::load_tile<kSm90Rows, D, kSm90Threads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row,
+                                            s.len_q - m0);
+  cp_async_commit();
+  if (tiles > 0) load_keys(0);
+
+  float acc[D / 8][4] = {};
+  float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int n0 = tile * kBlockN;
+    // The other stage was released by the __syncthreads that ended the last step.
+    if (tile + 1 < tiles) {
+      load_keys(tile + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    wg::fence_shared_for_async();
+    __syncthreads();
+    const T* k_tile = k_tiles + tile % 2 * kTile;
+    const T* v_tile = v_tiles + tile % 2 * kTile;
+
+    float sc[kBlockN / 8][4] = {};
+    wg::pin(sc);
+    wg::fence();
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float sum = quad_sum(row_sum[hh]);
-    if (rows[hh] >= s.len_q) continue;
-    // A row that saw no key has sum 0 and accumulator 0: its output is 0.
-    const float inv = sum > 0.0f ? p.dropout.scale / sum : 0.0f;
-    T* o = p.out.at(b, h, s.q0 + rows[hh]);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wg::mma_ss<T>(sc, wg::k_major<kSm90Rows>(q_tile, group_row, kk),
+                    wg::k_major<kBlockN>(k_tile, 0, kk), 1);
+    wg::commit();
+    wg::wait<0>();
+    wg::pin(sc);
+    online_softmax<T, D>(sc, acc, row_max, row_sum, p, key_ok + tile % 2 * kBlockN, b, h, s,
+                         rows, m0, n0);
+
+    uint32_t pa[kBlockN / 16][4];
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-      *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * t) =
-          pack<T>(acc[dt][2 * hh] * inv, acc[dt][2 * hh + 1] * inv);
-    // lse = +inf for such a row makes the backward's exp(s - lse) zero.
-    if (t == 0)
-      *p.lse.at(b, h, s.q0 + rows[hh]) = sum > 0.0f ? (row_max[hh] + log2f(sum)) * kLn2 : kInf;
+    for (int kt = 0; kt < kBlockN / 16; ++kt) accumulator_as_a<T>(pa[kt], sc, kt);
+    wg::pin(pa);
+    wg::pin(acc);
+    wg::fence();
+#pragma unroll
+    for (int kt = 0; kt < kBlockN / 16; ++kt)
+      wg::mma_rs<T>(acc, pa[kt], wg::mn_major<kBlockN>(v_tile, kt), 1);
+    wg::commit();
+    wg::wait<0>();
+    wg::pin(acc);
+    __syncthreads();  // every warp is done with this stage before it is refilled
   }
+  cp_async_wait<0>();  // the Q tile of a block that saw no key tile
+  store_output<T, D>(acc, row_max, row_sum, p, b, h, s, rows);
+#else
+  __trap();  // launched only on devices the sm_90a code was built for
+#endif
 }
 
 // --- backward -----------------------------------------------------------------------------
@@ -913,21 +1045,40 @@ bool resident_enabled() {
   return setting == nullptr || std::string_view(setting) != "0";
 }
 
+// Whether a kernel takes the resident path: when the rows it walks (keys, or queries for
+// dK/dV) number at most kResidentMax and their tiles fit in shared memory.
+bool takes_resident_path(int64_t walked, size_t resident_smem) {
+  return resident_enabled() && walked <= kResidentMax && resident_smem <= max_shared_memory();
+}
+
 // Launches kernel_of(path) over `own` rows a sequence (the queries of the forward and dQ
-// kernels, the keys of dK/dV): on the resident path when the rows it walks (keys, or
-// queries for dK/dV) number at most kResidentMax and their tiles fit in shared memory,
-// else on the streamed path. smem_of(path) is a block's shared memory on that path.
+// kernels, the keys of dK/dV) on the path the sequence it walks takes. smem_of(path) is
+// a block's shared memory on that path.
 template <typename T, typename KernelOf, typename SmemOf>
 void launch_path(KernelOf kernel_of, SmemOf smem_of, int64_t own, int64_t walked,
                  const Problem& pb, const Params<T>& p) {
   constexpr std::true_type resident;
   constexpr std::false_type streamed;
-  if (resident_enabled() && walked <= kResidentMax && smem_of(resident) <= max_shared_memory())
+  if (takes_resident_path(walked, smem_of(resident)))
     launch<T>(kernel_of(resident), ceil_div(own, Shape<true>::rows), Shape<true>::threads,
               smem_of(resident), pb, p);
   else
     launch<T>(kernel_of(streamed), ceil_div(own, Shape<false>::rows), Shape<false>::threads,
               smem_of(streamed), pb, p);
+}
+
+// Whether the forward's streamed path runs on Hopper's warpgroup products: on an sm_90
+// device, in a build with sm_90a code, unless FUSEDLM_ATTENTION_WGMMA=0 (to compare).
+bool wgmma_forward() {
+#if defined(FUSEDLM_SM90A)
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                        c10::cuda::current_device()));
+  const char* setting = std::getenv("FUSEDLM_ATTENTION_WGMMA");
+  return major == 9 && (setting == nullptr || std::string_view(setting) != "0");
+#else
+  return false;
+#endif
 }
 
 void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
@@ -937,6 +1088,13 @@ void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
     Params<T> p = params<T>(pb);
     p.out = rows_of<T>(out, pb.varlen);
     p.lse = stat_rows(lse, pb.varlen);
+#if defined(FUSEDLM_SM90A)
+    if (!takes_resident_path(pb.seq_k, forward_smem<D, true>(pb.seq_k)) && wgmma_forward()) {
+      launch<T>(attention_forward_sm90_kernel<T, D>, ceil_div(pb.seq_q, kSm90Rows), kSm90Threads,
+                sm90_forward_smem<D>(), pb, p);
+      return;
+    }
+#endif
     launch_path<T>(
         [](auto path) { return attention_forward_kernel<T, D, decltype(path)::value>; },
         [&](auto path) { return forward_smem<D, decltype(path)::value>(pb.seq_k); }, pb.seq_q,

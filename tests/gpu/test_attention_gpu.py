@@ -13,8 +13,8 @@ import torch
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from checks import (assert_relative_error, float32_copies, fresh, gpu_backends, grads, keep_mask,
-                    needs_cuda, poison_memory, skip_if_refused)
+from checks import (MAX_RELATIVE_ERROR, assert_relative_error, float32_copies, fresh, gpu_backends,
+                    grads, keep_mask, needs_cuda, poison_memory, skip_if_refused)
 
 pytestmark = needs_cuda
 DTYPES = [torch.bfloat16, torch.float16]
@@ -156,3 +156,28 @@ def test_attention_resident_path_matches_the_streamed_one(backend, causal, dropo
     streamed = step()
     for name, a, b in zip(("out", "dq", "dk", "dv"), resident, streamed):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", [p for p in gpu_backends("attention") if p.id == "cuda"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_wgmma_forward_matches_mma_sync(backend, head_dim, dtype, monkeypatch):
+    """On sm_90 the streamed forward runs on warpgroup products; it must agree with the
+    mma.sync forward (the same scores in another summation order) to the output's rounding,
+    and its backward, which reads the saved log-sum-exp, must agree as well."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma forward runs on sm_90 devices only")
+    leaves = [fresh((2, 8, 1000, head_dim), dtype) for _ in range(3)]
+    mask = _padding(2, 1000)
+
+    def step():
+        torch.manual_seed(5)
+        out = fusedlm.ops.attention(*leaves, key_padding_mask=mask, causal=True, dropout_p=0.1,
+                                    backend=backend)
+        return [out] + grads(out, leaves, torch.ones_like(out))
+
+    wgmma = step()
+    monkeypatch.setenv("FUSEDLM_ATTENTION_WGMMA", "0")
+    mma_sync = step()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), wgmma, mma_sync):
+        assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)
