@@ -28,16 +28,6 @@ inline cpu::DType kernel_dtype(const at::Tensor& t) {
   }
 }
 
-inline cpu::Gelu gelu_kind(const std::string& approximate) {
-  TORCH_CHECK_VALUE(approximate == "none" || approximate == "tanh",
-                    "approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return approximate == "tanh" ? cpu::Gelu::kTanh : cpu::Gelu::kErf;
-}
-
-inline const void* data_or_null(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
-}
-
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
 }

@@ -13,35 +13,15 @@
 #include <algorithm>
 #include <vector>
 
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
 namespace fusedlm {
 namespace {
 
-enum class Reduction { kNone, kMean, kSum };
-
-Reduction parse_reduction(const std::string& reduction) {
-  TORCH_CHECK_VALUE(reduction == "none" || reduction == "mean" || reduction == "sum",
-                    "reduction must be 'none', 'mean' or 'sum', got '", reduction, "'");
-  if (reduction == "none") return Reduction::kNone;
-  return reduction == "sum" ? Reduction::kSum : Reduction::kMean;
-}
-
 // Rows of a [rows, cols] tensor each task takes; keeps tasks near 64 KiB of input.
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
-
-at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
-
-at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options()); }
-
-void check_labels(const at::Tensor& labels, at::IntArrayRef batch_shape) {
-  check_cpu(labels, "labels");
-  TORCH_CHECK_TYPE(labels.scalar_type() == at::kLong, "labels must be int64, got ",
-                   labels.scalar_type());
-  TORCH_CHECK_VALUE(labels.sizes() == batch_shape, "labels must have shape ", batch_shape,
-                    ", got ", labels.sizes());
-}
 
 // The flat positions whose label is not ignore_index, in order. Every other label must
 // be a class index: the kernel reads logits[label] unchecked.
@@ -58,9 +38,9 @@ std::vector<int64_t> labelled_rows(const at::Tensor& labels1, int64_t classes, i
   return rows;
 }
 
-// The fused kernel over logits2 [rows, classes] (contiguous). loss [rows] receives the
-// losses; grad is undefined (loss only) or a [rows, classes] buffer, possibly logits2
-// itself; col_partial, when defined, is [ceil(rows / kReduceBlockRows), classes] and
+// The fused kernel over logits2 [rows, classes] (contiguous). loss (rows elements,
+// contiguous) receives the losses; grad is undefined (loss only) or the contiguous memory of
+// rows * classes elements, possibly logits2 itself; col_partial, when defined, is [ceil(rows / kReduceBlockRows), classes] and
 // receives the column sums of grad per block of rows; row_scale is undefined or [rows].
 // loss, col_partial and row_scale are in the accumulation dtype.
 void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::Tensor& loss,
@@ -98,11 +78,10 @@ void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::
   });
 }
 
-// The loss a reduction returns from the per-row losses [rows] (accumulation dtype).
+// The loss a reduction returns from the per-row losses (contiguous, accumulation dtype).
 // Sums run in float64 and in row order, so they do not depend on the thread count.
-at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled,
-                         at::IntArrayRef shape) {
-  if (reduction == Reduction::kNone) return losses.view(shape);
+at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
+  if (reduction == Reduction::kNone) return losses;
   double total = 0.0;
   AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "reduce_losses", [&] {
     const scalar_t* l = losses.data_ptr<scalar_t>();
@@ -138,42 +117,13 @@ at::Tensor scaled(const at::Tensor& src, const at::Tensor& scale) {
   return out;
 }
 
-// The masked-LM head's inputs, flattened and checked.
-struct MlmInputs {
-  at::Tensor hidden;  // [rows, H]
-  at::Tensor weight;  // [V, H]
-  std::optional<at::Tensor> bias;  // [V]
-  at::Tensor labels;  // [rows]
-  at::Tensor labelled;  // int64 [n]: the rows whose label is not ignore_index
-  int64_t ignore_index;
-  double label_smoothing;
-  int64_t chunk_rows;
-};
-
-MlmInputs mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias, const at::Tensor& labels,
-                     int64_t ignore_index, double label_smoothing, int64_t chunk_rows) {
-  check_cpu(hidden, "hidden");
-  check_cpu(weight, "weight");
+// The masked-LM head's inputs, checked, with the labelled rows found.
+MlmInputs cpu_mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& labels,
+                         int64_t ignore_index, double label_smoothing, int64_t chunk_rows) {
+  auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows,
+                       check_cpu);
   kernel_dtype(hidden);
-  TORCH_CHECK_VALUE(hidden.dim() >= 1, "hidden must have at least 1 dimension");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(-1) && weight.size(0) > 0,
-                    "weight must have shape [vocab, ", hidden.size(-1), "], got ", weight.sizes());
-  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight must have dtype ",
-                   hidden.scalar_type(), ", got ", weight.scalar_type());
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
-                      "bias must have shape [", weight.size(0), "], got ", bias->sizes());
-    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(), "bias must have dtype ",
-                     hidden.scalar_type(), ", got ", bias->scalar_type());
-  }
-  check_labels(labels, hidden.sizes().slice(0, hidden.dim() - 1));
-  TORCH_CHECK_VALUE(chunk_rows > 0, "chunk_rows must be positive, got ", chunk_rows);
-  MlmInputs in{as_rows(hidden), weight.contiguous(),
-               has_bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt,
-               labels.contiguous().view(-1), at::Tensor(), ignore_index, label_smoothing, chunk_rows};
   auto rows = labelled_rows(in.labels, weight.size(0), ignore_index);
   in.labelled = at::empty({static_cast<int64_t>(rows.size())}, labels.options());
   std::copy(rows.begin(), rows.end(), in.labelled.data_ptr<int64_t>());
@@ -182,7 +132,7 @@ MlmInputs mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
 
 // Gradients folded in chunk by chunk; a gradient not asked for stays undefined.
 struct MlmGrads {
-  at::Tensor dhidden;  // [rows, H], zero on the rows that are not labelled
+  at::Tensor dhidden;  // hidden's shape, zero on the rows that are not labelled
   at::Tensor dweight;  // [V, H]
   at::Tensor dbias;    // [V], accumulation dtype
 };
@@ -205,8 +155,8 @@ at::Tensor project_chunks(const MlmInputs& in, double grad_scale, const at::Tens
     const auto rows = in.labelled.narrow(0, c0, m);
     const auto h = in.hidden.index_select(0, rows);
     auto logits = buffer.narrow(0, 0, m);
-    if (in.bias)
-      at::addmm_out(logits, *in.bias, h, weight_t);
+    if (in.bias.defined())
+      at::addmm_out(logits, in.bias, h, weight_t);
     else
       at::mm_out(logits, h, weight_t);
     const bool dbias = grads && grads->dbias.defined();
@@ -218,7 +168,8 @@ at::Tensor project_chunks(const MlmInputs& in, double grad_scale, const at::Tens
                grad_scale, row_scale.defined() ? row_scale.index_select(0, rows) : at::Tensor());
     if (!grads) continue;
     // logits now holds the chunk's gradient.
-    if (grads->dhidden.defined()) grads->dhidden.index_copy_(0, rows, at::mm(logits, in.weight));
+    if (grads->dhidden.defined())
+      grads->dhidden.view(in.hidden.sizes()).index_copy_(0, rows, at::mm(logits, in.weight));
     if (grads->dweight.defined()) {
       if (c0 == 0)
         at::mm_out(grads->dweight, logits.t(), h);
@@ -230,20 +181,22 @@ at::Tensor project_chunks(const MlmInputs& in, double grad_scale, const at::Tens
   return losses;
 }
 
-MlmGrads mlm_grads(const MlmInputs& in, bool dhidden, bool dweight, bool dbias) {
+// The gradients asked for, allocated in their final shapes: an op's output must not be a view.
+MlmGrads mlm_grads(const MlmInputs& in, at::IntArrayRef hidden_shape, bool dhidden, bool dweight,
+                   bool dbias) {
   const auto acc = acc_dtype(in.hidden.scalar_type());
   MlmGrads g;
-  if (dhidden) g.dhidden = at::zeros_like(in.hidden);
+  if (dhidden) g.dhidden = at::zeros(hidden_shape, in.hidden.options());
   // Written whole by the first chunk's product; zeros when no row is labelled.
   if (dweight) g.dweight = in.labelled.numel() ? at::empty_like(in.weight) : at::zeros_like(in.weight);
-  if (dbias && in.bias) g.dbias = at::zeros({in.weight.size(0)}, in.hidden.options().dtype(acc));
+  if (dbias && in.bias.defined()) g.dbias = at::zeros({in.weight.size(0)}, in.hidden.options().dtype(acc));
   return g;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grads_out(const MlmGrads& g, const at::Tensor& hidden,
                                                          const at::Tensor& weight,
                                                          const std::optional<at::Tensor>& bias) {
-  return {g.dhidden.defined() ? g.dhidden.view(hidden.sizes()) : nothing(hidden),
+  return {g.dhidden.defined() ? g.dhidden : nothing(hidden),
           g.dweight.defined() ? g.dweight : nothing(weight),
           g.dbias.defined() ? g.dbias.to(bias->scalar_type()) : nothing(weight)};
 }
@@ -256,32 +209,23 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
                                                          double label_smoothing,
                                                          const std::string& reduction,
                                                          bool with_grad) {
-  check_cpu(logits, "logits");
+  const auto in = cross_entropy_inputs(logits, labels, reduction, check_cpu);
   kernel_dtype(logits);
-  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) > 0,
-                    "logits must have a last dimension of at least one class, got shape ",
-                    logits.sizes());
-  check_labels(labels, logits.sizes().slice(0, logits.dim() - 1));
-  const auto red = parse_reduction(reduction);
-  auto x = as_rows(logits);
-  auto y = labels.contiguous().view(-1);
-  const int64_t labelled = labelled_rows(y, x.size(1), ignore_index).size();
-  auto losses = at::empty({x.size(0)}, x.options().dtype(acc_dtype(x.scalar_type())));
-  auto grad = with_grad ? at::empty_like(x) : at::Tensor();
-  const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
-  run_kernel(x, y, losses, grad, at::Tensor(), ignore_index, label_smoothing, grad_scale,
-             at::Tensor());
-  return {reduce_losses(losses, red, labelled, labels.sizes()),
-          with_grad ? grad.view(logits.sizes()) : nothing(logits)};
+  const int64_t labelled = labelled_rows(in.labels, in.logits.size(1), ignore_index).size();
+  // Outputs in their final shapes, contiguous (the kernel writes them as rows): an op's
+  // output must not be a view.
+  auto losses = at::empty(labels.sizes(), in.logits.options().dtype(acc_dtype(logits.scalar_type())));
+  auto grad = with_grad ? at::empty(logits.sizes(), in.logits.options()) : at::Tensor();
+  const double grad_scale =
+      in.reduction == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
+  run_kernel(in.logits, in.labels, losses, grad, at::Tensor(), ignore_index, label_smoothing,
+             grad_scale, at::Tensor());
+  return {reduce_losses(losses, in.reduction, labelled), with_grad ? grad : nothing(logits)};
 }
 
 at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
                                   const std::string& reduction) {
-  check_cpu(saved_grad, "saved_grad");
-  const int64_t rows = saved_grad.numel() / saved_grad.size(-1);
-  const int64_t scales = parse_reduction(reduction) == Reduction::kNone ? rows : 1;
-  TORCH_CHECK_VALUE(grad.numel() == scales, "grad must have ", scales, " elements, got ",
-                    grad.numel());
+  check_cross_entropy_grad(grad, saved_grad, reduction, check_cpu);
   return scaled(saved_grad, grad.to(acc_dtype(saved_grad.scalar_type())).contiguous());
 }
 
@@ -291,19 +235,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forwar
     const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
     bool need_dbias) {
   const auto red = parse_reduction(reduction);
-  const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
+  const auto in = cpu_mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing,
+                                 chunk_rows);
   const int64_t labelled = in.labelled.numel();
   // With reduction "none" grad_output weighs each row: the gradients wait for the backward.
   const bool with_grads = red != Reduction::kNone && (need_dhidden || need_dweight || need_dbias);
-  MlmGrads g = with_grads ? mlm_grads(in, need_dhidden, need_dweight, need_dbias) : MlmGrads();
+  MlmGrads g = with_grads ? mlm_grads(in, hidden.sizes(), need_dhidden, need_dweight, need_dbias)
+                          : MlmGrads();
   const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
   auto losses = project_chunks(in, grad_scale, at::Tensor(), with_grads ? &g : nullptr);
   at::Tensor loss;
-  if (red == Reduction::kNone)
-    loss = at::zeros({in.labels.numel()}, losses.options()).index_copy_(0, in.labelled, losses)
-               .view(labels.sizes());
-  else
-    loss = reduce_losses(losses, red, labelled, labels.sizes());
+  if (red == Reduction::kNone) {
+    loss = at::zeros(labels.sizes(), losses.options());
+    loss.view(in.labels.sizes()).index_copy_(0, in.labelled, losses);
+  } else {
+    loss = reduce_losses(losses, red, labelled);
+  }
   auto [dh, dw, db] = grads_out(g, hidden, weight, bias);
   return {loss, dh, dw, db};
 }
@@ -321,10 +268,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     return {scaled(dhidden, s), scaled(dweight, s), scaled(dbias, s)};
   }
   // Per-row grad_output: redo the chunks, each row's gradient scaled by its grad_output.
-  const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
+  const auto in = cpu_mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing,
+                                 chunk_rows);
   TORCH_CHECK_VALUE(grad.numel() == in.labels.numel(), "grad must have ", in.labels.numel(),
                     " elements, got ", grad.numel());
-  MlmGrads g = mlm_grads(in, need_dhidden, need_dweight, need_dbias);
+  MlmGrads g = mlm_grads(in, hidden.sizes(), need_dhidden, need_dweight, need_dbias);
   project_chunks(in, 1.0, grad.to(acc).contiguous().view(-1), &g);
   return grads_out(g, hidden, weight, bias);
 }

@@ -2,6 +2,7 @@
 // GELU, dropout and their backward fused into one pass between them.
 #include <vector>
 
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -21,9 +22,14 @@ const uint8_t* keep_rows(std::vector<uint8_t>& buffer, uint64_t seed, int64_t be
   return buffer.data();
 }
 
-// out = dropout(gelu(pre + bias)) over the rows of a 2-d contiguous tensor.
-void gelu_rows(const at::Tensor& pre, const std::optional<at::Tensor>& bias, at::Tensor& out,
-               cpu::Gelu kind, double p, uint64_t seed) {
+cpu::Gelu gelu_kind(bool tanh) { return tanh ? cpu::Gelu::kTanh : cpu::Gelu::kErf; }
+
+const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// out = dropout(gelu(pre + bias)) over the rows of a 2-d contiguous tensor, into out's
+// contiguous memory (of any shape); bias is undefined or [cols].
+void gelu_rows(const at::Tensor& pre, const at::Tensor& bias, at::Tensor& out, cpu::Gelu kind,
+               double p, uint64_t seed) {
   const int64_t rows = pre.size(0), cols = pre.size(1);
   const auto dtype = kernel_dtype(pre);
   const size_t elem = pre.element_size();
@@ -39,12 +45,12 @@ void gelu_rows(const at::Tensor& pre, const std::optional<at::Tensor>& bias, at:
   });
 }
 
-// d(pre) from d(out) for gelu_rows; returns the bias gradient (undefined without bias).
-at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre,
-                              const std::optional<at::Tensor>& bias, at::Tensor& dpre,
-                              cpu::Gelu kind, double p, uint64_t seed) {
+// d(pre) from d(out) for gelu_rows, into dpre's contiguous memory; returns the bias
+// gradient (undefined without bias).
+at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre, const at::Tensor& bias,
+                              at::Tensor& dpre, cpu::Gelu kind, double p, uint64_t seed) {
   const int64_t rows = pre.size(0), cols = pre.size(1);
-  const bool has_bias = data_or_null(bias) != nullptr;
+  const bool has_bias = bias.defined();
   const int64_t blocks = (rows + kReduceBlockRows - 1) / kReduceBlockRows;
   auto partial = at::empty({has_bias ? blocks : 0, cols},
                            pre.options().dtype(acc_dtype(pre.scalar_type())));
@@ -69,50 +75,45 @@ at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre,
                                        p);
     }
   });
-  return has_bias ? sum_partials(partial, bias->scalar_type()) : at::Tensor();
+  return has_bias ? sum_partials(partial, bias.scalar_type()) : at::Tensor();
 }
-
-at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
 
 }  // namespace
 
 at::Tensor bias_gelu_forward(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                              const std::string& approximate) {
-  check_cpu(x, "x");
-  auto x2 = as_rows(x);
-  auto out = at::empty_like(x2);
-  gelu_rows(x2, bias ? std::optional<at::Tensor>(bias->contiguous()) : bias, out,
-            gelu_kind(approximate), 0.0, 0);
-  return out.view(x.sizes());
+  const auto in = bias_gelu_inputs(x, bias, approximate, check_cpu);
+  // Outputs are allocated in their final shapes: an op's output must not be a view.
+  auto out = at::empty(x.sizes(), in.x.options());
+  gelu_rows(in.x, in.bias, out, gelu_kind(in.tanh), 0.0, 0);
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
                                                       const at::Tensor& x,
                                                       const std::optional<at::Tensor>& bias,
                                                       const std::string& approximate) {
-  check_cpu(x, "x");
-  auto x2 = as_rows(x);
-  auto g2 = as_rows(grad);
-  auto dx = at::empty_like(x2);
-  auto db = gelu_rows_backward(g2, x2, bias ? std::optional<at::Tensor>(bias->contiguous()) : bias,
-                               dx, gelu_kind(approximate), 0.0, 0);
-  return {dx.view(x.sizes()), db};
+  const auto in = bias_gelu_grad_inputs(grad, x, bias, approximate, check_cpu);
+  auto dx = at::empty(x.sizes(), in.x.options());
+  auto db = gelu_rows_backward(in.grad, in.x, in.bias, dx, gelu_kind(in.tanh), 0.0, 0);
+  return {dx, db};
 }
 
 std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
     const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
     const at::Tensor& w2, const std::optional<at::Tensor>& b2, const std::string& approximate,
     double dropout_p, const at::Tensor& seed) {
-  check_cpu(x, "x");
-  const auto kind = gelu_kind(approximate);
-  auto x2 = as_rows(x);
-  auto pre = at::mm(x2, w1.t());
+  const auto in = gelu_ffn_inputs(x, w1, b1, w2, b2, approximate, check_cpu);
+  auto pre = at::mm(in.x, in.w1.t());
   auto act = at::empty_like(pre);
-  gelu_rows(pre, b1, act, kind, dropout_p, dropout_p > 0 ? seed_value(seed) : 0);
-  auto y = b2 ? at::addmm(*b2, act, w2.t()) : at::mm(act, w2.t());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = w2.size(0);
-  return {y.view(out_shape), pre};
+  gelu_rows(pre, in.b1, act, gelu_kind(in.tanh), dropout_p, dropout_p > 0 ? seed_value(seed) : 0);
+  auto y = at::empty(with_last(x, in.w2.size(0)), in.x.options());
+  auto y2 = y.view({in.x.size(0), in.w2.size(0)});
+  if (in.b2.defined())
+    at::addmm_out(y2, in.b2, act, in.w2.t());
+  else
+    at::mm_out(y2, act, in.w2.t());
+  return {y, pre};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
@@ -120,20 +121,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
     const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
     const at::Tensor& seed) {
-  const auto kind = gelu_kind(approximate);
+  const auto in = gelu_ffn_grad_inputs(grad, x, pre_activation, w1, b1, w2, b2, approximate,
+                                       check_cpu);
+  const auto kind = gelu_kind(in.tanh);
   const uint64_t s = dropout_p > 0 ? seed_value(seed) : 0;
-  auto x2 = as_rows(x);
-  auto g2 = as_rows(grad);
+  const auto& g2 = in.grad;
   // The activation is recomputed from the saved pre-activation rather than stored.
-  auto act = at::empty_like(pre_activation);
-  gelu_rows(pre_activation, b1, act, kind, dropout_p, s);
+  auto act = at::empty_like(in.pre_activation);
+  gelu_rows(in.pre_activation, in.b1, act, kind, dropout_p, s);
   auto dw2 = at::mm(g2.t(), act);
-  auto db2 = b2 ? g2.sum(0, false, acc_dtype(g2.scalar_type())).to(b2->scalar_type()) : at::Tensor();
-  auto dact = at::mm(g2, w2);
-  auto dpre = at::empty_like(pre_activation);
-  auto db1 = gelu_rows_backward(dact, pre_activation, b1, dpre, kind, dropout_p, s);
-  auto dx = at::mm(dpre, w1).view(x.sizes());
-  auto dw1 = at::mm(dpre.t(), x2);
+  auto db2 = in.b2.defined()
+                 ? g2.sum(0, false, acc_dtype(g2.scalar_type())).to(in.b2.scalar_type())
+                 : at::Tensor();
+  auto dact = at::mm(g2, in.w2);
+  auto dpre = at::empty_like(in.pre_activation);
+  auto db1 = gelu_rows_backward(dact, in.pre_activation, in.b1, dpre, kind, dropout_p, s);
+  auto dx = at::empty(x.sizes(), in.x.options());
+  auto dx2 = dx.view(in.x.sizes());
+  at::mm_out(dx2, dpre, in.w1);
+  auto dw1 = at::mm(dpre.t(), in.x);
   return {dx, dw1, db1, dw2, db2};
 }
 

@@ -1,4 +1,5 @@
 // lstm_cell on the CPU: the pointwise part of an LSTM step, split over rows of the batch.
+#include "checks.h"
 #include "common.h"
 #include "ops.h"
 
@@ -7,8 +8,6 @@ namespace {
 
 // Rows each task takes: near 64 KiB of gate pre-activations per task.
 int64_t grain_rows(int64_t cell) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(cell, 1)); }
-
-at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
 
 }  // namespace
 
@@ -22,8 +21,10 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_forward(const at::Tensor& gates,
   TORCH_CHECK_VALUE(g2.size(0) == rows && g2.size(1) == 4 * cell,
                     "gates must have shape [rows, 4 * cell] for c_prev [rows, cell]");
   TORCH_CHECK_TYPE(gates.scalar_type() == c_prev.scalar_type(), "gates and c_prev must share a dtype");
-  auto h = at::empty_like(c2);
-  auto c = at::empty_like(c2);
+  // Outputs in c_prev's shape, contiguous (the kernels write them as rows): an op's output
+  // must not be a view.
+  auto h = at::empty(c_prev.sizes(), c2.options());
+  auto c = at::empty(c_prev.sizes(), c2.options());
   const auto dtype = kernel_dtype(c2);
   const size_t elem = c2.element_size();
   const char* g = static_cast<const char*>(g2.data_ptr());
@@ -35,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_forward(const at::Tensor& gates,
     cpu_kernels().lstm_cell_forward(dtype, g + 4 * at, cp + at, hp + at, cn + at, end - begin,
                                     cell, cell_clip);
   });
-  return {h.view(c_prev.sizes()), c.view(c_prev.sizes())};
+  return {h, c};
 }
 
 std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const at::Tensor& grad_h,
@@ -48,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const at::Tensor& grad_h,
   auto dh = as_rows(grad_h.to(c_prev.scalar_type()));
   auto dc = as_rows(grad_c.to(c_prev.scalar_type()));
   const int64_t rows = c2.size(0), cell = c2.size(1);
-  auto dgates = at::empty_like(g2);
-  auto dc_prev = at::empty_like(c2);
+  auto dgates = at::empty(gates.sizes(), g2.options());
+  auto dc_prev = at::empty(c_prev.sizes(), c2.options());
   const auto dtype = kernel_dtype(c2);
   const size_t elem = c2.element_size();
   const char* g = static_cast<const char*>(g2.data_ptr());
@@ -63,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const at::Tensor& grad_h,
     cpu_kernels().lstm_cell_backward(dtype, dhp + at, dcp + at, g + 4 * at, cp + at,
                                      dg + 4 * at, dcprev + at, end - begin, cell, cell_clip);
   });
-  return {dgates.view(gates.sizes()), dc_prev.view(c_prev.sizes())};
+  return {dgates, dc_prev};
 }
 
 }  // namespace fusedlm

@@ -68,13 +68,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(
   const int64_t tokens = static_cast<int64_t>(index.size());
   auto indices = at::empty({tokens}, at::dtype(at::kLong));
   std::copy(index.begin(), index.end(), indices.data_ptr<int64_t>());
-  auto rows = as_rows(hidden, 2);
-  auto packed = at::empty({tokens, rows.size(1)}, hidden.options());
-  gather(rows, index.data(), tokens, packed);
   auto shape = hidden.sizes().vec();
   shape.erase(shape.begin());
   shape[0] = tokens;
-  return {packed.view(shape), indices, cu_seqlens, longest};
+  // Outputs are allocated in their final shapes (gather writes rows into their contiguous
+  // memory): an op's output must not be a view.
+  auto packed = at::empty(shape, hidden.options());
+  gather(as_rows(hidden, 2), index.data(), tokens, packed);
+  return {packed, indices, cu_seqlens, longest};
 }
 
 at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int64_t batch,
@@ -98,8 +99,11 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
     TORCH_CHECK_VALUE(source[at] < 0, "indices: position ", at, " appears twice");
     source[at] = r;
   }
+  auto shape = packed.sizes().vec();
+  shape[0] = seqlen;
+  shape.insert(shape.begin(), batch);
   auto rows = as_rows(packed, 1);
-  auto out = at::empty({slots, rows.size(1)}, packed.options());
+  auto out = at::empty(shape, packed.options());
   const int64_t row_bytes = rows.size(1) * rows.element_size();
   const int64_t pitch = rows.stride(0) * rows.element_size();
   const char* from = static_cast<const char*>(rows.data_ptr());
@@ -110,24 +114,20 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
       else std::memset(to + s * row_bytes, 0, row_bytes);
     }
   });
-  auto shape = packed.sizes().vec();
-  shape[0] = seqlen;
-  shape.insert(shape.begin(), batch);
-  return out.view(shape);
+  return out;
 }
 
 at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices) {
   check_cpu(grad, "grad");
   TORCH_CHECK_VALUE(grad.dim() >= 2, "grad must be [batch, seq, ...]");
-  auto rows = as_rows(grad, 2);
   auto index = indices.contiguous();
   const int64_t tokens = index.size(0);
-  auto out = at::empty({tokens, rows.size(1)}, grad.options());
-  gather(rows, index.data_ptr<int64_t>(), tokens, out);
   auto shape = grad.sizes().vec();
   shape.erase(shape.begin());
   shape[0] = tokens;
-  return out.view(shape);
+  auto out = at::empty(shape, grad.options());
+  gather(as_rows(grad, 2), index.data_ptr<int64_t>(), tokens, out);
+  return out;
 }
 
 }  // namespace fusedlm

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import fusedlm
 from fusedlm.ops import reference
-from fusedlm.ops._dropout import cpu_keep_mask
+from fusedlm.ops._dropout import cpu_keep_mask, next_seed
 from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
                       keep_mask, skip_if_refused)
 
@@ -87,6 +87,15 @@ def test_bias_gelu_edge_cases(backend):
         out = fusedlm.ops.bias_gelu(big, None, approximate, backend=backend)
         assert torch.isfinite(out).all()
         assert_close(out, reference.bias_gelu(big.double(), None, approximate), dtype=torch.float16)
+
+
+def test_bias_gelu_outputs_are_not_views():
+    # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
+    x, bias = fresh((2, 3, 16), torch.float32, "cpu"), fresh((16,), torch.float32, "cpu")
+    with torch.no_grad():
+        out = torch.ops.fusedlm.bias_gelu(x, bias, "none", "cpu")
+        grads = torch.ops.fusedlm.bias_gelu_backward(torch.randn_like(out), x, bias, "none", "cpu")
+    assert [t._base is None for t in (out, *grads)] == [True] * 3
 
 
 def test_bias_gelu_compiles_without_graph_breaks():
@@ -235,6 +244,17 @@ def test_gelu_ffn_empty_batch(backend):
     out.sum().backward()
     for t in (w1, b1, w2, b2):
         assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_gelu_ffn_outputs_are_not_views(dropout_p):
+    x, w1, b1, w2, b2 = _ffn_inputs(torch.float32, "cpu")
+    seed = next_seed(dropout_p)
+    with torch.no_grad():
+        out, pre = torch.ops.fusedlm.gelu_ffn(x, w1, b1, w2, b2, "none", dropout_p, seed, "cpu")
+        grads = torch.ops.fusedlm.gelu_ffn_backward(torch.randn_like(out), x, pre, w1, b1, w2, b2,
+                                                    "none", dropout_p, seed, "cpu")
+    assert [t._base is None for t in (out, pre, *grads)] == [True] * 7
 
 
 def test_gelu_ffn_rejects_bad_input():

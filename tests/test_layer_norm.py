@@ -253,6 +253,20 @@ def test_add_layer_norm_non_contiguous_inputs(backend):
     _compare((x, r, w, b), backend)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_add_layer_norm_outputs_are_not_views(dropout_p):
+    # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
+    x, r, w, b = _inputs((2, 3, 16), torch.float32)
+    seed = next_seed(dropout_p)
+    with torch.no_grad():
+        outputs = torch.ops.fusedlm.add_layer_norm(x, r, w, b, 1e-5, dropout_p, seed, "cpu")
+        out, summed, mean, rstd = outputs
+        grads = torch.ops.fusedlm.add_layer_norm_backward(
+            torch.randn_like(out), torch.randn_like(summed), summed, mean, rstd, w, True, True,
+            dropout_p, seed, "cpu")
+    assert [t._base is None for t in (*outputs, *grads)] == [True] * 8
+
+
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_add_layer_norm_large_values(backend, dtype):

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "checks.h"
 #include "common.h"
 
 namespace fusedlm::cuda {
@@ -171,12 +172,6 @@ __global__ void sum_partials_kernel(const float* __restrict__ partial, int64_t b
 
 inline void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
-}
-
-inline void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* name,
-                              const char* other) {
-  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", other, "'s device (",
-                    like.device(), "), got ", t.device());
 }
 
 // Runs f(T{}) for the element type T of `dtype`: float, at::Half or at::BFloat16.

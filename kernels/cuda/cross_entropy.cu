@@ -196,32 +196,10 @@ __global__ void scale_kernel(const T* __restrict__ in, T* __restrict__ out,
   }
 }
 
-enum class Reduction { kNone, kMean, kSum };
-
-Reduction parse_reduction(const std::string& reduction) {
-  TORCH_CHECK_VALUE(reduction == "none" || reduction == "mean" || reduction == "sum",
-                    "reduction must be 'none', 'mean' or 'sum', got '", reduction, "'");
-  if (reduction == "none") return Reduction::kNone;
-  return reduction == "sum" ? Reduction::kSum : Reduction::kMean;
-}
-
-at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
-
-at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options()); }
-
-void check_labels(const at::Tensor& labels, const at::Tensor& like, at::IntArrayRef batch_shape) {
-  check_cuda(labels, "labels");
-  check_same_device(labels, like, "labels", "the logits");
-  TORCH_CHECK_TYPE(labels.scalar_type() == at::kLong, "labels must be int64, got ",
-                   labels.scalar_type());
-  TORCH_CHECK_VALUE(labels.sizes() == batch_shape, "labels must have shape ", batch_shape,
-                    ", got ", labels.sizes());
-}
-
 // The fused kernel over logits2 [rows, classes] (contiguous) and labels1 [rows]: losses
-// (float32 [rows]) receive the losses; grad is undefined (loss only) or a [rows, classes]
-// buffer, possibly logits2 itself; scale is a one-element float32 tensor, row_scale
-// undefined or float32 [rows].
+// (float32, rows elements, contiguous) receive the losses; grad is undefined (loss only) or
+// the contiguous memory of rows * classes elements, possibly logits2 itself; scale is a
+// one-element float32 tensor, row_scale undefined or float32 [rows].
 void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::Tensor& losses,
                 const at::Tensor& grad, const at::Tensor& scale, const at::Tensor& row_scale,
                 int64_t ignore_index, double label_smoothing) {
@@ -289,43 +267,12 @@ at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, const at
   return total.to(at::kFloat);
 }
 
-// The masked-LM head's inputs, flattened and checked.
-struct MlmInputs {
-  at::Tensor hidden;  // [rows, H]
-  at::Tensor weight;  // [V, H]
-  at::Tensor bias;    // [V] or undefined
-  at::Tensor labels;  // [rows]
-  at::Tensor labelled;  // int64 [n]: the rows whose label is not ignore_index
-  int64_t ignore_index;
-  double label_smoothing;
-  int64_t chunk_rows;
-};
-
-MlmInputs mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias, const at::Tensor& labels,
-                     int64_t ignore_index, double label_smoothing, int64_t chunk_rows) {
-  check_cuda(hidden, "hidden");
-  check_cuda(weight, "weight");
-  check_same_device(weight, hidden, "weight", "hidden");
-  TORCH_CHECK_VALUE(hidden.dim() >= 1, "hidden must have at least 1 dimension");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(-1) && weight.size(0) > 0,
-                    "weight must have shape [vocab, ", hidden.size(-1), "], got ", weight.sizes());
-  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight must have dtype ",
-                   hidden.scalar_type(), ", got ", weight.scalar_type());
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    check_cuda(*bias, "bias");
-    check_same_device(*bias, hidden, "bias", "hidden");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
-                      "bias must have shape [", weight.size(0), "], got ", bias->sizes());
-    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(), "bias must have dtype ",
-                     hidden.scalar_type(), ", got ", bias->scalar_type());
-  }
-  check_labels(labels, hidden, hidden.sizes().slice(0, hidden.dim() - 1));
-  TORCH_CHECK_VALUE(chunk_rows > 0, "chunk_rows must be positive, got ", chunk_rows);
-  MlmInputs in{as_rows(hidden), weight.contiguous(), has_bias ? bias->contiguous() : at::Tensor(),
-               labels.contiguous().view(-1), at::Tensor(), ignore_index, label_smoothing,
-               chunk_rows};
+// The masked-LM head's inputs, checked, with the labelled rows found.
+MlmInputs cuda_mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, const at::Tensor& labels,
+                          int64_t ignore_index, double label_smoothing, int64_t chunk_rows) {
+  auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows,
+                       check_cuda);
   // The one synchronisation of the op: the labelled rows' count sizes every chunk.
   in.labelled = at::nonzero(in.labels != ignore_index).view(-1);
   return in;
@@ -333,7 +280,7 @@ MlmInputs mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
 
 // Gradients folded in chunk by chunk; a gradient not asked for stays undefined.
 struct MlmGrads {
-  at::Tensor dhidden;  // [rows, H], zero on the rows that are not labelled
+  at::Tensor dhidden;  // hidden's shape, zero on the rows that are not labelled
   at::Tensor dweight;  // [V, H]
   at::Tensor dbias;    // [V], float32
 };
@@ -365,7 +312,8 @@ at::Tensor project_chunks(const MlmInputs& in, const at::Tensor& scale, const at
                in.ignore_index, in.label_smoothing);
     if (!grads) continue;
     // logits now holds the chunk's gradient.
-    if (grads->dhidden.defined()) grads->dhidden.index_copy_(0, rows, at::mm(logits, in.weight));
+    if (grads->dhidden.defined())
+      grads->dhidden.view(in.hidden.sizes()).index_copy_(0, rows, at::mm(logits, in.weight));
     if (grads->dweight.defined()) {
       if (c0 == 0)
         at::mm_out(grads->dweight, logits.t(), h);
@@ -377,9 +325,11 @@ at::Tensor project_chunks(const MlmInputs& in, const at::Tensor& scale, const at
   return losses;
 }
 
-MlmGrads mlm_grads(const MlmInputs& in, bool dhidden, bool dweight, bool dbias) {
+// The gradients asked for, allocated in their final shapes: an op's output must not be a view.
+MlmGrads mlm_grads(const MlmInputs& in, at::IntArrayRef hidden_shape, bool dhidden, bool dweight,
+                   bool dbias) {
   MlmGrads g;
-  if (dhidden) g.dhidden = at::zeros_like(in.hidden);
+  if (dhidden) g.dhidden = at::zeros(hidden_shape, in.hidden.options());
   // Written whole by the first chunk's product; zeros when no row is labelled.
   if (dweight) g.dweight = in.labelled.numel() ? at::empty_like(in.weight) : at::zeros_like(in.weight);
   if (dbias && in.bias.defined())
@@ -390,7 +340,7 @@ MlmGrads mlm_grads(const MlmInputs& in, bool dhidden, bool dweight, bool dbias) 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grads_out(const MlmGrads& g, const at::Tensor& hidden,
                                                          const at::Tensor& weight,
                                                          const std::optional<at::Tensor>& bias) {
-  return {g.dhidden.defined() ? g.dhidden.view(hidden.sizes()) : nothing(hidden),
+  return {g.dhidden.defined() ? g.dhidden : nothing(hidden),
           g.dweight.defined() ? g.dweight : nothing(weight),
           g.dbias.defined() ? g.dbias.to(bias->scalar_type()) : nothing(weight)};
 }
@@ -407,38 +357,26 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
                                                          double label_smoothing,
                                                          const std::string& reduction,
                                                          bool with_grad) {
-  check_cuda(logits, "logits");
-  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) > 0,
-                    "logits must have a last dimension of at least one class, got shape ",
-                    logits.sizes());
-  check_labels(labels, logits, logits.sizes().slice(0, logits.dim() - 1));
-  const auto red = parse_reduction(reduction);
+  const auto in = cross_entropy_inputs(logits, labels, reduction, check_cuda);
   const c10::cuda::CUDAGuard guard(logits.device());
-  auto x = as_rows(logits);
-  auto y = labels.contiguous().view(-1);
-  const auto labelled = (y != ignore_index).sum();
-  const auto scale = red == Reduction::kMean
+  const auto labelled = (in.labels != ignore_index).sum();
+  const auto scale = in.reduction == Reduction::kMean
                          ? at::reciprocal(labelled.clamp_min(1).to(at::kFloat)).view({1})
-                         : unit_scale(x, 1.0);
-  auto losses = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
-  auto grad = with_grad ? at::empty_like(x) : at::Tensor();
-  run_kernel(x, y, losses, grad, scale, at::Tensor(), ignore_index, label_smoothing);
-  return {red == Reduction::kNone ? losses.view(labels.sizes()) : reduce_losses(losses, red, labelled),
-          with_grad ? grad.view(logits.sizes()) : nothing(logits)};
+                         : unit_scale(in.logits, 1.0);
+  // Outputs in their final shapes, contiguous (the kernel writes them as rows): an op's
+  // output must not be a view.
+  auto losses = at::empty(labels.sizes(), in.logits.options().dtype(at::kFloat));
+  auto grad = with_grad ? at::empty(logits.sizes(), in.logits.options()) : at::Tensor();
+  run_kernel(in.logits, in.labels, losses, grad, scale, at::Tensor(), ignore_index,
+             label_smoothing);
+  return {in.reduction == Reduction::kNone ? losses : reduce_losses(losses, in.reduction, labelled),
+          with_grad ? grad : nothing(logits)};
 }
 
 at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
                                   const std::string& reduction) {
-  check_cuda(saved_grad, "saved_grad");
-  check_cuda(grad, "grad");
-  check_same_device(grad, saved_grad, "grad", "saved_grad");
-  TORCH_CHECK_VALUE(saved_grad.dim() >= 1 && saved_grad.size(-1) > 0,
-                    "saved_grad must have a non-empty last dimension");
+  check_cross_entropy_grad(grad, saved_grad, reduction, check_cuda);
   const c10::cuda::CUDAGuard guard(saved_grad.device());
-  const int64_t rows = saved_grad.numel() / saved_grad.size(-1);
-  const int64_t scales = parse_reduction(reduction) == Reduction::kNone ? rows : 1;
-  TORCH_CHECK_VALUE(grad.numel() == scales, "grad must have ", scales, " elements, got ",
-                    grad.numel());
   return scaled(saved_grad, grad.to(at::kFloat).contiguous());
 }
 
@@ -450,18 +388,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forwar
   const auto red = parse_reduction(reduction);
   check_cuda(hidden, "hidden");
   const c10::cuda::CUDAGuard guard(hidden.device());
-  const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
+  const auto in = cuda_mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing,
+                                  chunk_rows);
   const int64_t labelled = in.labelled.numel();
   // With reduction "none" grad_output weighs each row: the gradients wait for the backward.
   const bool with_grads = red != Reduction::kNone && (need_dhidden || need_dweight || need_dbias);
-  MlmGrads g = with_grads ? mlm_grads(in, need_dhidden, need_dweight, need_dbias) : MlmGrads();
+  MlmGrads g = with_grads ? mlm_grads(in, hidden.sizes(), need_dhidden, need_dweight, need_dbias)
+                          : MlmGrads();
   const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
   auto losses = project_chunks(in, unit_scale(in.hidden, grad_scale), at::Tensor(),
                                with_grads ? &g : nullptr);
   at::Tensor loss;
   if (red == Reduction::kNone) {
-    loss = at::zeros({in.labels.numel()}, losses.options()).index_copy_(0, in.labelled, losses)
-               .view(labels.sizes());
+    loss = at::zeros(labels.sizes(), losses.options());
+    loss.view(in.labels.sizes()).index_copy_(0, in.labelled, losses);
   } else {
     auto total = losses.sum(at::kDouble);
     if (red == Reduction::kMean) total = total / double(std::max<int64_t>(labelled, 1));
@@ -486,10 +426,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     return {scaled(dhidden, s), scaled(dweight, s), scaled(dbias, s)};
   }
   // Per-row grad_output: redo the chunks, each row's gradient scaled by its grad_output.
-  const auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows);
+  const auto in = cuda_mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing,
+                                  chunk_rows);
   TORCH_CHECK_VALUE(grad.numel() == in.labels.numel(), "grad must have ", in.labels.numel(),
                     " elements, got ", grad.numel());
-  MlmGrads g = mlm_grads(in, need_dhidden, need_dweight, need_dbias);
+  MlmGrads g = mlm_grads(in, hidden.sizes(), need_dhidden, need_dweight, need_dbias);
   project_chunks(in, unit_scale(in.hidden, 1.0), grad.to(at::kFloat).contiguous().view(-1), &g);
   return grads_out(g, hidden, weight, bias);
 }

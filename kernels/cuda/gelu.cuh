@@ -1,8 +1,6 @@
 // GELU and its derivative in float32, erf (approximate = "none") or tanh form, for the
 // bias_gelu kernels (gelu.cu) and the FFN's matrix-product epilogues (gelu_ffn.cu).
 #pragma once
-#include <string>
-
 #include "common.cuh"
 
 namespace fusedlm::cuda {
@@ -36,13 +34,6 @@ __device__ __forceinline__ float gelu_grad(float z) {
     const float cdf = 0.5f * (1.0f + erff(z * 0.7071067811865476f));
     return cdf + z * 0.3989422804014327f * __expf(-0.5f * z * z);
   }
-}
-
-// Whether `approximate` asks for the tanh form ("tanh") rather than erf ("none").
-inline bool tanh_kind(const std::string& approximate) {
-  TORCH_CHECK_VALUE(approximate == "none" || approximate == "tanh",
-                    "approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return approximate == "tanh";
 }
 
 }  // namespace fusedlm::cuda

@@ -227,20 +227,9 @@ void dispatch_half(at::ScalarType dtype, F&& f) {
   else f(at::Half{});
 }
 
-// t as a contiguous tensor of x's device and dtype, 16-byte aligned for cp.async.
-at::Tensor operand(const at::Tensor& t, const at::Tensor& x, const char* name) {
-  check_cuda(t, name);
-  check_same_device(t, x, name, "x");
-  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
-                   x.scalar_type(), "), got ", t.scalar_type());
-  auto c = t.contiguous();
-  return aligned16(c.data_ptr()) ? c : c.clone();
-}
-
-std::optional<at::Tensor> optional_operand(const std::optional<at::Tensor>& t,
-                                           const at::Tensor& x, const char* name) {
-  if (!t.has_value() || !t->defined()) return std::nullopt;
-  return operand(*t, x, name);
+// t (contiguous) 16-byte aligned for cp.async: itself, or an aligned copy. Undefined stays so.
+at::Tensor aligned(const at::Tensor& t) {
+  return !t.defined() || aligned16(t.data_ptr()) ? t : t.clone();
 }
 
 void check_sizes(int64_t d_in, int64_t d_ff, int64_t d_out) {
@@ -249,25 +238,16 @@ void check_sizes(int64_t d_in, int64_t d_ff, int64_t d_out) {
                     d_in, ", ", d_ff, ", ", d_out);
 }
 
-// t as [rows, cols], rows being the product of every dimension but the last.
-at::Tensor as_rows(const at::Tensor& t, int64_t cols) {
-  const auto sizes = t.sizes();
-  return t.reshape({c10::multiply_integers(sizes.begin(), sizes.end() - 1), cols});
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
     const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
     const at::Tensor& w2, const std::optional<at::Tensor>& b2, const std::string& approximate,
     double dropout_p, const at::Tensor& seed) {
-  check_cuda(x, "x");
-  const bool approx_tanh = tanh_kind(approximate);
+  const auto in = gelu_ffn_inputs(x, w1, b1, w2, b2, approximate, check_cuda);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto x2 = operand(as_rows(x, x.size(-1)), x, "x");
-  const auto w1c = operand(w1, x, "w1"), w2c = operand(w2, x, "w2");
-  const auto b1c = optional_operand(b1, x, "b1"), b2c = optional_operand(b2, x, "b2");
-  const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = w2c.size(0);
+  const auto x2 = aligned(in.x), w1c = aligned(in.w1), b1c = aligned(in.b1);
+  const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = in.w2.size(0);
   check_sizes(d_in, d_ff, d_out);
   auto pre = at::empty({rows, d_ff}, x2.options());
   auto act = at::empty_like(pre);
@@ -277,16 +257,21 @@ std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
     p.a = ptr<T>(x2);
     p.b = ptr<T>(w1c);
     p.m = rows, p.n = d_ff, p.k = d_in;
-    p.bias = b1c ? ptr<T>(*b1c) : nullptr;
+    p.bias = ptr<T>(b1c);
     p.pre = ptr<T>(pre);
     p.act = ptr<T>(act);
     p.dropout = dropout_stream(seed, dropout_p);
-    launch<T, false>(p, approx_tanh);
+    launch<T, false>(p, in.tanh);
   });
-  auto y = b2c ? at::addmm(*b2c, act, w2c.t()) : at::mm(act, w2c.t());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = d_out;
-  return {y.view(out_shape), pre};
+  // Allocated in its final shape, written through a [rows, d_out] view: an op's output
+  // must not be a view.
+  auto y = at::empty(with_last(x, d_out), x2.options());
+  auto y2 = y.view({rows, d_out});
+  if (in.b2.defined())
+    at::addmm_out(y2, in.b2, act, in.w2.t());
+  else
+    at::mm_out(y2, act, in.w2.t());
+  return {y, pre};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
@@ -294,25 +279,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
     const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
     const at::Tensor& seed) {
-  check_cuda(x, "x");
-  const bool approx_tanh = tanh_kind(approximate);
+  const auto in = gelu_ffn_grad_inputs(grad, x, pre_activation, w1, b1, w2, b2, approximate,
+                                       check_cuda);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto x2 = operand(as_rows(x, x.size(-1)), x, "x");
-  const auto w1c = operand(w1, x, "w1"), w2c = operand(w2, x, "w2");
-  const auto g2 = operand(as_rows(grad, w2c.size(0)), x, "grad");
-  const auto pre = operand(pre_activation, x, "pre_activation");
-  const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = w2c.size(0);
+  const auto g2 = aligned(in.grad), w2c = aligned(in.w2), pre = aligned(in.pre_activation);
+  const int64_t rows = in.x.size(0), d_in = in.x.size(1), d_ff = in.w1.size(0), d_out = w2c.size(0);
   check_sizes(d_in, d_ff, d_out);
-  TORCH_CHECK_VALUE(pre.sizes() == at::IntArrayRef({rows, d_ff}),
-                    "pre_activation must have shape [", rows, ", ", d_ff, "], got ", pre.sizes());
-  const bool has_b1 = b1.has_value() && b1->defined();
+  const bool has_b1 = in.b1.defined();
   auto dpre = at::empty_like(pre);
   auto act = at::empty_like(pre);
   at::Tensor db1;
   dispatch_half(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto part = at::empty({has_b1 ? ceil_div(rows, kBlockM) : 0, d_ff},
-                          x2.options().dtype(at::kFloat));
+                          pre.options().dtype(at::kFloat));
     Params<T> p;
     p.a = ptr<T>(g2);
     p.b = ptr<T>(w2c);
@@ -322,13 +302,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     p.dpre = ptr<T>(dpre);
     p.dbias_part = has_b1 ? ptr<float>(part) : nullptr;
     p.dropout = dropout_stream(seed, dropout_p);
-    launch<T, true>(p, approx_tanh);
+    launch<T, true>(p, in.tanh);
     if (has_b1) db1 = sum_partials<T>(part, x.scalar_type());
   });
   auto dw2 = at::mm(g2.t(), act);
-  auto db2 = b2 ? g2.sum(0, false, at::kFloat).to(x.scalar_type()) : at::Tensor();
-  auto dx = at::mm(dpre, w1c).view(x.sizes());
-  auto dw1 = at::mm(dpre.t(), x2);
+  auto db2 = in.b2.defined() ? g2.sum(0, false, at::kFloat).to(x.scalar_type()) : at::Tensor();
+  auto dx = at::empty(x.sizes(), pre.options());
+  auto dx2 = dx.view({rows, d_in});
+  at::mm_out(dx2, dpre, in.w1);
+  auto dw1 = at::mm(dpre.t(), in.x);
   return {dx, dw1, db1, dw2, db2};
 }
 

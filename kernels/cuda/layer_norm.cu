@@ -263,33 +263,8 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
   }
 }
 
-void check_like(const at::Tensor& t, const at::Tensor& like, const char* name, const char* other) {
-  check_cuda(t, name);
-  check_same_device(t, like, name, other);
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", other, " ",
-                    like.sizes(), ", got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", other,
-                   " (", like.scalar_type(), "), got ", t.scalar_type());
-}
-
-// A contiguous [hidden] parameter checked against x, or an undefined tensor.
-at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
-  if (!t.has_value() || !t->defined()) return at::Tensor();
-  check_cuda(*t, name);
-  check_same_device(*t, x, name, "x");
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == x.size(-1), name, " must have shape [",
-                    x.size(-1), "], got ", t->sizes());
-  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
-                   x.scalar_type(), "), got ", t->scalar_type());
-  return t->contiguous();
-}
-
-at::Tensor as_rows(const at::Tensor& t) { return t.contiguous().view({-1, t.size(-1)}); }
-
-// The stored statistics' checks: contiguous float32 [rows] on x's device.
-void check_stat(const at::Tensor& t, const at::Tensor& like, int64_t rows, const char* name) {
-  check_cuda(t, name);
-  check_same_device(t, like, name, "summed");
+// The stored statistics' dtype and layout (add_layer_norm_grad_inputs checks their device).
+void check_stat(const at::Tensor& t, int64_t rows, const char* name) {
   TORCH_CHECK_VALUE(t.numel() == rows && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
                     " must be a contiguous [", rows, "] float32 tensor");
 }
@@ -300,23 +275,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
     double dropout_p, const at::Tensor& seed) {
-  check_cuda(x, "x");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dimension");
-  const bool has_residual = residual.has_value() && residual->defined();
-  if (has_residual) check_like(*residual, x, "residual", "x");
-  const auto w = param(weight, x, "weight"), b = param(bias, x, "bias");
+  const auto in = add_layer_norm_inputs(x, residual, weight, bias, check_cuda);
   const c10::cuda::CUDAGuard guard(x.device());
   const Dropout dropout = dropout_stream(seed, dropout_p);
 
-  auto x2 = as_rows(x);
-  auto r2 = has_residual ? as_rows(*residual) : at::Tensor();
-  const int64_t rows = x2.size(0), cols = x2.size(1);
-  auto out = at::empty_like(x2), summed = at::empty_like(x2);
-  auto mean = at::empty({rows}, x2.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
+  const int64_t rows = in.x.size(0), cols = in.x.size(1);
+  // Outputs in x's shape (contiguous, so the kernels see [rows, cols]): an op's output
+  // must not be a view.
+  auto out = at::empty(x.sizes(), in.x.options()), summed = at::empty(x.sizes(), in.x.options());
+  auto mean = at::empty({rows}, in.x.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
   dispatch(x.scalar_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     if (rows == 0) return;
-    const T *xp = ptr<T>(x2), *rp = ptr<T>(r2), *wp = ptr<T>(w), *bp = ptr<T>(b);
+    const T *xp = ptr<T>(in.x), *rp = ptr<T>(in.residual), *wp = ptr<T>(in.weight);
+    const T* bp = ptr<T>(in.bias);
     T *op = ptr<T>(out), *sp = ptr<T>(summed);
     const auto stream = current_stream();
     constexpr int V = kVec<T>;
@@ -329,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {out.view(x.sizes()), summed.view(x.sizes()), mean, rstd};
+  return {out, summed, mean, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
@@ -337,31 +309,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
     const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
     const at::Tensor& seed) {
-  check_cuda(summed, "summed");
-  TORCH_CHECK_VALUE(summed.dim() >= 1 && summed.size(-1) > 0,
-                    "summed must have a non-empty last dimension");
-  check_like(grad_out, summed, "grad_out", "summed");
-  const bool has_grad_summed = grad_summed.has_value() && grad_summed->defined();
-  if (has_grad_summed) check_like(*grad_summed, summed, "grad_summed", "summed");
-  const auto w = param(weight, summed, "weight");
+  const auto in = add_layer_norm_grad_inputs(grad_out, grad_summed, summed, mean, rstd, weight,
+                                             check_cuda);
   const c10::cuda::CUDAGuard guard(summed.device());
   const Dropout dropout = dropout_stream(seed, dropout_p);
 
-  auto s2 = as_rows(summed);
-  const int64_t rows = s2.size(0), cols = s2.size(1);
-  check_stat(mean, summed, rows, "mean");
-  check_stat(rstd, summed, rows, "rstd");
-  auto g2 = as_rows(grad_out);
-  auto gs2 = has_grad_summed ? as_rows(*grad_summed) : at::Tensor();
+  const int64_t rows = in.summed.size(0), cols = in.summed.size(1);
+  check_stat(mean, rows, "mean");
+  check_stat(rstd, rows, "rstd");
   // Without dropout dx is dsummed itself (the caller hands one tensor to both x and
   // residual); with it, dsummed is written only for a residual.
-  auto dsummed = !dropout.active || has_residual ? at::empty_like(s2) : at::Tensor();
-  auto dx = dropout.active ? at::empty_like(s2) : at::Tensor();
+  const auto options = in.summed.options();
+  auto dsummed = !dropout.active || has_residual ? at::empty(summed.sizes(), options) : at::Tensor();
+  auto dx = dropout.active ? at::empty(summed.sizes(), options) : at::Tensor();
   at::Tensor dweight, dbias;
   dispatch(summed.scalar_type(), "summed", [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = kVec<T>;
-    const T *gp = ptr<T>(g2), *gsp = ptr<T>(gs2), *sp = ptr<T>(s2), *wp = ptr<T>(w);
+    const T *gp = ptr<T>(in.grad_out), *gsp = ptr<T>(in.grad_summed), *sp = ptr<T>(in.summed);
+    const T* wp = ptr<T>(in.weight);
     T *dsp = ptr<T>(dsummed), *dxp = ptr<T>(dx);
     const bool vector = cols % V == 0 && all_aligned16(gp, gsp, sp, wp, dsp, dxp);
     const int threads = row_threads(vector ? cols / V : cols, kBackwardCache);
@@ -370,11 +336,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const int64_t resident = int64_t(multiprocessors()) * std::max(1, std::min(16, 2048 / threads));
     const int64_t rows_per_block = std::max<int64_t>(8, ceil_div(rows, resident));
     const int64_t blocks = ceil_div(rows, rows_per_block);
-    auto partial = s2.options().dtype(at::kFloat);
-    auto dw_part = at::empty({w.defined() ? blocks : 0, cols}, partial);
+    auto partial = options.dtype(at::kFloat);
+    auto dw_part = at::empty({in.weight.defined() ? blocks : 0, cols}, partial);
     auto db_part = at::empty({has_bias ? blocks : 0, cols}, partial);
     if (rows > 0) {
-      float *dwp = w.defined() ? ptr<float>(dw_part) : nullptr;
+      float *dwp = in.weight.defined() ? ptr<float>(dw_part) : nullptr;
       float *dbp = has_bias ? ptr<float>(db_part) : nullptr;
       const auto stream = current_stream();
       if (vector)
@@ -387,11 +353,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
             rows_per_block, dropout);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (w.defined()) dweight = sum_partials<T>(dw_part, summed.scalar_type());
+    if (in.weight.defined()) dweight = sum_partials<T>(dw_part, summed.scalar_type());
     if (has_bias) dbias = sum_partials<T>(db_part, summed.scalar_type());
   });
-  auto shaped = [&](const at::Tensor& t) { return t.defined() ? t.view(summed.sizes()) : t; };
-  return {shaped(dsummed), shaped(dx), dweight, dbias};
+  return {dsummed, dx, dweight, dbias};
 }
 
 }  // namespace fusedlm::cuda

@@ -138,7 +138,10 @@ class ElectraDiscriminator(ElectraTaskModel):
                 labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
         out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
         pre, bias = lower(F.linear(out.last_hidden_state, self.dense.weight), self.dense.bias)
-        logits = self.prediction(ops.bias_gelu(pre, bias, self.config.gelu_approximate)).squeeze(-1)
+        # [batch, seq] from the one-row weight, not a squeezed view of [batch, seq, 1]:
+        # FSDP2 cannot follow in-place changes to a view that a module returns.
+        h = ops.bias_gelu(pre, bias, self.config.gelu_approximate)
+        logits = F.linear(h, self.prediction.weight[0], self.prediction.bias[0])
         loss = None if labels is None else replaced_token_loss(logits, labels, attention_mask)
         return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
                            hidden_states=out.hidden_states)

@@ -32,6 +32,8 @@ class LayerNorm(nn.LayerNorm):
         flat, flat_residual, weight, bias = widen(flat, flat_residual, weight, bias)
         out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps,
                                          dropout_p=dropout_p, backend=self.backend)
-        if residual is None:
-            return out.view(shape)
-        return out.view(shape), summed.view(shape)
+        if out.shape != shape:
+            # Only then: the op's outputs are not views, and FSDP2 cannot follow in-place
+            # changes to a view that a module returns.
+            out, summed = out.view(shape), summed.view(shape)
+        return out if residual is None else (out, summed)

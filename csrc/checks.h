@@ -1,0 +1,125 @@
+// The argument checks of the op entry points, shared by the CPU backend (csrc/) and the
+// CUDA one (kernels/cuda/): shapes, dtypes and values, and the flattening of the inputs
+// into the contiguous rows the kernels read. The two differ only in their device check,
+// which each passes in; every other tensor must also lie on the first one's device.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fusedlm {
+
+// check_cpu or check_cuda: raises, naming the argument, unless t is on the backend's device.
+using DeviceCheck = void (*)(const at::Tensor& t, const char* name);
+
+inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* name,
+                       const char* other);
+
+// t [..., cols] as contiguous [rows, cols], rows the product of the other dimensions (a
+// view when t is contiguous: for inputs, never for outputs).
+at::Tensor as_rows(const at::Tensor& t);
+
+// An empty tensor: what a custom op returns for a result nobody asked for.
+at::Tensor nothing(const at::Tensor& like);
+
+// --- add_layer_norm -----------------------------------------------------------------------
+
+// x and residual as [rows, hidden], weight and bias [hidden], contiguous; the optional
+// ones undefined when absent.
+struct LayerNormInputs {
+  at::Tensor x, residual, weight, bias;
+};
+LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                      const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, DeviceCheck device);
+
+// The backward's: grad_out, grad_summed and summed as [rows, hidden], weight [hidden];
+// mean and rstd are checked for their device only (their dtype is the backend's).
+struct LayerNormGradInputs {
+  at::Tensor grad_out, grad_summed, summed, weight;
+};
+LayerNormGradInputs add_layer_norm_grad_inputs(const at::Tensor& grad_out,
+                                               const std::optional<at::Tensor>& grad_summed,
+                                               const at::Tensor& summed, const at::Tensor& mean,
+                                               const at::Tensor& rstd,
+                                               const std::optional<at::Tensor>& weight,
+                                               DeviceCheck device);
+
+// --- bias_gelu ----------------------------------------------------------------------------
+
+// Whether `approximate` asks for GELU's tanh form ("tanh") rather than erf ("none").
+bool gelu_tanh(const std::string& approximate);
+
+// x (and, for the backward, grad, x's shape) as [rows, hidden], bias [hidden] or
+// undefined, contiguous.
+struct BiasGeluInputs {
+  at::Tensor x, bias, grad;
+  bool tanh;
+};
+BiasGeluInputs bias_gelu_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                const std::string& approximate, DeviceCheck device);
+BiasGeluInputs bias_gelu_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
+                                     const std::optional<at::Tensor>& bias,
+                                     const std::string& approximate, DeviceCheck device);
+
+// --- gelu_ffn -----------------------------------------------------------------------------
+
+// x as [rows, d_in], w1 [d_ff, d_in], w2 [d_out, d_ff], b1 [d_ff] and b2 [d_out] (undefined
+// when absent), contiguous; for the backward also grad (x's shape but d_out last) as
+// [rows, d_out] and pre_activation [rows, d_ff].
+struct GeluFfnInputs {
+  at::Tensor x, w1, b1, w2, b2, grad, pre_activation;
+  bool tanh;
+};
+GeluFfnInputs gelu_ffn_inputs(const at::Tensor& x, const at::Tensor& w1,
+                              const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                              const std::optional<at::Tensor>& b2, const std::string& approximate,
+                              DeviceCheck device);
+GeluFfnInputs gelu_ffn_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
+                                   const at::Tensor& pre_activation, const at::Tensor& w1,
+                                   const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                                   const std::optional<at::Tensor>& b2,
+                                   const std::string& approximate, DeviceCheck device);
+
+// x's shape with `last` for its last dimension.
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t last);
+
+// --- cross_entropy and masked_lm_loss -----------------------------------------------------
+
+enum class Reduction { kNone, kMean, kSum };
+Reduction parse_reduction(const std::string& reduction);
+
+// logits as [rows, classes] and labels (int64, logits' shape but the last) as [rows].
+struct CrossEntropyInputs {
+  at::Tensor logits, labels;
+  Reduction reduction;
+};
+CrossEntropyInputs cross_entropy_inputs(const at::Tensor& logits, const at::Tensor& labels,
+                                        const std::string& reduction, DeviceCheck device);
+// The backward's: saved_grad [..., classes] and grad, one value or (reduction "none")
+// one per row.
+void check_cross_entropy_grad(const at::Tensor& grad, const at::Tensor& saved_grad,
+                              const std::string& reduction, DeviceCheck device);
+
+// The masked-LM head's inputs, flattened and checked. `labelled` is left to the backend:
+// finding the labelled rows is the one step that reads the labels.
+struct MlmInputs {
+  at::Tensor hidden;    // [rows, H]
+  at::Tensor weight;    // [V, H]
+  at::Tensor bias;      // [V] or undefined
+  at::Tensor labels;    // [rows]
+  at::Tensor labelled;  // int64 [n]: the rows whose label is not ignore_index
+  int64_t ignore_index;
+  double label_smoothing;
+  int64_t chunk_rows;
+};
+MlmInputs mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, const at::Tensor& labels,
+                     int64_t ignore_index, double label_smoothing, int64_t chunk_rows,
+                     DeviceCheck device);
+
+}  // namespace fusedlm
