@@ -125,3 +125,30 @@ def test_a_baseline_that_fails_is_reported_and_fusedlm_still_timed():
                        {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0})
         assert [r["impl"] for r in rows] == ["fusedlm[cpu]"] and rows[0]["time_ms"] > 0
         assert case.skipped == {"compiled": "RuntimeError: no C++ compiler"}
+
+
+def test_targets_hold_each_row_to_its_backends_targets():
+    """A GPU run's verdicts: every fused row against the targets of all GPU backends, the
+    cuda rows also against the cuda kernels' stricter ones (memory from the baseline's row)."""
+    from fusedlm.bench.report import targets
+
+    def row(benchmark, shape, impl, **values):
+        return {"benchmark": benchmark, "shape": shape, "impl": impl, "time_ms": 1.0, **values}
+
+    norm = "65536x1024 bfloat16"
+    rows = [row("add_layer_norm forward", norm, "fusedlm[triton]", of_peak=0.82),
+            row("add_layer_norm forward", norm, "fusedlm[cuda]", of_peak=0.82),
+            row("add_layer_norm forward+backward", norm, "fusedlm[cuda]", of_peak=0.1),
+            row("masked_lm_loss forward", "m", "fusedlm[cuda]", speedups={"eager": 6.0}, peak_MiB=100),
+            row("masked_lm_loss forward", "m", "eager", peak_MiB=600),
+            row("attention causal forward", "1x16x2048x128 bfloat16", "fusedlm[cuda]", of_peak=0.5),
+            row("attention causal forward", "1x32x2048x64 bfloat16", "fusedlm[cuda]", of_peak=0.5)]
+    verdicts = {(v["benchmark"], v["against"], v["target"]): v["met"] for v in targets(rows)}
+    assert verdicts == {
+        (f"add_layer_norm forward [{norm}] fusedlm[triton]", "the ceiling", 0.80): True,
+        (f"add_layer_norm forward [{norm}] fusedlm[cuda]", "the ceiling", 0.80): True,
+        (f"add_layer_norm forward [{norm}] fusedlm[cuda]", "the ceiling", 0.85): False,
+        ("masked_lm_loss forward [m] fusedlm[cuda]", "eager", 5.0): True,
+        ("masked_lm_loss forward [m] fusedlm[cuda]", "eager peak memory", 5.0): True,
+        ("attention causal forward [1x16x2048x128 bfloat16] fusedlm[cuda]", "the ceiling", 0.75): False,
+    }
