@@ -248,6 +248,26 @@ def test_attention_outputs_follow_the_input_layout():
     assert all(t.grad.is_contiguous() for t in leaves)
 
 
+@pytest.mark.parametrize("backend", [b for b in backends_for("attention") if b.id == "triton"])
+@pytest.mark.parametrize("bias_shape", [(2, 3, 8, 8), (3, 8, 8), (2, 1, 1, 8)])
+def test_triton_attention_outputs_are_not_views(backend, bias_shape):
+    # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns. A
+    # float32 bias: its gradient needs no conversion, which would copy it anyway; of every
+    # pair, or summed over the broadcast dimensions. (The cpu and cuda backends still return
+    # views here: csrc/common.h's empty_like_layout permutes an empty tensor.)
+    device = backend_device(backend)
+    _, (q, k, v) = _inputs(2, 3, 8, 8, 16, torch.float32, device)
+    bias = fresh(bias_shape, torch.float32, device)
+    skip_if_refused(backend, "attention", q, k, v, attn_bias=bias)
+    seed = next_seed(0.0)
+    with torch.no_grad():
+        out, lse = torch.ops.fusedlm.attention(q, k, v, None, bias, False, 0.0, 0.25, seed, backend)
+        grads = torch.ops.fusedlm.attention_backward(torch.randn_like(out), q, k, v, out, lse, None,
+                                                     bias, False, 0.0, 0.25, seed, True, backend)
+    assert grads[3].shape == bias.shape
+    assert [t._base is None for t in (out, lse, *grads)] == [True] * 6
+
+
 def test_attention_empty_batch():
     leaves, (q, k, v) = _inputs(0, 2, 5, 7, 16, torch.float32, "cpu")
     out = fusedlm.ops.attention(q, k, v, key_padding_mask=torch.zeros(0, 7, dtype=torch.bool),

@@ -232,15 +232,17 @@ def test_cross_entropy_compiles_without_graph_breaks():
     assert_close(logits.grad, ref.grad)
 
 
+@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_cross_entropy_outputs_are_not_views(reduction):
+def test_cross_entropy_outputs_are_not_views(backend, reduction):
     # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
-    logits = fresh((2, 3, 10), torch.float32, "cpu")
+    device = backend_device(backend)
+    logits = fresh((2, 3, 10), torch.float32, device)
     with torch.no_grad():
-        loss, grad = torch.ops.fusedlm.cross_entropy(logits, labels_for((2, 3), 10, "cpu"), -100,
-                                                     0.0, reduction, True, "cpu")
+        loss, grad = torch.ops.fusedlm.cross_entropy(logits, labels_for((2, 3), 10, device), -100,
+                                                     0.0, reduction, True, backend)
         dlogits = torch.ops.fusedlm.cross_entropy_backward(torch.ones_like(loss), grad, reduction,
-                                                           "cpu")
+                                                           backend)
     assert [t._base is None for t in (loss, grad, dlogits)] == [True] * 3
 
 
@@ -424,16 +426,17 @@ def test_masked_lm_loss_compiles_without_graph_breaks(small_chunks):
         assert_close(t.grad, r.grad, scale=10)
 
 
+@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_masked_lm_loss_outputs_are_not_views(reduction):
-    hidden, weight, bias, labels = _mlm_inputs(torch.float32, "cpu")
+def test_masked_lm_loss_outputs_are_not_views(backend, reduction):
+    hidden, weight, bias, labels = _mlm_inputs(torch.float32, backend_device(backend))
     needs = [True, True, True]
     with torch.no_grad():
         outputs = torch.ops.fusedlm.masked_lm_loss(hidden, weight, bias, labels, -100, 0.0,
-                                                   reduction, 4, needs, "cpu")
+                                                   reduction, 4, needs, backend)
         grads = torch.ops.fusedlm.masked_lm_loss_backward(
             torch.ones_like(outputs[0]), hidden, weight, bias, labels, *outputs[1:], -100, 0.0,
-            reduction, 4, needs, "cpu")
+            reduction, 4, needs, backend)
     assert [t._base is None for t in (*outputs, *grads)] == [True] * 7
 
 

@@ -89,12 +89,15 @@ def test_bias_gelu_edge_cases(backend):
         assert_close(out, reference.bias_gelu(big.double(), None, approximate), dtype=torch.float16)
 
 
-def test_bias_gelu_outputs_are_not_views():
+@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
+def test_bias_gelu_outputs_are_not_views(backend):
     # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
-    x, bias = fresh((2, 3, 16), torch.float32, "cpu"), fresh((16,), torch.float32, "cpu")
+    device = backend_device(backend)
+    x, bias = fresh((2, 3, 16), torch.float32, device), fresh((16,), torch.float32, device)
     with torch.no_grad():
-        out = torch.ops.fusedlm.bias_gelu(x, bias, "none", "cpu")
-        grads = torch.ops.fusedlm.bias_gelu_backward(torch.randn_like(out), x, bias, "none", "cpu")
+        out = torch.ops.fusedlm.bias_gelu(x, bias, "none", backend)
+        grads = torch.ops.fusedlm.bias_gelu_backward(torch.randn_like(out), x, bias, "none",
+                                                     backend)
     assert [t._base is None for t in (out, *grads)] == [True] * 3
 
 
@@ -246,14 +249,15 @@ def test_gelu_ffn_empty_batch(backend):
         assert torch.equal(t.grad, torch.zeros_like(t))
 
 
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_gelu_ffn_outputs_are_not_views(dropout_p):
-    x, w1, b1, w2, b2 = _ffn_inputs(torch.float32, "cpu")
+def test_gelu_ffn_outputs_are_not_views(backend, dropout_p):
+    x, w1, b1, w2, b2 = _ffn_inputs(torch.float32, backend_device(backend))
     seed = next_seed(dropout_p)
     with torch.no_grad():
-        out, pre = torch.ops.fusedlm.gelu_ffn(x, w1, b1, w2, b2, "none", dropout_p, seed, "cpu")
+        out, pre = torch.ops.fusedlm.gelu_ffn(x, w1, b1, w2, b2, "none", dropout_p, seed, backend)
         grads = torch.ops.fusedlm.gelu_ffn_backward(torch.randn_like(out), x, pre, w1, b1, w2, b2,
-                                                    "none", dropout_p, seed, "cpu")
+                                                    "none", dropout_p, seed, backend)
     assert [t._base is None for t in (out, pre, *grads)] == [True] * 7
 
 

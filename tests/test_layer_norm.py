@@ -253,17 +253,18 @@ def test_add_layer_norm_non_contiguous_inputs(backend):
     _compare((x, r, w, b), backend)
 
 
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_add_layer_norm_outputs_are_not_views(dropout_p):
+def test_add_layer_norm_outputs_are_not_views(backend, dropout_p):
     # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
-    x, r, w, b = _inputs((2, 3, 16), torch.float32)
+    x, r, w, b = _inputs((2, 3, 16), torch.float32, backend_device(backend))
     seed = next_seed(dropout_p)
     with torch.no_grad():
-        outputs = torch.ops.fusedlm.add_layer_norm(x, r, w, b, 1e-5, dropout_p, seed, "cpu")
+        outputs = torch.ops.fusedlm.add_layer_norm(x, r, w, b, 1e-5, dropout_p, seed, backend)
         out, summed, mean, rstd = outputs
         grads = torch.ops.fusedlm.add_layer_norm_backward(
             torch.randn_like(out), torch.randn_like(summed), summed, mean, rstd, w, True, True,
-            dropout_p, seed, "cpu")
+            dropout_p, seed, backend)
     assert [t._base is None for t in (*outputs, *grads)] == [True] * 8
 
 

@@ -51,13 +51,14 @@ def test_lstm_cell_leading_dims_and_non_contiguous(backend):
     _check(gates, c_prev, 2.5, backend)
 
 
-def test_lstm_cell_outputs_are_not_views():
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+def test_lstm_cell_outputs_are_not_views(backend):
     # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
-    gates, c_prev = _inputs((2, 3), 5, torch.float32, "cpu")
+    gates, c_prev = _inputs((2, 3), 5, torch.float32, backend_device(backend))
     with torch.no_grad():
-        h, c = torch.ops.fusedlm.lstm_cell(gates, c_prev, 2.5, "cpu")
+        h, c = torch.ops.fusedlm.lstm_cell(gates, c_prev, 2.5, backend)
         grads = torch.ops.fusedlm.lstm_cell_backward(torch.randn_like(h), torch.randn_like(c),
-                                                     gates, c_prev, 2.5, "cpu")
+                                                     gates, c_prev, 2.5, backend)
     assert [t._base is None for t in (h, c, *grads)] == [True] * 4
 
 

@@ -33,13 +33,16 @@ def test_unpad_and_pad_match_reference(backend, dtype, features):
     assert torch.equal(padded, hidden.masked_fill(mask.view(4, 13, *[1] * len(features)), 0))
 
 
-def test_unpad_and_pad_outputs_are_not_views():
+@pytest.mark.parametrize("backend", backends_for("pad"))
+def test_unpad_and_pad_outputs_are_not_views(backend):
     # FSDP2 warns about, and cannot follow in-place changes to, a view a module returns.
-    hidden = fresh((3, 10, 2, 4), torch.float32, "cpu")
+    device = backend_device(backend)
+    hidden = fresh((3, 10, 2, 4), torch.float32, device)
     with torch.no_grad():
-        packed, indices, cu_seqlens, _ = torch.ops.fusedlm.unpad(hidden, _mask(3, 10, "cpu"), "cpu")
-        padded = torch.ops.fusedlm.pad(packed, indices, 3, 10, "cpu")
-        dpacked = torch.ops.fusedlm.pad_backward(torch.randn_like(padded), indices, "cpu")
+        packed, indices, cu_seqlens, _ = torch.ops.fusedlm.unpad(hidden, _mask(3, 10, device),
+                                                                 backend)
+        padded = torch.ops.fusedlm.pad(packed, indices, 3, 10, backend)
+        dpacked = torch.ops.fusedlm.pad_backward(torch.randn_like(padded), indices, backend)
     assert [t._base is None for t in (packed, indices, cu_seqlens, padded, dpacked)] == [True] * 5
 
 

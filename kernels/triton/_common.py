@@ -90,10 +90,8 @@ def _keep_mask_kernel(OUT, n, seed, p, BLOCK: tl.constexpr):
 def keep_mask(seed: torch.Tensor, shape, p: float, device="cpu") -> torch.Tensor:
     """The keep mask (bool, True = keep) the Triton kernels use for stream ``seed``, element
     order row-major over ``shape``."""
-    n = 1
-    for size in shape:
-        n *= size
-    out = torch.empty(n, dtype=torch.int8, device=device)
+    out = torch.empty(shape, dtype=torch.int8, device=device)
+    n = out.numel()
     if n:
         _keep_mask_kernel[(triton.cdiv(n, 1024),)](out, n, seed_of(seed, p), p, BLOCK=1024)
-    return out.bool().view(*shape)
+    return out.bool()

@@ -473,19 +473,23 @@ def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, cau
                        scale, seed, bias_grad):
     problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
     dq, dk, dv = _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
-    ds = None
-    if bias_grad:
-        # Zeros: pairs above the causal diagonal are never visited.
-        ds = torch.zeros((*q.shape[:3], k.shape[2]), dtype=torch.float32, device=q.device)
-    problem.backward(grad, out, lse, dq, dk, dv, ds)
-    dbias = None
-    if bias_grad:
-        aligned = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
-        summed = [d for d, n in enumerate(aligned) if n == 1 and ds.shape[d] != 1]
-        if summed:
-            ds = ds.sum(summed, keepdim=True)
-        dbias = ds.reshape(attn_bias.shape).to(attn_bias.dtype)
-    return dq, dk, dv, dbias
+    if not bias_grad:
+        problem.backward(grad, out, lse, dq, dk, dv, None)
+        return dq, dk, dv, None
+    pairs = (*q.shape[:3], k.shape[2])
+    aligned = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
+    summed = [d for d, n in enumerate(aligned) if n == 1 and pairs[d] != 1]
+    # Zeros: pairs above the causal diagonal are never visited. The kernel writes ds as
+    # [batch, heads, seq_q, seq_k]; a bias of that size gets it in its own shape, and a
+    # broadcast one the sums written into its shape: dbias is no view (FSDP2 cannot follow
+    # in-place changes to a view a module returns).
+    ds = torch.zeros(pairs if summed else attn_bias.shape, dtype=torch.float32, device=q.device)
+    problem.backward(grad, out, lse, dq, dk, dv, ds.view(pairs))
+    dbias = ds
+    if summed:
+        dbias = ds.new_empty(attn_bias.shape)
+        torch.sum(ds, summed, keepdim=True, out=dbias.view(aligned))
+    return dq, dk, dv, dbias.to(attn_bias.dtype)
 
 
 # --- attention_varlen ----------------------------------------------------------------------------

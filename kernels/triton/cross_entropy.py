@@ -73,9 +73,10 @@ def _cross_entropy_kernel(LOGITS, LABELS, LOSS, GRAD, SCALE, ROW_SCALE, C, ignor
 
 
 def _run(logits2, labels1, losses, grad, scale, row_scale, ignore_index, label_smoothing):
-    """Writes the per-row losses (float32 [rows]) of logits2 [rows, classes]; with grad
-    (possibly logits2 itself), writes scale * row_scale[row] * d(loss_row)/d(logits) into
-    it. scale is a one-element float32 tensor (read on the device: no synchronisation)."""
+    """Writes the per-row losses (float32, rows contiguous elements of any shape) of logits2
+    [rows, classes]; with grad (contiguous, possibly logits2 itself), writes
+    scale * row_scale[row] * d(loss_row)/d(logits) into it. scale is a one-element float32
+    tensor (read on the device: no synchronisation)."""
     rows, classes = logits2.shape
     if rows:
         _cross_entropy_kernel[(rows,)](
@@ -137,11 +138,13 @@ def cross_entropy_forward(logits, labels, ignore_index, label_smoothing, reducti
         scale = 1.0 / labelled.clamp(min=1).to(torch.float32)
     else:
         scale = _unit_scale(x.device)
-    grad = torch.empty_like(x) if with_grad else None
-    losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    # In the inputs' shapes, not views of [rows] and [rows, classes] results: FSDP2 cannot
+    # follow in-place changes to a view a module returns.
+    grad = logits.new_empty(logits.shape) if with_grad else None
+    losses = torch.empty(labels.shape, dtype=torch.float32, device=x.device)
     _run(x, y, losses, grad, scale, None, ignore_index, label_smoothing)
-    loss = losses.view(labels.shape) if reduction == "none" else _reduce(losses, reduction, labelled)
-    return loss, grad.view(logits.shape) if with_grad else logits.new_empty(0)
+    loss = losses if reduction == "none" else _reduce(losses, reduction, labelled)
+    return loss, grad if with_grad else logits.new_empty(0)
 
 
 def cross_entropy_backward(grad, saved_grad, reduction):
@@ -154,8 +157,8 @@ def cross_entropy_backward(grad, saved_grad, reduction):
 def _project(h2, weight, bias, y, labelled, ignore_index, label_smoothing, chunk_rows, scale,
              row_scale, grads):
     """Losses (float32) of the labelled rows, projected chunk_rows at a time. grads: None
-    (losses only), or [dhidden, dweight, dbias] (each None when not wanted) that each
-    chunk's gradient is folded into."""
+    (losses only), or [dhidden (in hidden's shape), dweight, dbias] (each None when not
+    wanted) that each chunk's gradient is folded into."""
     n, vocab = labelled.numel(), weight.shape[0]
     losses = torch.empty(n, dtype=torch.float32, device=h2.device)
     if n == 0:
@@ -180,7 +183,7 @@ def _project(h2, weight, bias, y, labelled, ignore_index, label_smoothing, chunk
         dhidden, dweight, dbias = grads
         # logits now holds the chunk's gradient.
         if dhidden is not None:
-            dhidden.index_copy_(0, rows, logits @ weight)
+            dhidden.view(h2.shape).index_copy_(0, rows, logits @ weight)
         if dweight is not None:
             if c0 == 0:
                 torch.mm(logits.t(), h, out=dweight)
@@ -191,23 +194,23 @@ def _project(h2, weight, bias, y, labelled, ignore_index, label_smoothing, chunk
     return losses
 
 
-def _mlm_grads(h2, weight, bias, labelled, need_dhidden, need_dweight, need_dbias):
-    dhidden = torch.zeros_like(h2) if need_dhidden else None
+def _mlm_grads(hidden, weight, bias, labelled, need_dhidden, need_dweight, need_dbias):
+    dhidden = hidden.new_zeros(hidden.shape) if need_dhidden else None
     # Written whole by the first chunk's product; zeros when no row is labelled.
     dweight = None
     if need_dweight:
         dweight = torch.empty_like(weight) if labelled.numel() else torch.zeros_like(weight)
     dbias = None
     if need_dbias and bias is not None:
-        dbias = torch.zeros(weight.shape[0], dtype=torch.float32, device=h2.device)
+        dbias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device)
     return [dhidden, dweight, dbias]
 
 
-def _grads_out(grads, hidden, weight, bias):
+def _grads_out(grads, weight, bias):
     """The gradients as the op returns them: one not computed is a new empty tensor (outputs
     of a custom op may not alias each other)."""
     dhidden, dweight, dbias = grads
-    return (dhidden.view(hidden.shape) if dhidden is not None else weight.new_empty(0),
+    return (dhidden if dhidden is not None else weight.new_empty(0),
             dweight if dweight is not None else weight.new_empty(0),
             dbias.to(bias.dtype) if dbias is not None else weight.new_empty(0))
 
@@ -228,15 +231,16 @@ def masked_lm_loss_forward(hidden, weight, bias, labels, ignore_index, label_smo
     n = labelled.numel()
     # With reduction "none" grad_output weighs each row: the gradients wait for the backward.
     with_grads = reduction != "none" and (need_dhidden or need_dweight or need_dbias)
-    grads = _mlm_grads(h2, w, b, labelled, need_dhidden, need_dweight, need_dbias) if with_grads else None
+    grads = _mlm_grads(hidden, w, b, labelled, need_dhidden, need_dweight, need_dbias) if with_grads else None
     scale = _unit_scale(h2.device, 1.0 / max(n, 1) if reduction == "mean" else 1.0)
     losses = _project(h2, w, b, y, labelled, ignore_index, label_smoothing, chunk_rows, scale, None,
                       grads)
     if reduction == "none":
-        loss = losses.new_zeros(y.numel()).index_copy_(0, labelled, losses).view(labels.shape)
+        loss = losses.new_zeros(labels.shape)
+        loss.view(-1).index_copy_(0, labelled, losses)
     else:
         loss = _reduce(losses, reduction, n)
-    return (loss, *_grads_out(grads or [None] * 3, hidden, weight, bias))
+    return (loss, *_grads_out(grads or [None] * 3, weight, bias))
 
 
 def masked_lm_loss_backward(grad, hidden, weight, bias, labels, dhidden, dweight, dbias,
@@ -248,7 +252,7 @@ def masked_lm_loss_backward(grad, hidden, weight, bias, labels, dhidden, dweight
         return _scaled(dhidden, scale), _scaled(dweight, scale), _scaled(dbias, scale)
     # Per-row grad_output: redo the chunks, each row's gradient scaled by its grad_output.
     h2, w, b, y, labelled = _mlm_inputs(hidden, weight, bias, labels, ignore_index, chunk_rows)
-    grads = _mlm_grads(h2, w, b, labelled, need_dhidden, need_dweight, need_dbias)
+    grads = _mlm_grads(hidden, w, b, labelled, need_dhidden, need_dweight, need_dbias)
     _project(h2, w, b, y, labelled, ignore_index, label_smoothing, chunk_rows,
              _unit_scale(h2.device), scale.view(-1), grads)
-    return _grads_out(grads, hidden, weight, bias)
+    return _grads_out(grads, weight, bias)

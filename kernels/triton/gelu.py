@@ -75,10 +75,11 @@ def _bias_gelu_backward_kernel(DY, X, BIAS, DX, DB_PART, M, N, HAS_BIAS: tl.cons
         tl.store(DB_PART + tile * N + cols, tl.sum(dx, axis=0), mask=cols < N)
 
 
-def _gelu_rows(pre, bias, approx_tanh, p=0.0, seed=0):
-    """dropout(gelu(pre + bias)) of a contiguous [rows, cols] matrix."""
+def _gelu_rows(pre, bias, shape, approx_tanh, p=0.0, seed=0):
+    """dropout(gelu(pre + bias)) of a contiguous [rows, cols] matrix, as a new tensor of
+    ``shape`` (the kernel fills its memory as [rows, cols])."""
     rows, cols = pre.shape
-    out = torch.empty_like(pre)
+    out = pre.new_empty(shape)
     if pre.numel():
         grid = lambda meta: (triton.cdiv(rows, ROWS_PER_TILE), triton.cdiv(cols, meta["BLOCK_N"]))
         _bias_gelu_kernel[grid](pre, bias, out, rows, cols, p, seed, HAS_BIAS=bias is not None,
@@ -92,14 +93,16 @@ def _sum_partials(partial, like):
 
 def bias_gelu_forward(x, bias, approximate):
     b = bias.contiguous() if bias is not None else None
-    return _gelu_rows(rows_of(x), b, _approx_tanh(approximate)).view(x.shape)
+    # In x's shape, not a view of a [rows, cols] result: FSDP2 cannot follow in-place
+    # changes to a view a module returns.
+    return _gelu_rows(rows_of(x), b, x.shape, _approx_tanh(approximate))
 
 
 def bias_gelu_backward(grad, x, bias, approximate):
     approx_tanh = _approx_tanh(approximate)
     x2, dy = rows_of(x), rows_of(grad)
     rows, cols = x2.shape
-    dx = torch.empty_like(x2)
+    dx = x.new_empty(x.shape)
     b = bias.contiguous() if bias is not None else None
     tiles = triton.cdiv(rows, ROWS_PER_TILE)
     partial = torch.empty((tiles, cols), dtype=torch.float32, device=x.device) if b is not None else None
@@ -107,7 +110,7 @@ def bias_gelu_backward(grad, x, bias, approximate):
         grid = lambda meta: (tiles, triton.cdiv(cols, meta["BLOCK_N"]))
         _bias_gelu_backward_kernel[grid](dy, x2, b, dx, partial, rows, cols, HAS_BIAS=b is not None,
                                          APPROX_TANH=approx_tanh, BLOCK_M=ROWS_PER_TILE)
-    return dx.view(x.shape), _sum_partials(partial, b) if b is not None else None
+    return dx, _sum_partials(partial, b) if b is not None else None
 
 
 # --- matrix product with a GELU epilogue ---------------------------------------------------------
@@ -204,8 +207,13 @@ def gelu_ffn_forward(x, w1, b1, w2, b2, approximate, dropout_p, seed):
     b1 = b1.contiguous() if b1 is not None else None
     _matmul_gelu(x2, w1.t(), pre, act, b1, None, approx_tanh, dropout_p, seed_of(seed, dropout_p),
                  backward=False)
-    y = torch.addmm(b2, act, w2.t()) if b2 is not None else act @ w2.t()
-    return y.view(*x.shape[:-1], w2.shape[0]), pre
+    # As in bias_gelu_forward, y is made in its final shape: the product writes into it.
+    y = x2.new_empty((*x.shape[:-1], w2.shape[0]))
+    if b2 is not None:
+        torch.addmm(b2, act, w2.t(), out=y.view(rows, w2.shape[0]))
+    else:
+        torch.mm(act, w2.t(), out=y.view(rows, w2.shape[0]))
+    return y, pre
 
 
 def gelu_ffn_backward(grad, x, pre, w1, b1, w2, b2, approximate, dropout_p, seed):
@@ -214,14 +222,15 @@ def gelu_ffn_backward(grad, x, pre, w1, b1, w2, b2, approximate, dropout_p, seed
     x2, g2 = rows_of(x), rows_of(grad)
     rows, d_ff = pre.shape
     b1 = b1.contiguous() if b1 is not None else None
-    act = _gelu_rows(pre, b1, approx_tanh, dropout_p, s)
+    act = _gelu_rows(pre, b1, pre.shape, approx_tanh, dropout_p, s)
     dw2 = g2.t() @ act
     db2 = g2.sum(0, dtype=torch.float32).to(b2.dtype) if b2 is not None else None
     dpre = torch.empty_like(pre)
     tiles = triton.cdiv(rows, MATMUL_BLOCK_M)
     db_part = torch.empty((tiles, d_ff), dtype=torch.float32, device=pre.device) if b1 is not None else None
     _matmul_gelu(g2, w2, pre, dpre, b1, db_part, approx_tanh, dropout_p, s, backward=True)
-    dx = (dpre @ w1).view(x.shape)
+    dx = x.new_empty(x.shape)
+    torch.mm(dpre, w1, out=dx.view(x2.shape))
     dw1 = dpre.t() @ x2
     db1 = _sum_partials(db_part, b1) if b1 is not None else None
     return dx, dw1, db1, dw2, db2

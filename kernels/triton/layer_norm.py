@@ -135,7 +135,9 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed):
     x2 = rows_of(x)
     r2 = rows_of(residual) if residual is not None else None
     rows = x2.shape[0]
-    out, summed = torch.empty_like(x2), torch.empty_like(x2)
+    # New contiguous tensors in x's shape, which the kernel fills as [rows, hidden]: not
+    # views of flat ones (FSDP2 cannot follow in-place changes to a view a module returns).
+    out, summed = x.new_empty(x.shape), x.new_empty(x.shape)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     if rows:
@@ -144,7 +146,7 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed):
             x2, r2, w, b, out, summed, mean, rstd, hidden, eps, dropout_p, seed_of(seed, dropout_p),
             HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
             DROPOUT=dropout_p > 0, BLOCK_N=block)
-    return out.view(x.shape), summed.view(x.shape), mean, rstd
+    return out, summed, mean, rstd
 
 
 def add_layer_norm_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_bias,
@@ -157,9 +159,9 @@ def add_layer_norm_backward(grad_out, grad_summed, summed, mean, rstd, weight, h
     ds_in = rows_of(grad_summed) if grad_summed is not None else None
     dropout = dropout_p > 0
     # Without dropout dx is dsummed itself (the op hands one tensor to x and residual);
-    # with it, dsummed is written only for a residual.
-    dsummed = torch.empty_like(s2) if not dropout or has_residual else None
-    dx = torch.empty_like(s2) if dropout else None
+    # with it, dsummed is written only for a residual. Both in summed's shape, as out.
+    dsummed = summed.new_empty(summed.shape) if not dropout or has_residual else None
+    dx = summed.new_empty(summed.shape) if dropout else None
     programs = _programs(rows, summed.device)
     dw_part = torch.empty((programs, hidden), dtype=torch.float32, device=summed.device)
     db_part = torch.empty_like(dw_part) if has_bias else None
@@ -172,8 +174,4 @@ def add_layer_norm_backward(grad_out, grad_summed, summed, mean, rstd, weight, h
             WRITE_DSUMMED=dsummed is not None, DROPOUT=dropout, BLOCK_N=block)
     dweight = dw_part.sum(0).to(summed.dtype) if weight is not None else None
     dbias = db_part.sum(0).to(summed.dtype) if has_bias else None
-
-    def shaped(t):
-        return None if t is None else t.view(summed.shape)
-
-    return shaped(dsummed), shaped(dx), dweight, dbias
+    return dsummed, dx, dweight, dbias

@@ -77,19 +77,21 @@ def _grid(rows, cell):
 def lstm_cell_forward(gates, c_prev, cell_clip):
     g2, c2 = rows_of(gates), rows_of(c_prev)
     rows, cell = c2.shape
-    h, c = torch.empty_like(c2), torch.empty_like(c2)
+    # In c_prev's shape, not views of [rows, cell] results: FSDP2 cannot follow in-place
+    # changes to a view a module returns.
+    h, c = c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)
     if c2.numel():
         _lstm_cell_kernel[_grid(rows, cell)](g2, c2, h, c, rows, cell, cell_clip,
                                              BLOCK_M=ROWS_PER_TILE)
-    return h.view(c_prev.shape), c.view(c_prev.shape)
+    return h, c
 
 
 def lstm_cell_backward(grad_h, grad_c, gates, c_prev, cell_clip):
     g2, c2 = rows_of(gates), rows_of(c_prev)
     dh, dc = rows_of(grad_h), rows_of(grad_c)
     rows, cell = c2.shape
-    dgates, dc_prev = torch.empty_like(g2), torch.empty_like(c2)
+    dgates, dc_prev = gates.new_empty(gates.shape), c_prev.new_empty(c_prev.shape)
     if c2.numel():
         _lstm_cell_backward_kernel[_grid(rows, cell)](dh, dc, g2, c2, dgates, dc_prev, rows, cell,
                                                       cell_clip, BLOCK_M=ROWS_PER_TILE)
-    return dgates.view(gates.shape), dc_prev.view(c_prev.shape)
+    return dgates, dc_prev
