@@ -677,16 +677,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     // it in its own (4-d aligned) shape, with stride 0 along the broadcast ones.
     std::vector<int64_t> aligned(4 - attn_bias->dim(), 1);
     for (int64_t s : attn_bias->sizes()) aligned.push_back(s);
-    dbias_acc = at::zeros(aligned, q.options().dtype(pb.acc));
-    dbias = padded_rows(dbias_acc);
+    dbias_acc = at::zeros(attn_bias->sizes(), q.options().dtype(pb.acc));
+    dbias = padded_rows(dbias_acc.view(aligned));
     int64_t* strides[] = {&dbias.batch, &dbias.head, &dbias.row, &dbias.col};
     for (int d = 0; d < 4; ++d)
       if (aligned[d] == 1) *strides[d] = 0;
     g.dbias = &dbias;
   }
   backward(pb, g);
-  at::Tensor db = bias_grad ? dbias_acc.to(attn_bias->scalar_type()).view(attn_bias->sizes())
-                            : at::Tensor();
+  at::Tensor db = bias_grad ? dbias_acc.to(attn_bias->scalar_type()) : at::Tensor();
   return {dq, dk, dv, db};
 }
 

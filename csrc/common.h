@@ -55,14 +55,21 @@ inline uint64_t seed_value(const at::Tensor& seed) {
 
 // A new tensor of `sizes` whose dimensions lie in memory in the order of ref's strides
 // (so an output of a [batch, seq, heads, dim] view is laid out the same way). The
-// Python fake implementations compute the same order.
+// Python fake implementations compute the same order. Allocated with those strides
+// rather than permuted, so that it is no view (FSDP2 cannot follow views a module returns).
 inline at::Tensor empty_like_layout(const at::Tensor& ref, at::IntArrayRef sizes,
                                     at::ScalarType dtype) {
   std::vector<int64_t> order(ref.dim());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return ref.stride(a) > ref.stride(b); });
-  return at::empty_permuted(sizes, order, ref.options().dtype(dtype));
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (auto d = order.rbegin(); d != order.rend(); ++d) {
+    strides[*d] = stride;
+    stride *= std::max<int64_t>(sizes[*d], 1);
+  }
+  return at::empty_strided(sizes, strides, ref.options().dtype(dtype));
 }
 
 }  // namespace fusedlm
