@@ -101,10 +101,13 @@ def write_build_info(with_cuda):
 
 
 def sm90a_flags():
-    """FUSEDLM_SM90A when the CUDA targets include sm_90a: the host code may then launch
-    the kernels that need Hopper's arch-specific instructions (on an sm_90 device)."""
+    """FUSEDLM_SM90A when the CUDA targets include sm_90a and no plain sm_90 (whose build of
+    the Hopper-only kernels is an empty stub): the host code may then launch those kernels
+    on an sm_90 device."""
     arches = os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ").split()
-    return ["-DFUSEDLM_SM90A"] if any(a.startswith("9.0a") for a in arches) else []
+    sm90a = any(a.startswith("9.0a") for a in arches)
+    sm90 = any(a == "9.0" or a.startswith("9.0+") for a in arches)
+    return ["-DFUSEDLM_SM90A"] if sm90a and not sm90 else []
 
 
 def extension(sources, with_cuda):

@@ -1028,10 +1028,12 @@ template <typename T>
 void launch(void (*kernel)(Params<T>), int64_t blocks, int threads, size_t smem,
             const Problem& pb, const Params<T>& p) {
   if (blocks == 0 || pb.heads == 0 || pb.batch == 0) return;
-  // Past 48 KiB a block's dynamic shared memory has to be asked for.
+  // Past 48 KiB a block's dynamic shared memory has to be allowed. The allowance is the
+  // device's whole, the same for every call: a per-call amount could be lowered by
+  // another thread's launch between this one's setting and launching.
   if (smem > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
+                                        static_cast<int>(max_shared_memory())));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(pb.heads),
                   static_cast<unsigned>(pb.batch));
   kernel<<<grid, threads, smem, current_stream()>>>(p);
