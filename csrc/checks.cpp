@@ -135,10 +135,25 @@ BiasGeluInputs bias_gelu_grad_inputs(const at::Tensor& grad, const at::Tensor& x
   return in;
 }
 
+namespace {
+
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
   auto sizes = x.sizes().vec();
   sizes.back() = last;
   return sizes;
+}
+
+}  // namespace
+
+at::Tensor ffn_output(const at::Tensor& x, const at::Tensor& act, const at::Tensor& w2,
+                      const at::Tensor& b2) {
+  auto y = at::empty(with_last(x, w2.size(0)), act.options());
+  auto rows = y.view({act.size(0), w2.size(0)});
+  if (b2.defined())
+    at::addmm_out(rows, b2, act, w2.t());
+  else
+    at::mm_out(rows, act, w2.t());
+  return y;
 }
 
 GeluFfnInputs gelu_ffn_inputs(const at::Tensor& x, const at::Tensor& w1,

@@ -1,6 +1,7 @@
 // The argument checks of the op entry points, shared by the CPU backend (csrc/) and the
 // CUDA one (kernels/cuda/): shapes, dtypes and values, and the flattening of the inputs
-// into the contiguous rows the kernels read. The two differ only in their device check,
+// into the contiguous rows the kernels read (and the one host step both run alike, the
+// FFN's second product). The two differ only in their device check,
 // which each passes in; every other tensor must also lie on the first one's device.
 #pragma once
 #include <ATen/ATen.h>
@@ -85,8 +86,11 @@ GeluFfnInputs gelu_ffn_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
                                    const std::optional<at::Tensor>& b2,
                                    const std::string& approximate, DeviceCheck device);
 
-// x's shape with `last` for its last dimension.
-std::vector<int64_t> with_last(const at::Tensor& x, int64_t last);
+// The FFN's second product, act w2^T (+ b2 when defined), both backends' (a matrix
+// product): [..., d_out] with x's leading dimensions, allocated in that shape (an op's
+// output is no view) and written through a [rows, d_out] view.
+at::Tensor ffn_output(const at::Tensor& x, const at::Tensor& act, const at::Tensor& w2,
+                      const at::Tensor& b2);
 
 // --- cross_entropy and masked_lm_loss -----------------------------------------------------
 

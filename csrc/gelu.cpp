@@ -107,13 +107,7 @@ std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
   auto pre = at::mm(in.x, in.w1.t());
   auto act = at::empty_like(pre);
   gelu_rows(pre, in.b1, act, gelu_kind(in.tanh), dropout_p, dropout_p > 0 ? seed_value(seed) : 0);
-  auto y = at::empty(with_last(x, in.w2.size(0)), in.x.options());
-  auto y2 = y.view({in.x.size(0), in.w2.size(0)});
-  if (in.b2.defined())
-    at::addmm_out(y2, in.b2, act, in.w2.t());
-  else
-    at::mm_out(y2, act, in.w2.t());
-  return {y, pre};
+  return {ffn_output(x, act, in.w2, in.b2), pre};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(

@@ -128,6 +128,16 @@ __device__ __forceinline__ uint64_t stream_row(const Params<T>& p, int b, int h,
   return ((uint64_t(b) * p.heads + h) * p.seq_q + i) * p.seq_k;
 }
 
+// Starts copying kRows rows of one head of x and of y (K and V, or Q and dO) into
+// x_tile and y_tile: rows first .. of the packed or padded tensors, zeros from `valid` on.
+template <int kRows, int D, int kThreads, typename T>
+__device__ __forceinline__ void load_pair(T* x_tile, T* y_tile, const Rows<const T>& x,
+                                          const Rows<const T>& y, int b, int h, int64_t first,
+                                          int valid) {
+  load_tile<kRows, D, kThreads>(x_tile, x.at(b, h, first), x.row, valid);
+  load_tile<kRows, D, kThreads>(y_tile, y.at(b, h, first), y.row, valid);
+}
+
 // key_ok[j] = whether key n0 + j exists and is not padding, for j < count.
 template <int kThreads, typename T>
 __device__ __forceinline__ void stage_keys(bool* key_ok, const Params<T>& p, int b, const Seq& s,
@@ -190,6 +200,22 @@ size_t dkdv_smem(int64_t seq_q) {
   const int64_t queries = int64_t(held_tiles(kResident, seq_q, kBackwardM<D>)) * kBackwardM<D>;
   return size_t(2 * Shape<kResident>::rows + 2 * queries) * kPitch<D> * 2 +
          2 * queries * sizeof(float) + Shape<kResident>::rows;
+}
+
+// The resident path's copies of a sequence's key tiles 0 .. tiles - 1 (K and V, pitch
+// D + 8), all started at once, one cp.async group a tile so that each is waited for alone,
+// and the flags of their keys.
+template <int D, int kThreads, typename T>
+__device__ __forceinline__ void prefetch_keys(T* k_tiles, T* v_tiles, bool* key_ok,
+                                              const Params<T>& p, int b, int h, const Seq& s,
+                                              int tiles) {
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int n0 = tile * kBlockN, at = tile * kBlockN * kPitch<D>;
+    load_pair<kBlockN, D, kThreads>(k_tiles + at, v_tiles + at, p.k, p.v, b, h, s.k0 + n0,
+                                    s.len_k - n0);
+    cp_async_commit();
+  }
+  stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
 }
 
 // --- the forward's steps, shared by its kernels -------------------------------------------
@@ -314,16 +340,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   load_tile<kRows, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
   cp_async_commit();
   if constexpr (kResident) {
-    // Every key tile at once, one group each, waited for one at a time.
-    for (int tile = 0; tile < tiles; ++tile) {
-      const int n0 = tile * kBlockN;
-      load_tile<kBlockN, D, kThreads>(k_tiles + tile * kBlockN * P, p.k.at(b, h, s.k0 + n0),
-                                      p.k.row, s.len_k - n0);
-      load_tile<kBlockN, D, kThreads>(v_tiles + tile * kBlockN * P, p.v.at(b, h, s.k0 + n0),
-                                      p.v.row, s.len_k - n0);
-      cp_async_commit();
-    }
-    stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
+    prefetch_keys<D, kThreads>(k_tiles, v_tiles, key_ok, p, b, h, s, tiles);
     cp_async_wait_runtime(tiles);  // Q; the key tiles may still be in flight
   } else {
     cp_async_wait<0>();
@@ -552,8 +569,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const int shift = s.len_k - s.len_q;
   const int keys[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
 
-  load_tile<kKeys, D, kThreads>(k_tile, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
-  load_tile<kKeys, D, kThreads>(v_tile, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+  load_pair<kKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0);
   cp_async_commit();
   stage_keys<kThreads>(key_ok, p, b, s, n0, kKeys);
 
@@ -565,10 +581,8 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     // Every query tile at once, one group each, waited for one at a time.
     for (int tile = first; tile < last; ++tile) {
       const int m0 = tile * kM;
-      load_tile<kM, D, kThreads>(q_tiles + tile * kM * P, p.q.at(b, h, s.q0 + m0), p.q.row,
-                                 s.len_q - m0);
-      load_tile<kM, D, kThreads>(do_tiles + tile * kM * P, p.dout.at(b, h, s.q0 + m0), p.dout.row,
-                                 s.len_q - m0);
+      load_pair<kM, D, kThreads>(q_tiles + tile * kM * P, do_tiles + tile * kM * P, p.q, p.dout, b,
+                                 h, s.q0 + m0, s.len_q - m0);
       cp_async_commit();
     }
     stage_stats<kThreads>(lse2 + first * kM, delta + first * kM, p, b, h, s, first * kM,
@@ -588,8 +602,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
       __syncthreads();
     } else {
       __syncthreads();  // every warp is done with the previous query tiles
-      load_tile<kM, D, kThreads>(q_tiles, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
-      load_tile<kM, D, kThreads>(do_tiles, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
+      load_pair<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
       cp_async_commit();
       stage_stats<kThreads>(lse2, delta, p, b, h, s, m0, kM);
       cp_async_wait<0>();
@@ -706,19 +719,10 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
                               : key_end(s, p.causal, m0, kRows);
   const int tiles = (n_end + kBlockN - 1) / kBlockN;
 
-  load_tile<kRows, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
-  load_tile<kRows, D, kThreads>(do_tile, p.dout.at(b, h, s.q0 + m0), p.dout.row, s.len_q - m0);
+  load_pair<kRows, D, kThreads>(q_tile, do_tile, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
   cp_async_commit();
   if constexpr (kResident) {
-    for (int tile = 0; tile < tiles; ++tile) {
-      const int n0 = tile * kBlockN;
-      load_tile<kBlockN, D, kThreads>(k_tiles + tile * kBlockN * P, p.k.at(b, h, s.k0 + n0),
-                                      p.k.row, s.len_k - n0);
-      load_tile<kBlockN, D, kThreads>(v_tiles + tile * kBlockN * P, p.v.at(b, h, s.k0 + n0),
-                                      p.v.row, s.len_k - n0);
-      cp_async_commit();
-    }
-    stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
+    prefetch_keys<D, kThreads>(k_tiles, v_tiles, key_ok, p, b, h, s, tiles);
   }
   float lse2[2], delta[2];
 #pragma unroll
@@ -740,8 +744,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
       __syncthreads();
     } else {
       __syncthreads();  // every warp is done with the previous key tiles
-      load_tile<kBlockN, D, kThreads>(k_tiles, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
-      load_tile<kBlockN, D, kThreads>(v_tiles, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+      load_pair<kBlockN, D, kThreads>(k_tiles, v_tiles, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0);
       cp_async_commit();
       stage_keys<kThreads>(key_ok, p, b, s, n0, kBlockN);
       cp_async_wait<0>();
