@@ -179,11 +179,12 @@ def test_attention_large_logits_do_not_overflow(backend, dtype, seq_k):
     ref_grads = torch.autograd.grad(expected, ref, grad.double())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     # Errors relative to each tensor's largest entry, in roundings of the dtype. Rows that
-    # fit one key block take rowsum(dO * O) from the exact probabilities: only the
-    # outputs' own rounding remains. Longer rows take it from the output as stored in
-    # the dtype, as FlashAttention does; with near one-hot probabilities dS is then the
-    # difference of nearly equal terms, and dq, dk carry that rounding times |k|, |q|.
-    bound = 2 if seq_k <= 256 else 40
+    # fit one key block take rowsum(dO * O) from the exact probabilities: the outputs' own
+    # rounding remains, and float32's in dS = P (dP - delta), whose terms are in the
+    # hundreds here and nearly equal (up to 2.2 float16 roundings in 400 draws, the
+    # reference backend alike). Longer rows take it from the output as stored in the
+    # dtype, as FlashAttention does; dq, dk then carry that rounding times |k|, |q|.
+    bound = 3 if seq_k <= 256 else 40
     eps = torch.finfo(dtype).eps
     for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *ref_grads)):
         error = (a.double() - e).abs().max() / e.abs().max()
@@ -626,6 +627,7 @@ def test_attention_varlen_rejects_bad_input(backend):
     cases = [
         (ValueError, "q", dict(q=q[None])),
         (ValueError, "v", dict(v=v[:, :1])),
+        (ValueError, "v must have as many tokens as k", dict(v=v[1:])),
         (TypeError, "cu_seqlens_q", dict(cu_seqlens_q=cu_q.long())),
         (ValueError, "cu_seqlens_k", dict(cu_seqlens_k=cu_k[:2])),
         (ValueError, "cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32))),

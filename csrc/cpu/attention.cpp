@@ -92,6 +92,17 @@ A row_dot(const A* x, const A* y, int64_t n) {
   return reduce(part);
 }
 
+// rowsum(P * dP) / rowsum(P), for a tile that holds whole rows. P = exp(S - lse) sums to 1
+// only up to the rounding of the float lse, whose absolute error grows with the scores
+// (|lse| ~ 100 gives ~1e-5); dS = P * (dP - delta) subtracts nearly equal terms when P is
+// near one-hot, so that error, times dP, would swamp dS. Dividing by P's own sum cancels it.
+// A row that sees no key has no mass: delta 0.
+template <typename A>
+A exact_delta(const A* p, const A* dp, int64_t n) {
+  const A mass = row_sum(p, n);
+  return mass > A(0) ? row_dot(p, dp, n) / mass : A(0);
+}
+
 // x[j] <- exp(x[j] - shift) for j < n; returns their sum. The tail goes through one more
 // full chunk padded with exp(-inf) = 0, so every exp runs in vector registers.
 template <typename A>
@@ -272,7 +283,7 @@ void backward_rows(const AttnTile& t, acc_t<T>* s, acc_t<T>* dp, const acc_t<T>*
       for (int64_t j = 0; j < lim; ++j) dr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1
     // delta = rowsum(dO * O) = rowsum(P * dP). From the tile when it holds all of the
     // row: exact, where the stored O has been rounded to the output's dtype.
-    if (own_delta) delta[r] = row_dot(sr, dr, lim);
+    if (own_delta) delta[r] = exact_delta(sr, dr, lim);
     const A delta_r = delta[r];
     for (int64_t j = 0; j < lim; ++j) dr[j] = sr[j] * (dr[j] - delta_r);  // dS
     if (kDropout)  // what multiplied V, for dV

@@ -791,11 +791,16 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       if (p.own_delta) {  // this is the row's only key tile
-        float sum = 0.0f;
+        float sum = 0.0f, mass = 0.0f;
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt)
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
           sum += sc[nt][2 * hh] * dp[nt][2 * hh] + sc[nt][2 * hh + 1] * dp[nt][2 * hh + 1];
-        delta[hh] = quad_sum(sum);
+          mass += sc[nt][2 * hh] + sc[nt][2 * hh + 1];
+        }
+        // rowsum(P * dP) / rowsum(P): see exact_delta in csrc/cpu/attention.cpp.
+        sum = quad_sum(sum);
+        mass = quad_sum(mass);
+        delta[hh] = mass > 0.0f ? sum / mass : 0.0f;
       }
     }
 #pragma unroll

@@ -248,8 +248,9 @@ def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
         kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
         dropped = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
         dp = tl.where(kept, dp * (1.0 / (1.0 - p)), 0.0)
-    if EXACT_DELTA:
-        delta = tl.sum(prob * dp, 1)
+    if EXACT_DELTA:  # rowsum(P * dP) / rowsum(P): see exact_delta in csrc/cpu/attention.cpp
+        mass = tl.sum(prob, 1)
+        delta = tl.sum(prob * dp, 1) / tl.where(mass > 0, mass, 1.0)
     return dropped, prob * (dp - delta[:, None])
 
 
