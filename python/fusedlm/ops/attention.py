@@ -216,9 +216,13 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     total_k = k.shape[0]
     check.shape("k", k, (total_k, heads, head_dim))
     check.shape("v", v, (v.shape[0], heads, v.shape[2]))
-    # k and v unpadded by separate unpad calls have token counts that torch.compile cannot
-    # compare while tracing: this check then runs when the graph does.
-    torch._check_with(ValueError, v.shape[0] == total_k, lambda: "v must have as many tokens as k")
+    if torch.compiler.is_compiling():
+        # k and v unpadded by separate unpad calls have token counts that torch.compile
+        # cannot compare while tracing: the check runs when the graph does. (torch._check:
+        # torch 2.11's compiler does not trace torch._check_with.)
+        torch._check(v.shape[0] == total_k, lambda: "v must have as many tokens as k")
+    elif v.shape[0] != total_k:
+        raise ValueError(f"v must have as many tokens as k ({total_k}), got {v.shape[0]}")
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
     check.shape("cu_seqlens_k", cu_seqlens_k, tuple(cu_seqlens_q.shape))

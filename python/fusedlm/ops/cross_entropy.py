@@ -154,8 +154,10 @@ def _unit_grad(grad: Tensor, reduction: str) -> bool:
     them; with retain_graph, .grad accumulation copies them, and an in-place change of a
     returned gradient bumps its version, so a second backward raises instead of using it.
     """
-    return (reduction != "none" and not torch.compiler.is_compiling() and grad.device.type == "cpu"
-            and grad.item() == 1.0)
+    # A traced gradient (a fake or functional tensor, which torch 2.11 traces the backward
+    # with outside is_compiling()) has no value to read: only a plain tensor is looked at.
+    return (reduction != "none" and not torch.compiler.is_compiling() and type(grad) is Tensor
+            and grad.device.type == "cpu" and grad.item() == 1.0)
 
 
 def _cross_entropy_grad(ctx, grad, _grad_of_grad):

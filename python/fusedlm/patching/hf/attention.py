@@ -16,6 +16,11 @@ from torch import Tensor, nn
 
 from ... import ops
 
+try:  # imported here, not where it is used: torch 2.11's compiler cannot trace the import
+    from transformers import masking_utils
+except ImportError:  # transformers < 4.53: register() says why
+    masking_utils = None
+
 NAME = "fusedlm"
 
 
@@ -50,8 +55,7 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 def compact_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                  mask_function=None, attention_mask: Optional[Tensor] = None, **kwargs):
     """transformers' mask interface: the compact padding mask where it is enough, else SDPA's."""
-    from transformers import masking_utils as mu
-
+    mu = masking_utils
     plain = mask_function in (mu.causal_mask_function, mu.bidirectional_mask_function)
     if plain and q_length == kv_length and _is_zero(q_offset) and _is_zero(kv_offset):
         if attention_mask is None:
@@ -71,9 +75,10 @@ def register() -> Optional[str]:
     import transformers
 
     try:
-        from transformers import masking_utils
         from transformers.modeling_utils import AttentionInterface
     except ImportError:
+        AttentionInterface = None
+    if masking_utils is None or AttentionInterface is None:
         return (f"transformers {transformers.__version__} has no AttentionInterface/masking_utils "
                 f"(fusedlm patches the attention of transformers >= 4.53)")
     AttentionInterface.register(NAME, attention_forward)
