@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from ._common import dot_precision, upcast_products
 
 BLOCK_M = 16
 BLOCK_N = 64
@@ -92,19 +92,6 @@ def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, max_l
              out.to(OUT.dtype.element_ty), mask=(rows[:, None] < seq_q) & (cv[None, :] < dv))
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    """Triton's interpreter (3.9) multiplies bfloat16 blocks wrongly: there the operands go
-    through float32."""
-    return interpreting() and dtype == torch.bfloat16
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """float32 products are exact float32 unless torch allows TF32 for its own."""
-    if _upcast(dtype) or (dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"
-
-
 def _append(new, cache, seqlens):
     batch, seq_new, heads, dim = new.shape
     if batch == 0 or seq_new == 0:
@@ -130,6 +117,6 @@ def attention_with_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k_new, v_
         cache_leftpad if cache_leftpad is not None else cache_seqlens, scale, seq_q,
         0 if k_new is None else k_new.shape[1], k_cache.shape[1], heads, dk, dv, *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *out.stride(), HAS_LEFTPAD=cache_leftpad is not None,
-        PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_products(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))
     return out
