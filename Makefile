@@ -2,6 +2,8 @@
 #             default corpus, then fill in a masked word with it
 # make test   set up, build fusedlm, and run the test suite
 # make bench  set up, build fusedlm, and print the CPU benchmark table (fusedlm bench)
+# make test-oldest  the test suite against the oldest torch and triton fusedlm supports,
+#             built from a copy of the sources in build/oldest (CI runs it after `make test`)
 #
 # Each creates .venv, installs what fusedlm needs into it, and compiles fusedlm.
 # A PyTorch that the Python running make already sees (e.g. a CUDA build) is
@@ -14,7 +16,7 @@ SOURCES := $(shell find csrc pyext python kernels -type f \( -name '*.cpp' -o -n
 RESULTS := build/benchmarks
 DEMO := build/demo/bert-tiny
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-oldest bench clean
 
 $(VENV)/.deps: requirements-dev.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -30,6 +32,25 @@ test: $(VENV)/.fusedlm
 	$(PY) -m pytest -q
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m triton
 
+# Its own environment and build folder, so that neither build overwrites the other's objects.
+# A CPU build: PyPI's torch 2.11 is a CUDA build, whose kernels the GPU checks compile.
+OLDEST := torch==2.11.0 triton==3.6.0
+OLDEST_VENV := .venv-oldest
+OLDEST_SRC := build/oldest
+
+$(OLDEST_VENV)/.fusedlm: requirements-dev.txt $(SOURCES)
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q $(OLDEST) -r requirements-dev.txt
+	rm -rf $(OLDEST_SRC) && mkdir -p $(OLDEST_SRC)
+	git ls-files -co --exclude-standard csrc kernels pyext python setup.py sources.txt \
+	  | tar -cT - | tar -x -C $(OLDEST_SRC)
+	cd $(OLDEST_SRC) && FUSEDLM_CUDA=0 MAX_JOBS=$${MAX_JOBS:-2} \
+	  $(CURDIR)/$(OLDEST_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps .
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.fusedlm
+	$(OLDEST_VENV)/bin/python -m pytest -q
+
 bench: $(VENV)/.fusedlm
 	mkdir -p $(RESULTS)
 	$(PY) -m fusedlm bench --device cpu --json $(RESULTS)/cpu.json --plot $(RESULTS)/cpu.png
@@ -40,4 +61,4 @@ demo: $(VENV)/.fusedlm
 	$(PY) -m fusedlm fill-mask --model $(DEMO) "Return the [MASK] of the list."
 
 clean:
-	rm -rf $(VENV) build python/fusedlm/_C*.so python/fusedlm/_build_info.py
+	rm -rf $(VENV) $(OLDEST_VENV) build python/fusedlm/_C*.so python/fusedlm/_build_info.py

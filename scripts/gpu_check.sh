@@ -5,8 +5,10 @@
 #   scripts/gpu_check.sh STAGE [OUTDIR]
 #   STAGE: build | test | bench | bench-models | sanitize | all
 #
-# build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16)
+# build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
+#           ptxas's resource report of every kernel (OUTDIR/ptxas.txt)
 # test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
+#           (over TEST_WORKERS=8 processes where pytest-xdist is installed)
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
 #           backend's resident path off (rows "fusedlm[cuda] streamed") and with its
@@ -43,8 +45,13 @@ run_stage() {  # name, command...: runs it under the time limit, logging to OUT/
 }
 
 stage_build() {
-  MAX_JOBS=${MAX_JOBS:-16} FUSEDLM_CUDA=${FUSEDLM_CUDA:-1} \
+  # ptxas's resource report (-v) of every kernel goes into the log; ptxas.txt keeps it alone.
+  MAX_JOBS=${MAX_JOBS:-16} FUSEDLM_CUDA=${FUSEDLM_CUDA:-1} NVCC_APPEND_FLAGS="-Xptxas=-v" \
     run_stage build "$PY" setup.py build_ext --inplace || return
+  grep -E "ptxas info|bytes stack frame" "$OUT/build.log" > "$OUT/ptxas.txt"
+  echo "ptxas: $(grep -c "Compiling entry" "$OUT/ptxas.txt") kernels, the most registers" \
+    "$(grep -o "Used [0-9]* registers" "$OUT/ptxas.txt" | sort -k2 -n | tail -1)," \
+    "$(grep -c "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt") with spills ($OUT/ptxas.txt)"
   "$PY" - "$OUT/build.json" <<'PYEOF'
 import json, sys
 import torch, fusedlm
@@ -59,8 +66,13 @@ PYEOF
 
 stage_test() {
   # Without TRITON_INTERPRET the triton cases run on CUDA tensors at their full shapes.
+  # Compiling the triton kernels' specializations takes most of the time: pytest-xdist,
+  # where installed, spreads them over the machine's cores.
+  local workers=()
+  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${TEST_WORKERS:-8}")
   run_stage test env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider tests \
-      -m "gpu or triton" --junitxml="$OUT/test-gpu-triton.xml" -rfEs || return
+      -m "gpu or triton" ${workers[@]+"${workers[@]}"} --junitxml="$OUT/test-gpu-triton.xml" \
+      -rfEs || return
   run_stage test-cuda "$PY" -m pytest -q -p no:cacheprovider tests -m "not gpu and not triton" \
       -k "cuda" --junitxml="$OUT/test-cuda.xml" -rfE
 }
