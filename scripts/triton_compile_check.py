@@ -8,7 +8,9 @@ layout the backend cannot lower, a config that needs more shared memory than the
 1. record (a child process, TRITON_INTERPRET=1): runs `pytest -m triton` on the CPU and
    records every kernel launch: the kernel, and its arguments, each tensor reduced to its
    dtype and whether its address is 16-byte aligned (all Triton specializes a pointer on).
-   Whether the tests pass is the test suite's business, not this check's.
+   Whether the tests pass is the test suite's business, not this check's. (Triton 3.6's
+   interpreter stops on NumPy >= 2.4 in the attention tests: record with a newer Triton,
+   then replay the recording under 3.6 with --keep.)
 2. compile: replays each recorded launch through the kernel's own autotuner and heuristics
    (Triton's warmup path: every configuration that survives pruning), computes Triton's own
    specialization of it, and compiles each distinct one with triton.compile for each arch.
