@@ -23,6 +23,7 @@ specializations compiled, the most registers, the most shared memory, spills.
 import argparse
 import collections
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -69,7 +70,7 @@ def _key(value):
 def _kernel_name(launched):
     """(module, name) of the Python function under a launched kernel's wrappers."""
     fn = launched
-    while not callable(getattr(fn, "__code__", None)) and hasattr(fn, "fn"):
+    while hasattr(fn, "fn"):  # autotuner, heuristics, interpreted function: each wraps .fn
         fn = fn.fn
     return fn.__module__, fn.__name__
 
@@ -149,18 +150,22 @@ def _jit_of(kernel):
     return kernel
 
 
-def _target(arch):
+@functools.lru_cache(maxsize=None)
+def _binder(jit, arch):
+    """(target, backend, binder) of a kernel on ``arch``, as JITFunction.create_binder makes
+    them for the current device."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    target = GPUTarget("cuda", arch, 32)
-    return target, make_backend(target)
-
-
-def _prepare(jit, backend, args, kwargs):
-    """JITFunction.run's preparation of a launch: its specialization and compile inputs."""
     from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    return target, backend, create_function_from_signature(jit.signature, jit.params, backend)
+
+
+def _prepare(jit, arch, args, kwargs):
+    """JITFunction.run's preparation of a launch: its specialization and compile inputs."""
+    _, backend, binder = _binder(jit, arch)
     kwargs = dict(kwargs, debug=kwargs.get("debug", jit.debug))
-    binder = create_function_from_signature(jit.signature, jit.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     key = repr((specialization, sorted(options.items())))
     return key, jit._pack_args(backend, kwargs, bound, specialization, options)
@@ -171,11 +176,11 @@ def specializations(launch, arch):
     configuration its autotuner keeps, with its heuristics applied, as Triton's warmup does."""
     (module, name), args, kwargs = launch
     kernel = _kernel(module, name)
-    jit, (_, backend) = _jit_of(kernel), _target(arch)
+    jit = _jit_of(kernel)
     found = []
 
     def collect(*args, grid, warmup, **kwargs):
-        key, _ = _prepare(jit, backend, args, kwargs)
+        key, _ = _prepare(jit, arch, args, kwargs)
         config = ", ".join(f"{k}={v}" for k, v in kwargs.items()
                            if k.isupper() or k.startswith("num_"))
         found.append((key, config, args, kwargs))
@@ -196,8 +201,8 @@ def compile_one(job):
     from triton.compiler import ASTSource
     (module, name), arch, args, kwargs = job
     jit = _jit_of(_kernel(module, name))
-    target, backend = _target(arch)
-    _, (options, signature, constexprs, attrs) = _prepare(jit, backend, args, kwargs)
+    target = _binder(jit, arch)[0]
+    _, (options, signature, constexprs, attrs) = _prepare(jit, arch, args, kwargs)
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v's report
@@ -274,16 +279,14 @@ def main():
     if args.record_to:
         return record(args.record_to, pytest_args)
 
-    launches_file = args.keep or tempfile.mktemp(suffix=".pkl")
-    if not os.path.exists(launches_file):
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        subprocess.run([sys.executable, __file__, "--record-to", launches_file, *pytest_args],
-                       env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    with open(launches_file, "rb") as f:
-        launches = pickle.load(f)
-    if not args.keep:
-        os.remove(launches_file)
-
+    with tempfile.TemporaryDirectory() as scratch:
+        launches_file = args.keep or os.path.join(scratch, "launches.pkl")
+        if not os.path.exists(launches_file):
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            subprocess.run([sys.executable, __file__, "--record-to", launches_file, *pytest_args],
+                           env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        with open(launches_file, "rb") as f:
+            launches = pickle.load(f)
     if args.only:
         launches = [launch for launch in launches if launch[0][1] in args.only.split(",")]
     arches = [int(a) for a in args.arches.split(",")]
