@@ -181,8 +181,9 @@ def specializations(launch, arch):
 
     def collect(*args, grid, warmup, **kwargs):
         key, _ = _prepare(jit, arch, args, kwargs)
-        config = ", ".join(f"{k}={v}" for k, v in kwargs.items()
-                           if k.isupper() or k.startswith("num_"))
+        dtype = next(str(a.dtype)[6:] for a in args if hasattr(a, "dtype"))
+        config = ", ".join([dtype] + [f"{k}={v}" for k, v in kwargs.items()
+                                      if k.isupper() or k.startswith("num_")])
         found.append((key, config, args, kwargs))
 
     jit.run = collect  # the kernel's wrappers call down to this instead of a launch
@@ -252,13 +253,19 @@ def compile_all(launches, arches, jobs):
         row = rows[(_label(kernel), arch)]
         row[0] += 1
         row[1:] = max(row[1], registers), max(row[2], shared), max(row[3], spills)
+    always_spilling = set()  # launches the autotuner cannot keep off spilled registers
     for kernel, arch, keys_of_launch in launch_keys:
-        compiled = [results[k] for k in keys_of_launch if not results[k][3]]
-        if compiled and all(shared > SHARED_LIMIT[arch] for shared, *_ in compiled):
+        compiled = [(results[k], k) for k in keys_of_launch if not results[k][3]]
+        fitting = [(r, k) for r, k in compiled if r[0] <= SHARED_LIMIT[arch]]
+        if compiled and not fitting:
             failures.append(f"{_label(kernel)} sm_{arch}: no configuration fits in "
                             f"{SHARED_LIMIT[arch]} bytes of shared memory (the least needs "
-                            f"{min(shared for shared, *_ in compiled)})")
-    return rows, sorted(set(failures)), sorted(spilling, reverse=True)
+                            f"{min(r[0] for r, _ in compiled)})")
+        elif fitting and all(r[2] for r, _ in fitting):
+            (_, _, spills, _), key = min(fitting, key=lambda found: found[0][2])
+            always_spilling.add((spills, f"{_label(kernel)} sm_{arch} [{jobs_by_key[key][2]}]"))
+    return (rows, sorted(set(failures)), sorted(spilling, reverse=True),
+            sorted(always_spilling, reverse=True))
 
 
 def _label(kernel):
@@ -290,13 +297,18 @@ def main():
     if args.only:
         launches = [launch for launch in launches if launch[0][1] in args.only.split(",")]
     arches = [int(a) for a in args.arches.split(",")]
-    rows, failures, spilling = compile_all(launches, arches, args.jobs)
+    rows, failures, spilling, always_spilling = compile_all(launches, arches, args.jobs)
     print(f"{'kernel':40} {'arch':>5} {'compiled':>9} {'registers':>10} {'shared':>8} {'spills':>7}")
     for (name, arch), (n, registers, shared, spills) in sorted(rows.items()):
         print(f"{name:40} sm_{arch:<2} {n:>9} {registers:>10} {shared:>8} {spills:>7}")
     if spilling:  # slow, not wrong: the autotuner may pick another configuration
         print(f"\n{len(spilling)} specializations spill registers; the most:")
         for spills, where in spilling[:12]:
+            print(f"  {spills:>7} bytes  {where}")
+    if always_spilling:  # slow whatever the autotuner picks: their configurations need work
+        print(f"\n{len(always_spilling)} launches spill in every configuration that fits; "
+              "the least-spilling configuration of each, worst first:")
+        for spills, where in always_spilling:
             print(f"  {spills:>7} bytes  {where}")
     for failure in failures:
         print("FAILED", failure)

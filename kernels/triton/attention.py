@@ -51,21 +51,22 @@ def limits(dtype=None, head_dim=None, head_dim_v=None, **_features):
 
 def _configs():
     # The first is the interpreter's: 32 keys per block gives the tests several key blocks.
-    shapes = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+    shapes = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 8, 2),
               (128, 32, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
             for m, n, w, s in shapes]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Short sequences take 64-query blocks, long ones 128; head dims past 128 the smaller
-    tiles (their registers)."""
+    """Short sequences take 64-query blocks, long ones 128; head dims past 128 and exact
+    float32 products the smaller tiles: their registers (ieee products run on the FMA
+    units, which hold both operands of every product in registers)."""
     args = {**named_args, **kwargs}
     short = args["seq_bucket"] <= _SHORT
-    wide = args["BLOCK_D"] > 128 or args["BLOCK_DV"] > 128
+    small = args["BLOCK_D"] > 128 or args["BLOCK_DV"] > 128 or args["PRECISION"] == "ieee"
     kept = [c for c in configs
-            if (c.kwargs["BLOCK_M"] == 64) == (short or wide)
-            and not (wide and c.kwargs["BLOCK_N"] > 64)]
+            if (c.kwargs["BLOCK_M"] == 64) == (short or small)
+            and not (small and c.kwargs["BLOCK_N"] > 64)]
     return kept or configs
 
 
