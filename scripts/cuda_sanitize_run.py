@@ -7,6 +7,7 @@ layer norm's register cache, dropout, ignored labels, the masked-LM chunks, and 
 attention and FFN kernels' partial blocks. It checks
 no values (the tests do): it exits non-zero when the cuda backend cannot run.
 """
+import itertools
 import os
 import sys
 
@@ -83,9 +84,11 @@ def main() -> int:
             out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 70, 66, causal=True,
                                                dropout_p=0.1, backend="cuda")
             grads([out], (q, k, v))
-    # gelu_ffn: partial 128-row and 128-column blocks, a K tail inside a 32-wide step, and
-    # K longer than the 3-stage pipeline; with and without biases and dropout.
-    for dtype in (torch.bfloat16, torch.float16):
+    # gelu_ffn: partial 128-row and 128-column blocks, a K tail inside a 32-wide (64-wide
+    # on wgmma) step, and K longer than the 3-stage pipeline; with and without biases and
+    # dropout; the product on wgmma (sm_90) and on mma.sync.
+    for dtype, wgmma in itertools.product((torch.bfloat16, torch.float16), ("1", "0")):
+        os.environ["FUSEDLM_FFN_WGMMA"] = wgmma
         for rows, d_in, d_ff, d_out in ((130, 48, 136, 40), (7, 264, 256, 136)):
             x = torch.randn(rows, d_in, dtype=dtype, **cuda)
             w1 = torch.randn(d_ff, d_in, dtype=dtype, **cuda)

@@ -11,8 +11,8 @@
 #           (over TEST_WORKERS=8 processes where pytest-xdist is installed)
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
-#           backend's resident path off (rows "fusedlm[cuda] streamed") and with its
-#           wgmma forward off (rows "fusedlm[cuda] mma-sync")
+#           backend's resident path off (rows "fusedlm[cuda] streamed"), and the attention
+#           and the FFN with their wgmma kernels off (rows "fusedlm[cuda] mma-sync")
 # bench-models  the same for each model's steps; both stages' rows also go to one record,
 #           benchmarks/results/<device>-<date>.json
 # sanitize  compute-sanitizer memcheck and racecheck over a small run of every cuda kernel
@@ -89,14 +89,14 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
   run_stage "$stage" env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda --$part $names \
       --json "$OUT/$stage.json" ${plot[@]+"${plot[@]}"} || return
   if [ "$part" = ops ]; then
-    # The attention again with one of the cuda backend's paths off, each run against its
-    # own SDPA: what the resident path buys at BERT lengths, and wgmma on sm_90.
-    local variant setting
-    for variant in streamed:FUSEDLM_ATTENTION_RESIDENT mma-sync:FUSEDLM_ATTENTION_WGMMA; do
-      setting=${variant#*:}=0 variant=${variant%%:*}
-      run_stage "bench-$variant" env -u TRITON_INTERPRET "$setting" "$PY" -m fusedlm bench \
-          --device cuda --ops attention --json "$OUT/variant-$variant.json" || return
-    done
+    # Ops again with cuda-backend paths off, each run against its own baselines: the
+    # attention without its resident path (what it buys at BERT lengths), and the
+    # attention and the FFN without their wgmma kernels (what Hopper's products buy).
+    run_stage bench-streamed env -u TRITON_INTERPRET FUSEDLM_ATTENTION_RESIDENT=0 "$PY" -m \
+        fusedlm bench --device cuda --ops attention --json "$OUT/variant-streamed.json" || return
+    run_stage bench-mma-sync env -u TRITON_INTERPRET FUSEDLM_ATTENTION_WGMMA=0 \
+        FUSEDLM_FFN_WGMMA=0 "$PY" -m fusedlm bench --device cuda --ops attention gelu_ffn \
+        --json "$OUT/variant-mma-sync.json" || return
   fi
   # One record a device and day: the parts measured so far, rows and skips together.
   local name

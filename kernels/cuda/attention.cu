@@ -1077,20 +1077,6 @@ void launch_path(KernelOf kernel_of, SmemOf smem_of, int64_t own, int64_t walked
               smem_of(streamed), pb, p);
 }
 
-// Whether the forward's streamed path runs on Hopper's warpgroup products: on an sm_90
-// device, in a build with sm_90a code, unless FUSEDLM_ATTENTION_WGMMA=0 (to compare).
-bool wgmma_forward() {
-#if defined(FUSEDLM_SM90A)
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                        c10::cuda::current_device()));
-  const char* setting = std::getenv("FUSEDLM_ATTENTION_WGMMA");
-  return major == 9 && (setting == nullptr || std::string_view(setting) != "0");
-#else
-  return false;
-#endif
-}
-
 void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
   dispatch_attention(pb, [&](auto tag, auto dim) {
     using T = decltype(tag);
@@ -1099,7 +1085,8 @@ void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
     p.out = rows_of<T>(out, pb.varlen);
     p.lse = stat_rows(lse, pb.varlen);
 #if defined(FUSEDLM_SM90A)
-    if (!takes_resident_path(pb.seq_k, forward_smem<D, true>(pb.seq_k)) && wgmma_forward()) {
+    if (!takes_resident_path(pb.seq_k, forward_smem<D, true>(pb.seq_k)) &&
+        hopper_path("FUSEDLM_ATTENTION_WGMMA")) {
       launch<T>(attention_forward_sm90_kernel<T, D>, ceil_div(pb.seq_q, kSm90Rows), kSm90Threads,
                 sm90_forward_smem<D>(), pb, p);
       return;

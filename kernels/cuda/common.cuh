@@ -15,6 +15,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "checks.h"
 #include "common.h"
@@ -215,6 +217,22 @@ inline size_t max_shared_memory() {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         c10::cuda::current_device()));
   return static_cast<size_t>(bytes);
+}
+
+// Whether a kernel's Hopper variant (wgmma.cuh) runs: on an sm_90 device, in a build
+// with sm_90a code, unless the environment variable `setting` is "0" (to compare it with
+// the mma.sync kernel it replaces).
+inline bool hopper_path(const char* setting) {
+#if defined(FUSEDLM_SM90A)
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                        c10::cuda::current_device()));
+  const char* value = std::getenv(setting);
+  return major == 9 && (value == nullptr || std::string_view(value) != "0");
+#else
+  (void)setting;
+  return false;
+#endif
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }

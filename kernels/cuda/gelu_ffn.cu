@@ -17,9 +17,12 @@
 // [K, N] row-major (w2, the backward). A block of 8 warps computes a 128 x 128 tile of
 // C, each warp 64 x 32 of it as 4 x 4 m16n8k16 fragments (64 float accumulators a
 // thread); K advances 32 at a time through a 3-stage cp.async pipeline of shared tiles
-// (60 KiB), two blocks an SM. Limits: mma.sync is sm_80's instruction (on sm_90 cuBLAS
-// uses wgmma and reaches further), no split-K for small M, and the epilogue stores
-// element pairs straight from the fragments rather than staging 16-byte rows.
+// (60 KiB), two blocks an SM. On sm_90 (a build with sm_90a code) the same tile runs on
+// Hopper's warpgroup products instead (ffn_product_sm90_kernel), unless
+// FUSEDLM_FFN_WGMMA=0. Limits: no TMA or warp specialisation on sm_90 (each k-step's
+// products are waited for before the next are issued; the other block on the SM fills
+// the gap), no split-K for small M, and the epilogue stores element pairs straight from
+// the fragments rather than staging 16-byte rows.
 //
 // Takes bf16 and fp16 with d_in, d_ff and d_out multiples of 8 (16-byte rows for
 // cp.async); the Python limits route other calls to the triton backend.
@@ -27,6 +30,7 @@
 #include "cuda/ops.h"
 #include "gelu.cuh"
 #include "tensor_core.cuh"
+#include "wgmma.cuh"
 
 namespace fusedlm::cuda {
 namespace {
@@ -122,6 +126,70 @@ __device__ __forceinline__ void block_product(const Params<T>& p, T* tiles_a, T*
   __syncthreads();  // the shared tiles are free for the epilogue
 }
 
+// The epilogue of one row's column pair (col, col + 1) of C, c its two values: the
+// forward writes pre = c + bias and act; the backward writes act (again, from pre) and
+// dpre, and adds dpre into colsum (for db1).
+template <typename T, bool kBackward, bool kTanh>
+__device__ __forceinline__ void epilogue_pair(const Params<T>& p, int64_t row, int64_t col,
+                                              const float* c, const float (&bias)[2],
+                                              float (&colsum)[2]) {
+  const int64_t at = row * p.n + col;
+  bool kept[2] = {true, true};
+  if (p.dropout.active) keep_pair(p.dropout, static_cast<uint64_t>(at), kept);
+  // The pre-activation as stored: the backward recomputes act from that, so both
+  // passes see the same act bit for bit.
+  float z[2];
+  if constexpr (kBackward) {
+    load<2>(p.pre + at, z);
+  } else {
+    z[0] = rounded<T>(c[0] + bias[0]);
+    z[1] = rounded<T>(c[1] + bias[1]);
+    store<2>(p.pre + at, z);
+  }
+  float act[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) act[j] = kept[j] ? gelu<kTanh>(z[j]) * p.dropout.scale : 0.0f;
+  store<2>(p.act + at, act);
+  if constexpr (kBackward) {
+    float d[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      d[j] = kept[j] ? c[j] * p.dropout.scale * gelu_grad<kTanh>(z[j]) : 0.0f;
+      colsum[j] += d[j];
+    }
+    store<2>(p.dpre + at, d);
+  }
+}
+
+template <typename T, bool kBackward>
+__device__ __forceinline__ void load_bias(const Params<T>& p, int64_t col, float (&bias)[2]) {
+  bias[0] = bias[1] = 0.0f;
+  if (!kBackward && p.bias != nullptr) load<2>(p.bias + col, bias);
+}
+
+// A warp's column total (the lanes 4 apart share columns: every g of one t) into
+// sums[col] of its row of warps. sums: [warps along M][kBlockN] floats in shared memory.
+__device__ __forceinline__ void warp_column_total(float v, float* sums, int col) {
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  if (threadIdx.x % 32 < 4) sums[col] = v;
+}
+
+// The block's column sums of dpre, the warps along M added in a fixed order (no atomics:
+// db1 repeats bit for bit), as row blockIdx.y of dbias_part.
+template <int kWarpsM, typename T>
+__device__ __forceinline__ void store_column_sums(const Params<T>& p, const float* sums,
+                                                  int64_t n0) {
+  __syncthreads();
+  const int c = threadIdx.x;
+  if (c >= kBlockN || n0 + c >= p.n) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarpsM; ++w) total += sums[w * kBlockN + c];
+  p.dbias_part[int64_t(blockIdx.y) * p.n + n0 + c] = total;
+}
+
 // grid: (column blocks, row blocks). Forward (kBackward false): C = x w1^T, writes pre
 // and act. Backward: C = dy w2, writes dpre and act, and dbias_part.
 template <typename T, bool kBackward, bool kTanh>
@@ -143,73 +211,154 @@ __global__ void __launch_bounds__(kThreads, 2) ffn_product_kernel(const Params<T
   for (int nt = 0; nt < 4; ++nt) {
     const int64_t col = n0 + wn * kWarpN + nt * 8 + 2 * t;
     if (col >= p.n) continue;
-    float bias[2] = {0.0f, 0.0f};
-    if (!kBackward && p.bias != nullptr) load<2>(p.bias + col, bias);
+    float bias[2];
+    load_bias<T, kBackward>(p, col, bias);
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t row = m0 + wm * kWarpM + mt * 16 + g + 8 * h;
-        if (row >= p.m) continue;
-        const int64_t at = row * p.n + col;
-        const float* c = &acc[mt][nt][2 * h];
-        bool kept[2] = {true, true};
-        if (p.dropout.active) keep_pair(p.dropout, static_cast<uint64_t>(at), kept);
-        // The pre-activation as stored: the backward recomputes act from that, so both
-        // passes see the same act bit for bit.
-        float z[2];
-        if constexpr (kBackward) {
-          load<2>(p.pre + at, z);
-        } else {
-          z[0] = rounded<T>(c[0] + bias[0]);
-          z[1] = rounded<T>(c[1] + bias[1]);
-          store<2>(p.pre + at, z);
-        }
-        float act[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) act[j] = kept[j] ? gelu<kTanh>(z[j]) * p.dropout.scale : 0.0f;
-        store<2>(p.act + at, act);
-        if constexpr (kBackward) {
-          float d[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            d[j] = kept[j] ? c[j] * p.dropout.scale * gelu_grad<kTanh>(z[j]) : 0.0f;
-            colsum[nt][j] += d[j];
-          }
-          store<2>(p.dpre + at, d);
-        }
+        if (row < p.m)
+          epilogue_pair<T, kBackward, kTanh>(p, row, col, &acc[mt][nt][2 * h], bias, colsum[nt]);
       }
     }
   }
   if constexpr (kBackward) {
     if (p.dbias_part == nullptr) return;
-    // Column sums: over g within the warp (lanes 4 apart share columns), then over the
-    // two warps along M through shared memory, in a fixed order.
     float* sums = reinterpret_cast<float*>(smem);  // [2][kBlockN]
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float v = colsum[nt][j];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) sums[wm * kBlockN + wn * kWarpN + nt * 8 + 2 * t + j] = v;
+      for (int j = 0; j < 2; ++j)
+        warp_column_total(colsum[nt][j], sums + wm * kBlockN, wn * kWarpN + nt * 8 + 2 * t + j);
+    store_column_sums<2>(p, sums, n0);
+  }
+}
+
+// The same product on Hopper's warpgroup products (wgmma.cuh), on sm_90a: two
+// warpgroups, each 64 rows of the 128 x 128 tile of C as two m64n64 accumulators (the
+// columns 0-63 and 64-127), read A and B from 128-byte-swizzled shared tiles 64 wide along
+// K (one swizzle panel), kSm90Stages of them in flight through cp.async. B is read
+// K-major in the forward (w1 [N, K]) and MN-major in the backward (w2 [K, N]). The
+// accumulators have the mma.sync C fragments' layout, so the epilogue is the same.
+constexpr int kSm90BlockK = 64;
+constexpr int kSm90Stages = 3;
+constexpr int kSm90Tile = kBlockM * kSm90BlockK;  // A's and B's (kBlockN = kBlockM)
+static_assert(kBlockN == kBlockM, "A and B tiles of one size");
+
+constexpr size_t sm90_shared_bytes(size_t element) {
+  return kSm90Stages * 2 * kSm90Tile * element + 1024;  // 1 KiB to align the swizzle
+}
+
+template <typename T, bool kBackward, bool kTanh>
+__global__ void __launch_bounds__(kThreads, 2) ffn_product_sm90_kernel(const Params<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char sm90_smem[];
+  const uint32_t align = (1024 - smem_address(sm90_smem) % 1024) % 1024;
+  T* tiles_a = reinterpret_cast<T*>(sm90_smem + align);  // [stages][kBlockM][64], swizzled
+  T* tiles_b = tiles_a + kSm90Stages * kSm90Tile;       // [stages][kBlockN][64] or [64][kBlockN]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int group_row = warp / 4 * 64;  // the warpgroup's first row in the block
+  const int64_t m0 = int64_t(blockIdx.y) * kBlockM, n0 = int64_t(blockIdx.x) * kBlockN;
+  const int k_tiles = static_cast<int>((p.k + kSm90BlockK - 1) / kSm90BlockK);
+
+  auto load_stage = [&](int kt) {
+    const int64_t k0 = int64_t(kt) * kSm90BlockK;
+    T* tile_b = tiles_b + kt % kSm90Stages * kSm90Tile;
+    wg::load_tile_2d<kBlockM, kSm90BlockK, kThreads>(tiles_a + kt % kSm90Stages * kSm90Tile,
+                                                     p.a + m0 * p.k + k0, p.k, p.m - m0,
+                                                     p.k - k0);
+    if constexpr (kBackward)
+      wg::load_tile_2d<kSm90BlockK, kBlockN, kThreads>(tile_b, p.b + k0 * p.n + n0, p.n,
+                                                       p.k - k0, p.n - n0);
+    else
+      wg::load_tile_2d<kBlockN, kSm90BlockK, kThreads>(tile_b, p.b + n0 * p.k + k0, p.k,
+                                                       p.n - n0, p.k - k0);
+  };
+  // Stages in flight: kSm90Stages - 1 ahead of the one being multiplied. Every iteration
+  // commits a group (empty past the last tile) so that the wait counts stay exact.
+#pragma unroll
+  for (int s = 0; s < kSm90Stages - 1; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+  float acc[2][8][4] = {};  // columns 0-63, 64-127
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kSm90Stages - 2>();
+    wg::fence_shared_for_async();
+    // Tile kt has landed for every thread, and every warpgroup is done with the stage the
+    // next load overwrites (its products on tile kt - 1 were waited for).
+    __syncthreads();
+    if (kt + kSm90Stages - 1 < k_tiles) load_stage(kt + kSm90Stages - 1);
+    cp_async_commit();
+    const T* ta = tiles_a + kt % kSm90Stages * kSm90Tile;
+    const T* tb = tiles_b + kt % kSm90Stages * kSm90Tile;
+    wg::pin(acc[0]);
+    wg::pin(acc[1]);
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < kSm90BlockK / 16; ++kk) {
+      const uint64_t a = wg::k_major<kBlockM>(ta, group_row, kk);
+      // Columns 64 half .. 64 half + 63 of C: in the backward, panel `half` of w2's tile
+      // [64 k][128 n]; in the forward, rows 64 half .. of w1's tile [128 n][64 k].
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if constexpr (kBackward)
+          wg::mma_ss<T, true>(acc[half], a,
+                              wg::mn_major<kSm90BlockK>(tb + half * kSm90BlockK * 64, kk), 1);
+        else
+          wg::mma_ss<T>(acc[half], a, wg::k_major<kBlockN>(tb, half * 64, kk), 1);
       }
     }
-    __syncthreads();
-    const int c = threadIdx.x;
-    if (c < kBlockN && n0 + c < p.n)
-      p.dbias_part[int64_t(blockIdx.y) * p.n + n0 + c] = sums[c] + sums[kBlockN + c];
+    wg::commit();
+    wg::wait<0>();
+    wg::pin(acc[0]);
+    wg::pin(acc[1]);
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the shared tiles are free for the column sums
+
+  // Warp w holds rows 16w + g, 16w + g + 8 of the block, columns 64 half + 8 nt + 2t, + 1.
+  float* sums = reinterpret_cast<float*>(tiles_a);  // [8][kBlockN]
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int block_col = half * 64 + nt * 8 + 2 * t;
+      const int64_t col = n0 + block_col;
+      float colsum[2] = {0.0f, 0.0f};
+      if (col < p.n) {
+        float bias[2];
+        load_bias<T, kBackward>(p, col, bias);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = m0 + warp * 16 + g + 8 * h;
+          if (row < p.m)
+            epilogue_pair<T, kBackward, kTanh>(p, row, col, &acc[half][nt][2 * h], bias, colsum);
+        }
+      }
+      if (kBackward && p.dbias_part != nullptr) {
+        warp_column_total(colsum[0], sums + warp * kBlockN, block_col);
+        warp_column_total(colsum[1], sums + warp * kBlockN, block_col + 1);
+      }
+    }
+  }
+  if (kBackward && p.dbias_part != nullptr) store_column_sums<kThreads / 32>(p, sums, n0);
+#else
+  __trap();  // launched only on devices the sm_90a code was built for
+#endif
 }
 
 template <typename T, bool kBackward>
 void launch(const Params<T>& p, bool approx_tanh) {
   if (p.m == 0 || p.n == 0) return;
-  auto kernel = approx_tanh ? ffn_product_kernel<T, kBackward, true>
-                            : ffn_product_kernel<T, kBackward, false>;
-  constexpr size_t smem = shared_bytes<kBackward>(sizeof(T));  // past 48 KiB: asked for
+  const bool hopper = hopper_path("FUSEDLM_FFN_WGMMA");
+  auto kernel = hopper ? (approx_tanh ? ffn_product_sm90_kernel<T, kBackward, true>
+                                      : ffn_product_sm90_kernel<T, kBackward, false>)
+                       : (approx_tanh ? ffn_product_kernel<T, kBackward, true>
+                                      : ffn_product_kernel<T, kBackward, false>);
+  // Past 48 KiB: asked for.
+  const size_t smem = hopper ? sm90_shared_bytes(sizeof(T)) : shared_bytes<kBackward>(sizeof(T));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(ceil_div(p.n, kBlockN)),

@@ -1,7 +1,8 @@
-// Hopper (sm_90a) building blocks of the attention forward's wgmma path (attention.cu):
-// shared tiles in the 128-byte-swizzled layout that wgmma reads, their matrix
-// descriptors, and the warpgroup products with their fences. Only code compiled for an
-// sm_90a target (__CUDA_ARCH_FEAT_SM90_ALL) may call these.
+// Hopper (sm_90a) building blocks of the wgmma paths of the attention forward
+// (attention.cu) and the FFN product (gelu_ffn.cu): shared tiles in the 128-byte-swizzled
+// layout that wgmma reads, their matrix descriptors, and the warpgroup products with
+// their fences. Only code compiled for an sm_90a target (__CUDA_ARCH_FEAT_SM90_ALL) may
+// call these.
 //
 // A warpgroup is 4 consecutive warps. wgmma.mma_async m64nNk16 multiplies a 64 x 16 A
 // (the warpgroup's 64 rows, warp w holding rows 16w .. 16w + 15) by a 16 x N B and adds
@@ -14,12 +15,13 @@
 // kRows rows of 16-bit elements is kept in panels of 64 columns; panel p holds columns
 // 64p .. 64p + 63 of every row, 128 bytes a row, and within each 1024-byte group of 8 rows
 // (1024-byte aligned) the 16-byte chunk c of row r sits at chunk c ^ (r % 8). Read as
-//   K-major (Q as A, K as B of S = Q K^T; the product's k runs along a row): 8-row groups
-//     1024 bytes apart (the stride byte offset); a k-step of 16 columns starts 32 bytes
-//     further into the panel (the hardware swizzles the address it forms);
-//   MN-major (V as B of O = P V, transposed: k runs down the rows): 8-row groups 1024
-//     bytes apart (the stride byte offset), panels of 64 columns kRows * 128 bytes apart
-//     (the leading byte offset); a k-step of 16 rows starts 2048 bytes further.
+//   K-major (Q as A, K as B of S = Q K^T; the FFN's x, dy and w1; the product's k runs
+//     along a row): 8-row groups 1024 bytes apart (the stride byte offset); a k-step of
+//     16 columns starts 32 bytes further into the panel (the hardware swizzles the
+//     address it forms);
+//   MN-major (V as B of O = P V; w2 as B of dy w2; k runs down the rows): 8-row groups
+//     1024 bytes apart (the stride byte offset), panels of 64 columns kRows * 128 bytes
+//     apart (the leading byte offset); a k-step of 16 rows starts 2048 bytes further.
 #pragma once
 #include "tensor_core.cuh"
 
@@ -34,17 +36,25 @@ __device__ __forceinline__ int swizzled(int r, int chunk) {
   return (chunk / 8) * kRows * 64 + r * 64 + ((chunk % 8) ^ (r % 8)) * 8;
 }
 
-// Starts copying rows [0, kRows) of head_dim D into the swizzled tile: row r from
-// src + r * row_stride, zeros for rows >= valid. Consecutive threads take consecutive
-// chunks of a row, so the reads coalesce and each warp's stores cover whole rows.
-template <int kRows, int D, int kThreads, typename T>
-__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int valid) {
-  constexpr int kChunks = D / 8;
+// Starts copying a kRows x kCols tile into the swizzled tile: row r, column c from
+// src + r * row_stride + c, zeros outside rows < rows and columns < cols (cols a multiple
+// of 8, so a 16-byte chunk is wholly inside or outside). Consecutive threads take
+// consecutive chunks of a row, so the reads coalesce and each warp's stores cover whole rows.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_2d(T* tile, const T* src, int64_t row_stride,
+                                             int64_t rows, int64_t cols) {
+  constexpr int kChunks = kCols / 8;
   for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
     const int r = i / kChunks, chunk = i % kChunks;
-    const bool in = r < valid;
+    const bool in = r < rows && chunk * 8 < cols;
     cp_async16(tile + swizzled<kRows>(r, chunk), in ? src + r * row_stride + chunk * 8 : src, in);
   }
+}
+
+// Rows [0, kRows) of head_dim D: zeros for rows >= valid.
+template <int kRows, int D, int kThreads, typename T>
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int valid) {
+  load_tile_2d<kRows, D, kThreads>(tile, src, row_stride, valid, D);
 }
 
 // A shared-memory matrix descriptor with the 128-byte swizzle: the start address, the
@@ -127,11 +137,12 @@ __device__ __forceinline__ void pin(uint32_t (&a)[kTiles][4]) {
       FUSEDLM_WG_TILE(d, 11), FUSEDLM_WG_TILE(d, 12), FUSEDLM_WG_TILE(d, 13),               \
       FUSEDLM_WG_TILE(d, 14), FUSEDLM_WG_TILE(d, 15)
 
-// d (+)= A B with A and B from shared memory (descriptors a, b; both K-major), m64n64k16.
-#define FUSEDLM_WG_SS_N64(TYPE)                                                      \
+// d (+)= A B with A and B from shared memory (descriptors a, b), m64n64k16: A K-major,
+// B K-major (TRANS_B "0") or MN-major ("1").
+#define FUSEDLM_WG_SS_N64(TYPE, TRANS_B)                                             \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                          \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "        \
-               "{" FUSEDLM_WG_R0_31 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                \
+               "{" FUSEDLM_WG_R0_31 "}, %32, %33, p, 1, 1, 0, " TRANS_B ";\n}\n"     \
                : FUSEDLM_WG_D32(d)                                                    \
                : "l"(a), "l"(b), "r"(scale_d))
 
@@ -145,14 +156,18 @@ __device__ __forceinline__ void pin(uint32_t (&a)[kTiles][4]) {
                : OUTS                                                                 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 
-// d (+)= A B, m64nNk16: A and B from shared memory, or A from registers and B from
-// shared memory read MN-major. scale_d = 0 overwrites d instead of adding to it.
-template <typename T>
+// d (+)= A B, m64nNk16: A and B from shared memory (B read MN-major when kMnMajorB),
+// or A from registers and B from shared memory read MN-major. scale_d = 0 overwrites d
+// instead of adding to it.
+template <typename T, bool kMnMajorB = false>
 __device__ __forceinline__ void mma_ss(float (&d)[8][4], uint64_t a, uint64_t b, int scale_d) {
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    FUSEDLM_WG_SS_N64("bf16");
-  else
-    FUSEDLM_WG_SS_N64("f16");
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if constexpr (kMnMajorB) FUSEDLM_WG_SS_N64("bf16", "1");
+    else FUSEDLM_WG_SS_N64("bf16", "0");
+  } else {
+    if constexpr (kMnMajorB) FUSEDLM_WG_SS_N64("f16", "1");
+    else FUSEDLM_WG_SS_N64("f16", "0");
+  }
 }
 
 template <typename T>

@@ -6,8 +6,8 @@ import torch
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from checks import (assert_relative_error, float32_copies, fresh, gpu_backends, grads, keep_mask,
-                    needs_cuda, poison_memory, skip_if_refused)
+from checks import (MAX_RELATIVE_ERROR, assert_relative_error, float32_copies, fresh, gpu_backends,
+                    grads, keep_mask, needs_cuda, poison_memory, skip_if_refused)
 
 pytestmark = needs_cuda
 TOKENS = {"bert-base": 32 * 128, "gpt2-small": 8 * 1024}
@@ -76,3 +76,36 @@ def test_gelu_ffn_gradients_repeat_bit_for_bit(backend):
             for _ in range(2)]
     for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), *runs):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", [p for p in gpu_backends("gelu_ffn") if p.id == "cuda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gelu_ffn_wgmma_product_matches_mma_sync(backend, dtype, monkeypatch):
+    """On sm_90 the fused product runs on warpgroup products. At sizes that leave every tile
+    partial (rows, d_ff, and both products' K, d_in and d_out, off the 128 x 128 x 64
+    tiles) it must agree with the float32 reference, and with the mma.sync product (the
+    same sums in another order) to half that bound."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma product runs on sm_90 devices only")
+    tokens, d_in, d_ff, d_out = 1000, 776, 3000, 520
+    inputs = [fresh((tokens, d_in), dtype), fresh((d_ff, d_in), dtype, scale=d_in ** -0.5),
+              fresh((d_ff,), dtype), fresh((d_out, d_ff), dtype, scale=d_ff ** -0.5),
+              fresh((d_out,), dtype)]
+    upstream = torch.randn(tokens, d_out, device="cuda", dtype=dtype)
+    torch.manual_seed(11)
+    keep = keep_mask(backend, next_seed(0.1), (tokens, d_ff), 0.1)
+
+    def step():
+        torch.manual_seed(11)
+        out = fusedlm.ops.gelu_ffn(*inputs, dropout_p=0.1, backend=backend)
+        return [out] + grads([out], inputs, [upstream])
+
+    wgmma = step()
+    monkeypatch.setenv("FUSEDLM_FFN_WGMMA", "0")
+    mma_sync = step()
+    ref_inputs = float32_copies(*inputs)
+    expected = reference.gelu_ffn(*ref_inputs, dropout_p=0.1, dropout_mask=keep)
+    expected = [expected] + grads([expected], ref_inputs, [upstream.float()])
+    for name, a, b, e in zip(("out", "dx", "dw1", "db1", "dw2", "db2"), wgmma, mma_sync, expected):
+        assert_relative_error(a, e, dtype, name)
+        assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)
