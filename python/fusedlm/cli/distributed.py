@@ -48,9 +48,16 @@ class Processes:
             torch.cuda.set_device(device)
         dist.init_process_group(backend)
 
-    def stop(self) -> None:
-        if self.grouped and dist.is_initialized():
-            dist.destroy_process_group()
+    def stop(self, wait: bool = False) -> None:
+        """Ends the process group; with ``wait``, once every process has got here. A run
+        that finished waits: a process that tore its group down while another was still
+        writing the last checkpoint could abort at exit (gloo). One that failed does not:
+        the others may never arrive."""
+        if not (self.grouped and dist.is_initialized()):
+            return
+        if wait and self.world > 1:
+            dist.barrier()
+        dist.destroy_process_group()
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         if self.world == 1:

@@ -86,9 +86,12 @@ def run(args: argparse.Namespace) -> int:
               "corpus were replaced by U+FFFD", file=sys.stderr)
     processes.start(device)
     try:
-        return _train(args, processes, device, resumed, settings, state, spec, size, out, corpus)
-    finally:
+        status = _train(args, processes, device, resumed, settings, state, spec, size, out, corpus)
+    except BaseException:
         processes.stop()
+        raise
+    processes.stop(wait=True)
+    return status
 
 
 def _settings(args, processes: Processes) -> tuple:
