@@ -8,7 +8,7 @@
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
 #           ptxas's resource report of every kernel (OUTDIR/ptxas.txt)
 # test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
-#           (over TEST_WORKERS=8 processes where pytest-xdist is installed)
+#           (over TEST_WORKERS=12 processes where pytest-xdist is installed)
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
 #           backend's resident path off (rows "fusedlm[cuda] streamed"), and the attention
@@ -19,6 +19,10 @@
 #
 # Logs, junit XML and JSON go to OUTDIR (default build/gpu-check); each stage is cut off
 # after STAGE_TIMEOUT seconds (default 570). A table of the stages run is printed last.
+# Compiled Triton kernels are cached in build/triton-cache (TRITON_CACHE_DIR), so a stage
+# run again, or a later stage, compiles only what is new. With PACK_TO=DIR, OUTDIR and
+# benchmarks/results are also packed into one archive, DIR/gpu-check-STAGE.tgz, for a
+# machine that sends back only a few files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +33,7 @@ LIMIT=${STAGE_TIMEOUT:-570}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton-cache}
 SUMMARY=()
 
 run_stage() {  # name, command...: runs it under the time limit, logging to OUT/<name>.log
@@ -69,7 +74,7 @@ stage_test() {
   # Compiling the triton kernels' specializations takes most of the time: pytest-xdist,
   # where installed, spreads them over the machine's cores.
   local workers=()
-  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${TEST_WORKERS:-8}")
+  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${TEST_WORKERS:-12}")
   run_stage test env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider tests \
       -m "gpu or triton" ${workers[@]+"${workers[@]}"} --junitxml="$OUT/test-gpu-triton.xml" \
       -rfEs || return
@@ -162,4 +167,9 @@ for log in "$OUT/bench.log" "$OUT/bench-models.log"; do
     sed -n '/^benchmark /,$p' "$log"
   fi
 done
+if [ -n "${PACK_TO:-}" ]; then
+  packed=("$(realpath --relative-to="$PWD" "$OUT")")
+  [ -d benchmarks/results ] && packed+=(benchmarks/results)
+  tar -czf "$PACK_TO/gpu-check-$STAGE.tgz" "${packed[@]}" && echo "packed: $PACK_TO/gpu-check-$STAGE.tgz"
+fi
 exit "$status"
