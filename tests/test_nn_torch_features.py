@@ -101,6 +101,9 @@ def _ddp_worker(rank, world, init_file, x, padding, result_file):
     _loss(model, x[rows], padding[rows]).backward()
     if rank == 0:
         torch.save({n: p.grad for n, p in model.module.named_parameters()}, result_file)
+    # Both ranks leave together: gloo may abort a process that ends its group while the
+    # other is still busy (here rank 0, saving).
+    dist.barrier()
     dist.destroy_process_group()
 
 
