@@ -39,9 +39,7 @@
 // to the bottom right (key j is visible to query i when j <= i + len_k - len_q); whole
 // key tiles past the diagonal are skipped, and only tiles that cross it, the key
 // padding or the sequence's end are masked element by element.
-#include <cstdlib>
 #include <limits>
-#include <string_view>
 #include <type_traits>
 
 #include "tensor_core.cuh"
@@ -1048,17 +1046,12 @@ void launch(void (*kernel)(Params<T>), int64_t blocks, int threads, size_t smem,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether the resident path may run: FUSEDLM_ATTENTION_RESIDENT=0 sends every sequence
-// down the streamed path, to compare the two at the same shapes.
-bool resident_enabled() {
-  const char* setting = std::getenv("FUSEDLM_ATTENTION_RESIDENT");
-  return setting == nullptr || std::string_view(setting) != "0";
-}
-
 // Whether a kernel takes the resident path: when the rows it walks (keys, or queries for
-// dK/dV) number at most kResidentMax and their tiles fit in shared memory.
+// dK/dV) number at most kResidentMax and their tiles fit in shared memory, unless
+// FUSEDLM_ATTENTION_RESIDENT=0 sends every sequence down the streamed path.
 bool takes_resident_path(int64_t walked, size_t resident_smem) {
-  return resident_enabled() && walked <= kResidentMax && resident_smem <= max_shared_memory();
+  return path_enabled("FUSEDLM_ATTENTION_RESIDENT") && walked <= kResidentMax &&
+         resident_smem <= max_shared_memory();
 }
 
 // Launches kernel_of(path) over `own` rows a sequence (the queries of the forward and dQ

@@ -219,16 +219,21 @@ inline size_t max_shared_memory() {
   return static_cast<size_t>(bytes);
 }
 
+// Whether a kernel path with a switch may run: unless the environment variable `setting`
+// is "0" (which turns it off, to compare it with the path it replaces at the same shapes).
+inline bool path_enabled(const char* setting) {
+  const char* value = std::getenv(setting);
+  return value == nullptr || std::string_view(value) != "0";
+}
+
 // Whether a kernel's Hopper variant (wgmma.cuh) runs: on an sm_90 device, in a build
-// with sm_90a code, unless the environment variable `setting` is "0" (to compare it with
-// the mma.sync kernel it replaces).
+// with sm_90a code, when path_enabled(setting) (else the mma.sync kernel it replaces).
 inline bool hopper_path(const char* setting) {
 #if defined(FUSEDLM_SM90A)
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
                                         c10::cuda::current_device()));
-  const char* value = std::getenv(setting);
-  return major == 9 && (value == nullptr || std::string_view(value) != "0");
+  return major == 9 && path_enabled(setting);
 #else
   (void)setting;
   return false;
