@@ -7,10 +7,20 @@ pretraining era.
     fusedlm.explain("attention", q, k, v)   # which backend runs this call, and why
 """
 from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on a bad build)
-from . import models, nn, ops
+from . import nn, ops
 from .backends import backends, explain, get_backend, set_backend
 from .patching import patch, patch_report
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # fusedlm.models needs transformers; ops, nn and patch do not, so it loads on first use.
+    if name == "models":
+        import importlib
+
+        return importlib.import_module(".models", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = ["models", "nn", "ops", "backends", "explain", "get_backend", "patch", "patch_report", "set_backend",
            "__version__"]

@@ -1,4 +1,10 @@
-"""GeluFFN: Linear -> GELU -> dropout -> Linear on fusedlm's gelu_ffn."""
+"""The GELU feed-forward block: Linear -> GELU -> dropout -> Linear as one gelu_ffn.
+
+``linear_gelu_linear`` runs the block over any two ``nn.Linear``; ``GeluFFN`` is the
+module that owns them. Models whose parameter names must stay those of another
+library (BERT's ``intermediate.dense`` / ``output.dense``) call the function with
+their own Linear layers.
+"""
 from typing import Optional
 
 from torch import Tensor, nn
@@ -7,13 +13,21 @@ from .. import ops
 from ._autocast import lower
 
 
+def linear_gelu_linear(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, *, approximate: str = "none",
+                       dropout_p: float = 0.0, backend: Optional[str] = None) -> Tensor:
+    """fc2(dropout(GELU(fc1(x)))) in one fused op: [..., fc1.in_features] -> [..., fc2.out_features].
+    Under autocast it runs in the autocast dtype, as torch's Linear layers would."""
+    x, w1, b1, w2, b2 = lower(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p,
+                        backend=backend)
+
+
 class GeluFFN(nn.Module):
     """The transformer feed-forward block with bias+GELU fused into one op.
 
     Parameters are two ``nn.Linear`` (``fc1``: d_model -> d_ff, ``fc2``: d_ff -> d_out),
     so weights load from any Linear-GELU-Linear block. ``dropout`` applies to the
-    activation between the two products, in training only. Under autocast the block
-    runs in the autocast dtype, as torch's Linear layers would.
+    activation between the two products, in training only.
     """
 
     backend: Optional[str] = None  # pins the op to one backend; None chooses per call
@@ -27,9 +41,9 @@ class GeluFFN(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        x, w1, b1, w2, b2 = lower(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
-        return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=self.approximate,
-                            dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
+        return linear_gelu_linear(x, self.fc1, self.fc2, approximate=self.approximate,
+                                  dropout_p=self.dropout if self.training else 0.0,
+                                  backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}, dropout={self.dropout}"

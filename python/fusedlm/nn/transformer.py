@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops
-from ._autocast import lower
 from .attention import MultiheadAttention
+from .ffn import linear_gelu_linear
 from .layer_norm import LayerNorm
+from .stack import run_stack
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
@@ -84,10 +84,8 @@ class TransformerEncoderLayer(nn.Module):
 
     def _ffn(self, x: Tensor) -> Tensor:
         if self.activation is F.gelu:
-            x, w1, b1, w2, b2 = lower(x, self.linear1.weight, self.linear1.bias, self.linear2.weight,
-                                      self.linear2.bias)
-            return ops.gelu_ffn(x, w1, b1, w2, b2, dropout_p=self._p(self.dropout),
-                                backend=self.backend)
+            return linear_gelu_linear(x, self.linear1, self.linear2, dropout_p=self._p(self.dropout),
+                                      backend=self.backend)
         return self.linear2(self.dropout(F.relu(self.linear1(x))))
 
     def _p(self, dropout: nn.Dropout) -> float:
@@ -154,11 +152,10 @@ def _packed_stack(layers, src: Tensor, key_padding_mask: Tensor, is_causal: bool
         x = src if batch_first else src.transpose(0, 1)  # [batch, seq, d_model]
     else:  # an unbatched call is a batch of one
         x, key_padding_mask = src.unsqueeze(0), key_padding_mask.unsqueeze(0)
-    backend = layers[0].backend
-    packed, indices, cu_seqlens, max_seqlen = ops.unpad(x, key_padding_mask, backend=backend)
-    for layer in layers:
-        packed = layer.forward_packed(packed, cu_seqlens, max_seqlen, is_causal)
-    out = ops.pad(packed, indices, x.shape[0], x.shape[1], backend=backend)
+
+    def step(layer, h, packing):
+        return layer.forward_packed(h, *packing, is_causal)
+    out, _ = run_stack(layers, x, key_padding_mask, step=step, backend=layers[0].backend)
     if not batched:
         return out.squeeze(0)
     return out if batch_first else out.transpose(0, 1)
