@@ -157,6 +157,8 @@ if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHES)
 write_build_info(with_cuda)
 
+TRANSFORMERS = "transformers>=5.24,<6"
+
 setup(
     name="fusedlm",
     version="0.1.0",
@@ -171,8 +173,9 @@ setup(
     entry_points={"console_scripts": ["fusedlm = fusedlm.cli:main"]},
     extras_require={
         "triton": ["triton>=3.6"],
-        "hf": ["transformers", "tokenizers", "safetensors"],
-        "cli": ["tokenizers", "safetensors", "tqdm", "matplotlib"],
+        # fusedlm.models and the command line are transformers models: the releases tested
+        "hf": [TRANSFORMERS, "tokenizers", "safetensors"],
+        "cli": [TRANSFORMERS, "tokenizers", "safetensors", "tqdm", "matplotlib"],
         "elmo": ["h5py"],
         "test": ["pytest", "hypothesis"],
     },

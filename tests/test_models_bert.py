@@ -1,20 +1,19 @@
-"""fusedlm.models.bert against transformers' BERT of the same weights, checkpoints both
-ways, training, masking, gradient checkpointing and argument errors."""
+"""fusedlm.models' BERT against transformers' BERT of the same weights: outputs, losses
+and gradients on padded batches, every forward argument, checkpoints of every layout
+both ways, the deliberate differences, training, masking and errors."""
 import copy
 
 import pytest
 import torch
 
-from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_matches_transformers,  # noqa: F401
-                            assert_rel, assert_trains, call, masked, parity_batch,
-                            perturb, qa_reference_loss)
-from fusedlm.models import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
+from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_matches_transformers, assert_rel,
+                            assert_trains, call, masked, parity_batch, perturb, qa_reference_loss)
+from fusedlm.models import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
                             mask_tokens)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
-pytest.importorskip("safetensors")
 
 VOCAB = 40
 LENGTHS = (12, 9, 5)  # padding in two rows: the packed path runs
@@ -22,11 +21,10 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention
             intermediate_size=64, max_position_embeddings=16, num_labels=3)
 
 
-def _configs(**changes):
-    ours = BertConfig(**{**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                         **changes})
-    fields = {k: v for k, v in ours.to_dict().items() if k not in ("model_type", "gradient_checkpointing")}
-    return ours, transformers.BertConfig(**fields, attn_implementation="eager")
+def _config(**changes):
+    return transformers.BertConfig(**{**TINY, "hidden_dropout_prob": 0.0,
+                                      "attention_probs_dropout_prob": 0.0, **changes},
+                                   attn_implementation="eager")
 
 
 def _batch():
@@ -67,44 +65,234 @@ def _loss(case, out, batch, weight):
     return out.loss
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, tmp_path):
+def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, backend, tmp_path):
+    import fusedlm
     cls, hf_name, renames, per_token, per_sequence = CASES[case]
-    ours_config, hf_config = _configs(**({"num_labels": 2} if case == "qa" else {}))
     batch = _inputs(_batch(), renames)
     weight = torch.randn(int(batch["attention_mask"].sum()), TINY["hidden_size"])
-    assert_matches_transformers(cls, getattr(transformers, hf_name), hf_config, batch,
-                                lambda out: _loss(case, out, batch, weight), per_token, per_sequence,
-                                TINY["num_hidden_layers"], tmp_path)
+    fusedlm.set_backend(backend)
+    try:
+        assert_matches_transformers(cls, getattr(transformers, hf_name),
+                                    _config(**({"num_labels": 2} if case == "qa" else {})), batch,
+                                    lambda out: _loss(case, out, batch, weight), per_token, per_sequence,
+                                    TINY["num_hidden_layers"], tmp_path)
+    finally:
+        fusedlm.set_backend(None)
 
 
 def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
-    _, hf_config = _configs()
     batch = parity_batch(VOCAB, (12, 12, 12))
-    assert_matches_transformers(BertForMaskedLM, transformers.BertForMaskedLM, hf_config, batch,
+    assert_matches_transformers(BertForMaskedLM, transformers.BertForMaskedLM, _config(), batch,
                                 lambda out: out.loss, ("logits",), (), TINY["num_hidden_layers"],
                                 tmp_path)
 
 
+def test_regression_and_multi_label_losses_match_transformers(tmp_path):
+    for num_labels, labels in ((1, torch.randn(3)), (3, torch.randint(2, (3, 3)).float())):
+        theirs = transformers.BertForSequenceClassification(_config(num_labels=num_labels)).eval()
+        theirs.save_pretrained(tmp_path / str(num_labels))
+        ours = BertForSequenceClassification.from_pretrained(tmp_path / str(num_labels)).eval()
+        batch = {**_batch(), "labels": labels}
+        assert_rel(call(ours, batch).loss, call(theirs, batch).loss, f"loss ({num_labels} labels)")
+
+
+# --- every forward argument and output ----------------------------------------------------------
+
+def _pair(cls=BertModel, hf_cls=None, **changes):
+    """(ours, theirs) of the same random weights, in eval mode."""
+    theirs = (hf_cls or getattr(transformers, cls.__name__))(_config(**changes)).eval()
+    perturb(theirs)
+    ours = cls(_config(**changes)).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+def test_inputs_embeds_position_ids_and_token_types_match_transformers():
+    ours, theirs = _pair()
+    batch = _batch()
+    real = batch["attention_mask"].bool()
+    embeds = torch.randn(*batch["input_ids"].shape, TINY["hidden_size"])
+    positions = torch.arange(12).flip(0).expand(3, 12)
+    for extra in ({"inputs_embeds": embeds}, {"position_ids": positions}):
+        args = {"attention_mask": batch["attention_mask"], "token_type_ids": batch["token_type_ids"],
+                **({"input_ids": batch["input_ids"]} if "inputs_embeds" not in extra else {}), **extra}
+        with torch.no_grad():
+            a, b = ours(**args), theirs(**args)
+        assert_rel(a.last_hidden_state[real], b.last_hidden_state[real], str(list(extra)))
+        assert_rel(a.pooler_output, b.pooler_output, "pooler_output")
+
+
+def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
+    ours, theirs = _pair(BertForSequenceClassification)
+    batch = _batch()
+    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        a = ours(**args, output_attentions=True, output_hidden_states=True)
+        b = theirs(**args, output_attentions=True, output_hidden_states=True)
+        plain = ours(**args)
+    assert type(a) is type(b)
+    assert len(a.attentions) == len(b.attentions) == TINY["num_hidden_layers"]
+    real = batch["attention_mask"].bool()
+    for x, y in zip(a.attentions, b.attentions):
+        assert x.shape == y.shape
+        # rows of real queries (a padding query's row differs in how the mask is added)
+        assert_rel(x.transpose(1, 2)[real], y.transpose(1, 2)[real], "attentions")
+    for x, y in zip(a.hidden_states, b.hidden_states):
+        assert_rel(x[real], y[real], "hidden_states")
+    # the reference path and the fused one agree
+    assert_rel(a.logits, plain.logits, "logits with and without attentions")
+    # transformers' output: index, key, attribute, and return_dict=False
+    assert a[0] is a["logits"] is a.logits
+    tupled = ours(**args, return_dict=False)
+    assert isinstance(tupled, tuple) and torch.equal(tupled[0], plain.logits)
+
+
+def test_config_output_flags_are_defaults():
+    ours, _ = _pair(output_hidden_states=True)
+    with torch.no_grad():
+        out = ours(_batch()["input_ids"])
+    assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
+
+
+# --- checkpoints of every layout ---------------------------------------------------------------
+
+def _file_tensors(folder):
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ("BertModel", BertForSequenceClassification), ("BertModel", BertForMaskedLM),
+    ("BertForPreTraining", BertForSequenceClassification), ("BertForPreTraining", BertForMaskedLM),
+    ("BertForMaskedLM", BertForTokenClassification), ("BertForMaskedLM", BertModel),
+    ("BertForPreTraining", BertModel), ("BertForSequenceClassification", BertModel),
+])
+def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
+    theirs = getattr(transformers, saved)(_config())
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path)
+    prefix = "" if saved == "BertModel" else "bert."
+    model, info = loaded.from_pretrained(tmp_path, output_loading_info=True)
+    ours = model.state_dict()
+    ours_prefix = "" if loaded is BertModel else "bert."
+    encoder = {k[len(prefix):]: v for k, v in _file_tensors(tmp_path).items()
+               if k.startswith((prefix + "embeddings.", prefix + "encoder."))}
+    assert len(encoder) == 5 + 16 * TINY["num_hidden_layers"]
+    for name, value in encoder.items():
+        assert torch.equal(ours[ours_prefix + name], value), name
+    assert not any(k.startswith(("bert.encoder", "bert.embeddings", "encoder.", "embeddings."))
+                   for k in info["missing_keys"]), info["missing_keys"]
+
+
+def test_a_bert_model_saved_without_pooler_loads_and_reports_the_pooler(tmp_path):
+    BertModel(_config(), add_pooling_layer=False).save_pretrained(tmp_path)
+    model, info = BertModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == ["pooler.dense.bias", "pooler.dense.weight"]
+    same = BertModel.from_pretrained(tmp_path, add_pooling_layer=False, output_loading_info=True)[1]
+    assert not same["missing_keys"] and not same["unexpected_keys"]
+
+
+def test_untied_decoder_loads_its_own_weight_both_ways(tmp_path):
+    theirs = transformers.BertForMaskedLM(_config(tie_word_embeddings=False)).eval()
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = BertForMaskedLM.from_pretrained(tmp_path / "theirs").eval()
+    decoder = ours.cls.predictions.decoder.weight
+    assert decoder is not ours.bert.embeddings.word_embeddings.weight
+    assert torch.equal(decoder, theirs.cls.predictions.decoder.weight)
+    batch = _batch()
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        assert_rel(call(ours, batch).logits[real], call(theirs, batch).logits[real], "untied logits")
+    ours.save_pretrained(tmp_path / "ours")
+    again = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours")
+    assert torch.equal(again.cls.predictions.decoder.weight, decoder)
+
+
+def test_sharded_folders_dtype_and_label_overrides(tmp_path):
+    ours = BertForSequenceClassification(_config(id2label={0: "neg", 1: "pos", 2: "mixed"}))
+    perturb(ours)
+    ours.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    theirs = transformers.BertForSequenceClassification.from_pretrained(tmp_path)
+    assert theirs.config.id2label == {0: "neg", 1: "pos", 2: "mixed"}
+    for name, value in ours.state_dict().items():
+        assert torch.equal(theirs.state_dict()[name], value), name
+    half = BertForSequenceClassification.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.bert.encoder.layer[0].output.dense.weight.dtype == torch.bfloat16
+    five, info = BertForSequenceClassification.from_pretrained(
+        tmp_path, num_labels=5, ignore_mismatched_sizes=True, output_loading_info=True)
+    assert five.classifier.out_features == 5 and info["mismatched_keys"]
+
+
+def test_a_checkpoint_of_another_head_is_reported_not_silently_used(tmp_path):
+    BertForMaskedLM(_config()).save_pretrained(tmp_path)
+    _, info = BertForTokenClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == ["classifier.bias", "classifier.weight"]
+    assert any(k.startswith("cls.predictions") for k in info["unexpected_keys"])
+
+
+def test_older_checkpoints_with_position_ids_buffers_load(tmp_path):
+    from safetensors.torch import save_file
+    theirs = transformers.BertModel(_config())
+    theirs.save_pretrained(tmp_path)
+    state = _file_tensors(tmp_path)
+    state["embeddings.position_ids"] = torch.arange(16)[None]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, info = BertModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert torch.equal(model.embeddings.position_ids, torch.arange(16)[None])
+
+
+# --- the deliberate differences (README: Models) -----------------------------------------------
+
+def test_outputs_at_padding_positions_are_zeros():
+    ours, _ = _pair()
+    batch = _batch()
+    with torch.no_grad():
+        hidden = ours(batch["input_ids"], batch["attention_mask"]).last_hidden_state
+    assert torch.all(hidden[batch["attention_mask"] == 0] == 0)
+
+
+def test_question_answering_never_answers_padding():
+    ours, theirs = _pair(BertForQuestionAnswering, num_labels=2)
+    batch = _batch()
+    with torch.no_grad():
+        out = call(ours, batch)
+        expected = call(theirs, batch)
+    padding = batch["attention_mask"] == 0
+    lowest = torch.finfo(out.start_logits.dtype).min
+    assert torch.all(out.start_logits[padding] == lowest) and torch.all(out.end_logits[padding] == lowest)
+    assert_rel(out.start_logits[~padding], expected.start_logits[~padding], "start_logits")
+    assert_rel(out.loss, qa_reference_loss(expected.start_logits, expected.end_logits, batch), "loss")
+
+
+def test_token_labels_at_padding_are_ignored():
+    ours, theirs = _pair(BertForTokenClassification)
+    batch = _batch()
+    labels = torch.randint(3, batch["input_ids"].shape)  # labels at padding too, not -100
+    with torch.no_grad():
+        ours_loss = call(ours, {**batch, "labels": labels}).loss
+        real_only = labels.masked_fill(batch["attention_mask"] == 0, -100)
+        expected = call(theirs, {**batch, "labels": real_only}).loss
+    assert_rel(ours_loss, expected, "loss over real tokens")
+
+
 def test_masked_lm_in_training_builds_no_logits_unless_asked():
-    ours_config, _ = _configs()
-    model = BertForMaskedLM(ours_config).train()
+    model = BertForMaskedLM(_config()).train()
     batch = _batch()
     fused = call(model, batch)
     assert fused.logits is None
     full = call(model, batch, return_logits=True)
     assert full.logits.shape == (len(LENGTHS), max(LENGTHS), VOCAB)
     assert_rel(fused.loss, full.loss, "loss")
-
-
-def test_regression_and_multi_label_losses_match_transformers(tmp_path):
-    for num_labels, labels in ((1, torch.randn(3)), (3, torch.randint(2, (3, 3)).float())):
-        ours_config, hf_config = _configs(num_labels=num_labels)
-        theirs = transformers.BertForSequenceClassification(hf_config).eval()
-        theirs.save_pretrained(tmp_path / str(num_labels))
-        ours = BertForSequenceClassification.from_pretrained(tmp_path / str(num_labels)).eval()
-        batch = {**_batch(), "labels": labels}
-        assert_rel(call(ours, batch).loss, call(theirs, batch).loss, f"loss ({num_labels} labels)")
+    model.eval()
+    assert call(model, batch).logits is not None
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -136,9 +324,13 @@ def _spans(batch, generator):
     return {**batch, "input_ids": ids, "start_positions": where + 1, "end_positions": where + 2}
 
 
+def _pretraining(batch, generator):
+    return masked(batch, CORPUS.vocab_size, generator)
+
+
 TASKS = {
-    "pretraining": (BertForPreTraining, True, lambda b, g: masked(b, CORPUS.vocab_size, g)),
-    "masked_lm": (BertForMaskedLM, False, lambda b, g: masked(b, CORPUS.vocab_size, g)),
+    "pretraining": (BertForPreTraining, True, _pretraining),
+    "masked_lm": (BertForMaskedLM, False, _pretraining),
     "sequence": (BertForSequenceClassification, False, _classes),
     "token": (BertForTokenClassification, False, _tags),
     "qa": (BertForQuestionAnswering, False, _spans),
@@ -148,7 +340,7 @@ TASKS = {
 @pytest.mark.parametrize("task", list(TASKS))
 def test_every_head_trains_and_the_cpu_backend_follows_the_reference(task):
     cls, pairs, label = TASKS[task]
-    model = cls(BertConfig(**TRAIN))
+    model = cls(transformers.BertConfig(**TRAIN))
     assert_trains(model, lambda g: label(CORPUS.batch(16, g, pairs=pairs), g), steps=200)
 
 
@@ -191,12 +383,12 @@ def test_masking_follows_the_bert_recipe_and_never_touches_special_tokens_or_pad
 # --- gradient checkpointing, autocast ----------------------------------------------------------
 
 def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
-    config = BertConfig(**TINY)  # dropout 0.1 everywhere
+    config = transformers.BertConfig(**TINY)  # dropout 0.1 everywhere
     plain = BertForMaskedLM(config).train()
     checkpointed = copy.deepcopy(plain)
     checkpointed.gradient_checkpointing_enable()
     calls = []
-    for layer in checkpointed.bert.encoder.layers:
+    for layer in checkpointed.bert.encoder.layer:
         layer.forward = _counted(layer.forward, calls)
     batch = _batch()
     grads = []
@@ -224,8 +416,7 @@ def _counted(forward, calls):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_autocast_runs_in_half_precision_close_to_float32(dtype):
-    config, _ = _configs()
-    model = BertForPreTraining(config).train()
+    model = BertForPreTraining(_config()).train()
     perturb(model, 0.05)
     batch = _batch()
     expected = call(model, batch).loss
@@ -242,20 +433,22 @@ def test_autocast_runs_in_half_precision_close_to_float32(dtype):
 @pytest.mark.parametrize("changes, name", [
     ({"hidden_size": 30}, "hidden_size"),
     ({"hidden_act": "relu"}, "hidden_act"),
-    ({"hidden_dropout_prob": 1.5}, "hidden_dropout_prob"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers"),
-    ({"problem_type": "ranking"}, "problem_type"),
+    ({"is_decoder": True}, "is_decoder"),
+    ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+    ({"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
 ])
-def test_bad_configs_name_the_field(changes, name):
+def test_settings_the_fused_path_cannot_honour_are_refused_by_name(changes, name):
     with pytest.raises(ValueError, match=name):
-        BertConfig(**{**TINY, **changes})
+        BertModel(transformers.BertConfig(**{**TINY, **changes}))
 
 
 def test_bad_inputs_name_the_argument():
-    model = BertModel(BertConfig(**TINY))
+    model = BertModel(_config())
     ids = torch.randint(VOCAB, (2, 8))
     with pytest.raises(ValueError, match="input_ids"):
         model(ids.float())
+    with pytest.raises(ValueError, match="input_ids and inputs_embeds"):
+        model(ids, inputs_embeds=torch.randn(2, 8, 32))
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids, attention_mask=torch.ones(2, 7))
     with pytest.raises(ValueError, match="token_type_ids"):
@@ -266,9 +459,3 @@ def test_bad_inputs_name_the_argument():
         mask_tokens(ids, mask_token_id=VOCAB, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="probability"):
         mask_tokens(ids, mask_token_id=MASK, vocab_size=VOCAB, probability=1.5)
-
-
-def test_a_checkpoint_of_another_head_names_what_it_lacks(tmp_path):
-    BertForMaskedLM(BertConfig(**TINY)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="missing: classifier.weight, classifier.bias"):
-        BertForTokenClassification.from_pretrained(tmp_path)

@@ -1,27 +1,15 @@
-"""Models of the pretraining era on fusedlm's ops: BERT, GPT, ELECTRA and ELMo.
+"""Models of the pretraining era as transformers models on fusedlm's fused ops: BERT,
+ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
 
-Each reads and writes checkpoints in the Hugging Face layout (``from_pretrained`` /
-``save_pretrained``), so a directory written by ``transformers`` loads here and one
-written here loads in ``transformers``.
+Each class named as in transformers subclasses ``transformers.PreTrainedModel``, takes
+transformers' config class and loads the same checkpoints, so transformers' loader,
+saver, output classes, pipelines, Trainer and generate serve it.
 """
-from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
-from .bert import (BertConfig, BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
-                   BertForSequenceClassification, BertForTokenClassification, BertModel)
-from .electra import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
-                      ElectraForQuestionAnswering, ElectraForSequenceClassification,
-                      ElectraForTokenClassification, ElectraGenerator, ElectraModel)
-from .elmo import ELMo, ElmoBiLM, ElmoConfig
-from .gpt import GPTConfig, GPTLMHeadModel, GPTModel
+from .bert import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
+                   BertForSequenceClassification, BertForTokenClassification, BertModel,
+                   BertPreTrainedModel)
 from .masking import mask_tokens
-from .outputs import (CausalLMOutput, ElectraPreTrainingOutput, ModelOutput, PreTrainingOutput,
-                      QuestionAnsweringOutput)
 
-__all__ = ["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
+__all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
-           "CausalLMOutput", "Config", "ElectraConfig", "ElectraDiscriminator",
-           "ElectraForPreTraining", "ElectraForQuestionAnswering",
-           "ElectraForSequenceClassification", "ElectraForTokenClassification",
-           "ElectraGenerator", "ElectraModel", "ElectraPreTrainingOutput", "ELMo", "ElmoBiLM",
-           "ElmoConfig", "GPTConfig",
-           "GPTLMHeadModel", "GPTModel", "KeyMap", "KeyRule", "ModelOutput", "PreTrainedModel",
-           "PreTrainingOutput", "QuestionAnsweringOutput", "mask_tokens"]
+           "BertPreTrainedModel", "mask_tokens"]

@@ -1,205 +1,208 @@
-"""BERT (Devlin et al., 2018) on fusedlm's ops, with transformers' checkpoints both ways.
+"""BERT (Devlin et al., 2018) as a transformers model, on fusedlm's fused ops.
 
-A post-LN encoder: embeddings -> LayerNorm, then per layer attention and a GELU FFN,
-each a residual branch whose dropout, add and LayerNorm are one add_layer_norm. When
-the batch has padding the tokens are packed once (fusedlm.ops.unpad) before the first
-layer, every layer runs on the packed [tokens, hidden] rows with attention_varlen,
-and the result is padded once after the last; outputs at padding positions are then
-zeros. The masked-LM head in training with labels projects only the labelled rows
-(masked_lm_loss) and never builds the vocabulary logits.
+Every class here subclasses ``transformers.PreTrainedModel``, takes transformers'
+``BertConfig``, and has transformers' module and parameter names, so transformers'
+loader and saver move checkpoints both ways with no renaming (a task model from a
+``BertModel`` folder, a ``BertModel`` from a task folder, tied or untied decoders,
+sharded folders), and its output classes come back from ``forward``.
 
-Parameter names are short; ``key_map`` renames them to and from transformers' (the
-heads' ``bert.`` prefix included), so a directory written by ``BertForMaskedLM
-.save_pretrained`` in either library loads in the other.
+Inside, a post-LN encoder: embeddings -> LayerNorm, then per layer attention and a
+GELU FFN, each a residual branch whose dropout, add and LayerNorm are one
+``add_layer_norm``. With padding, the tokens are packed once before the first layer
+(``fusedlm.nn.run_stack``) and every layer runs on the packed [tokens, hidden] rows.
+The masked-LM head in training with labels projects only the labelled rows
+(``masked_lm_loss``) and never builds the vocabulary logits.
+
+Shapes: B batch, T tokens, H hidden, nh heads, hs head size, V vocab.
 """
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from transformers import BertConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAttentions,
+                                           MaskedLMOutput, QuestionAnsweringModelOutput,
+                                           SequenceClassifierOutput, TokenClassifierOutput)
+from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
 from .. import ops
-from ..nn import GeluFFN, LayerNorm, LinearCrossEntropyLoss
+from ..nn import (LayerNorm, LinearCrossEntropyLoss, is_plain_linear, linear_gelu_linear, padding_of,
+                  run_layers, run_stack)
 from ..nn._autocast import lower
-from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
-from .outputs import ModelOutput, PreTrainingOutput, QuestionAnsweringOutput
+from ..nn.attention import attention_with_weights
 
 IGNORE_INDEX = -100
 # transformers' hidden_act names -> fusedlm's GELU ``approximate``
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
-@dataclass
-class BertConfig(Config):
-    """transformers' BertConfig fields (same names and defaults: BERT-base).
-    ``classifier_dropout`` None means hidden_dropout_prob; ``gradient_checkpointing``
-    recomputes each layer in the backward instead of storing its activations."""
+def check_config(config) -> None:
+    """Settings the fused path cannot honour are refused, never ignored."""
+    if config.hidden_act not in GELU_APPROXIMATIONS:
+        raise ValueError(f"hidden_act must be one of {tuple(GELU_APPROXIMATIONS)}, got {config.hidden_act!r}")
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError("is_decoder / add_cross_attention: fusedlm's BERT is an encoder; use "
+                         "transformers' BertLMHeadModel for a BERT decoder")
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"position_embedding_type must be 'absolute', got {config.position_embedding_type!r}")
+    if getattr(config, "chunk_size_feed_forward", 0):
+        raise ValueError("chunk_size_feed_forward must be 0: the fused FFN runs in one piece")
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size ({config.hidden_size}) must be a multiple of "
+                         f"num_attention_heads ({config.num_attention_heads})")
 
-    model_type = "bert"
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    num_labels: int = 2
-    classifier_dropout: Optional[float] = None
-    problem_type: Optional[str] = None
-    gradient_checkpointing: bool = False
 
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "intermediate_size", "max_position_embeddings", "type_vocab_size", "num_labels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of "
-                             f"num_attention_heads ({self.num_attention_heads})")
-        if self.hidden_act not in GELU_APPROXIMATIONS:
-            raise ValueError(f"hidden_act must be one of {tuple(GELU_APPROXIMATIONS)}, got "
-                             f"{self.hidden_act!r}")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-        if self.problem_type not in (None, "regression", "single_label_classification",
-                                     "multi_label_classification"):
-            raise ValueError(f"problem_type must be None, 'regression', 'single_label_classification' "
-                             f"or 'multi_label_classification', got {self.problem_type!r}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "BertConfig":
-        # transformers writes the label count as its id2label table.
-        if "num_labels" not in values and "id2label" in values:
-            values = {**values, "num_labels": len(values["id2label"])}
-        return super().from_dict(values)
-
-    @property
-    def gelu_approximate(self) -> str:
-        return GELU_APPROXIMATIONS[self.hidden_act]
+def dropout_p(module: nn.Module, p: float) -> float:
+    return p if module.training else 0.0
 
 
 # --- the encoder -------------------------------------------------------------------------------
 
 class BertEmbeddings(nn.Module):
-    """word + token type + position embeddings -> LayerNorm -> dropout: [batch, seq, width].
+    """word + token type + position embeddings -> LayerNorm -> dropout: [B, T, width].
     ``width`` is hidden_size for BERT, ELECTRA's embedding_size for ELECTRA."""
 
-    def __init__(self, config: BertConfig, width: Optional[int] = None):
+    def __init__(self, config, width: Optional[int] = None):
         super().__init__()
         width = width or config.hidden_size
         self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, width)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
-        self.norm = LayerNorm(width, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = config.hidden_dropout_prob
+        # As transformers' (not saved): older checkpoints that hold them load without a report.
+        self.register_buffer("position_ids", torch.arange(config.max_position_embeddings)[None],
+                             persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(1, config.max_position_embeddings,
+                                                           dtype=torch.long), persistent=False)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None,
-                position_ids: Optional[Tensor] = None) -> Tensor:
+    def forward(self, input_ids: Optional[Tensor], token_type_ids: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None) -> Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        seq = inputs_embeds.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = self.position_ids[:, :seq]
         if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        x = x + self.position_embeddings(position_ids)
-        return F.dropout(self.norm(x), self.dropout, self.training)
+            token_type_ids = self.token_type_ids[:, :seq]
+        x = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        return F.dropout(self.LayerNorm(x), dropout_p(self, self.dropout))
 
 
 class BertSelfAttention(nn.Module):
-    """Multi-head self-attention over [batch, seq, hidden], or over packed [tokens, hidden]
-    when given ``packing`` = (cu_seqlens, max_seqlen) from fusedlm.ops.unpad."""
+    """The q, k, v projections and the fused attention over [B, T, H], or over packed
+    [tokens, H] when given ``packing`` = (cu_seqlens, max_seqlen)."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         hidden = config.hidden_size
         self.query = nn.Linear(hidden, hidden)
         self.key = nn.Linear(hidden, hidden)
         self.value = nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, hidden)
         self.heads = config.num_attention_heads
         self.dropout = config.attention_probs_dropout_prob
 
-    def forward(self, x: Tensor, packing: Optional[tuple] = None) -> Tensor:
-        # each [..., heads, head_dim]
+    def forward(self, x: Tensor, packing: Optional[tuple], padding: Optional[Tensor],
+                attentions: Optional[list]) -> Tensor:
+        # each [..., nh, hs]
         q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.query, self.key, self.value))
-        p = self.dropout if self.training else 0.0
-        if packing is None:  # [batch, seq, heads, head_dim] viewed as [batch, heads, seq, head_dim]
-            out = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p)
-            out = out.transpose(1, 2)
-        else:
+        p = dropout_p(self, self.dropout)
+        if packing is not None:
             cu_seqlens, max_seqlen = packing
-            out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                       dropout_p=p)
-        return self.out(out.flatten(-2))
+            out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=p)
+            return out.flatten(-2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hs]
+        if attentions is not None:
+            out, weights = attention_with_weights(q, k, v, key_padding_mask=padding, dropout_p=p)
+            attentions.append(weights)
+        else:
+            out = ops.attention(q, k, v, key_padding_mask=padding, dropout_p=p)
+        return out.transpose(1, 2).flatten(-2)
+
+
+class BertSelfOutput(nn.Module):
+    """LN(dropout(dense(h)) + residual): the dropout, add and norm fused in one op. Also
+    BERT's FFN output (``BertOutput``), whose dense runs inside the fused FFN."""
+
+    def __init__(self, config, width: Optional[int] = None):
+        super().__init__()
+        self.dense = nn.Linear(width or config.hidden_size, config.hidden_size)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = config.hidden_dropout_prob
+
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        return self.add_norm(self.dense(h), residual)
+
+    def add_norm(self, branch: Tensor, residual: Tensor) -> Tensor:
+        out, _ = self.LayerNorm(branch, residual, dropout_p=dropout_p(self, self.dropout))
+        return out
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x: Tensor, packing, padding, attentions) -> Tensor:
+        return self.output(self.self(x, packing, padding, attentions), x)
+
+
+class BertIntermediate(nn.Module):
+    """The FFN's first product; its GELU runs fused with both products (BertLayer)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
 
 
 class BertLayer(nn.Module):
-    """x -> LN(x + drop(attn(x))) -> LN(. + drop(ffn(.))): post-LN, each add fused into its norm."""
+    """x -> LN(x + drop(attn(x))) -> LN(. + drop(ffn(.))): post-LN, each add fused into its norm,
+    the FFN (dense -> GELU -> dense) one fused op."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
-        self.attn = BertSelfAttention(config)
-        self.norm1 = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.ffn = GeluFFN(config.hidden_size, config.intermediate_size,
-                           approximate=config.gelu_approximate)
-        self.norm2 = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = config.hidden_dropout_prob
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertSelfOutput(config, width=config.intermediate_size)
+        self.approximate = GELU_APPROXIMATIONS[config.hidden_act]
 
-    def forward(self, x: Tensor, packing: Optional[tuple] = None) -> Tensor:
-        p = self.dropout if self.training else 0.0
-        x, _ = self.norm1(self.attn(x, packing), x, dropout_p=p)
-        x, _ = self.norm2(self.ffn(x), x, dropout_p=p)
-        return x
+    def forward(self, x: Tensor, packing: Optional[tuple] = None, padding: Optional[Tensor] = None,
+                attentions: Optional[list] = None) -> Tensor:
+        h = self.attention(x, packing, padding, attentions)
+        ffn = linear_gelu_linear(h, self.intermediate.dense, self.output.dense, approximate=self.approximate)
+        return self.output.add_norm(ffn, h)
 
 
 class BertEncoder(nn.Module):
-    """The stack of layers. With padding in ``attention_mask`` (1 = token) it packs the
-    tokens once, runs every layer on them, and pads once at the end."""
+    """The stack of layers, packed once when the batch has padding."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
-        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
-        self.gradient_checkpointing = config.gradient_checkpointing
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False  # transformers' gradient_checkpointing_enable sets it
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None,
-                output_hidden_states: bool = False) -> tuple:
-        """x [batch, seq, hidden] -> (last hidden state, every layer's input and output or None)."""
-        batch, seq = x.shape[:2]
-        packing, unpack = None, (lambda h: h)
-        # Whether the batch has padding is data: torch.compile would break the graph to
-        # read it, so a compiled forward packs every masked batch (the same result).
-        if attention_mask is not None and (torch.compiler.is_compiling()
-                                           or not bool(attention_mask.all())):
-            x, indices, cu_seqlens, max_seqlen = ops.unpad(x, attention_mask == 0)  # [tokens, hidden]
-            packing = (cu_seqlens, max_seqlen)
-            unpack = lambda h: ops.pad(h, indices, batch, seq)  # noqa: E731
-        states = [unpack(x)] if output_hidden_states else None
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                # The recomputation restores torch's RNG state, and with it the dropout seeds
-                # fusedlm drew in the forward: the same masks are replayed.
-                x = checkpoint(layer, x, packing, use_reentrant=False, preserve_rng_state=True)
-            else:
-                x = layer(x, packing)
-            if states is not None:
-                states.append(unpack(x))
-        return unpack(x), None if states is None else tuple(states)
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
+                output_attentions: bool) -> tuple:
+        """x [B, T, H] -> (last hidden state, hidden states or None, attentions or None)."""
+        if not output_attentions:
+            hidden, states = run_stack(self.layer, x, padding_of(attention_mask),
+                                       checkpointing=self.gradient_checkpointing,
+                                       output_hidden_states=output_hidden_states)
+            return hidden, states, None
+        # The weights exist only on the reference attention, over the padded batch.
+        padding = None if attention_mask is None else attention_mask == 0
+        states, attentions = ([] if output_hidden_states else None), []
+        hidden = run_layers(self.layer, x, None, padding, attentions, states=states)
+        return hidden, None if states is None else tuple(states), tuple(attentions)
 
 
 class BertPooler(nn.Module):
-    """tanh(dense(first token)): [batch, seq, hidden] -> [batch, hidden]."""
+    """tanh(dense(first token)): [B, T, H] -> [B, H]."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
@@ -207,120 +210,164 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(hidden[:, 0]))
 
 
-class BertLMHead(nn.Module):
-    """dense -> GELU -> LayerNorm, then the vocabulary projection through the (tied) word
-    embeddings plus a bias of its own. ``width``: the width of that projection (ELECTRA's
+class BertPredictionHeadTransform(nn.Module):
+    """dense -> GELU (bias fused in) -> LayerNorm; ``width`` the output width (ELECTRA's
     generator projects down to its embedding size)."""
 
-    def __init__(self, config: BertConfig, width: Optional[int] = None, approximate: Optional[str] = None):
+    def __init__(self, config, width: Optional[int] = None, approximate: Optional[str] = None):
         super().__init__()
         width = width or config.hidden_size
         self.dense = nn.Linear(config.hidden_size, width)
-        self.norm = LayerNorm(width, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(width, eps=config.layer_norm_eps)
+        self.approximate = approximate or GELU_APPROXIMATIONS[config.hidden_act]
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if not is_plain_linear(self.dense):  # an adapter's or a hook's product must run
+            return self.LayerNorm(F.gelu(self.dense(hidden), approximate=self.approximate))
+        pre, bias = lower(F.linear(hidden, self.dense.weight), self.dense.bias)
+        return self.LayerNorm(ops.bias_gelu(pre, bias, self.approximate))
+
+
+def masked_lm(transform: nn.Module, decoder: nn.Linear, hidden: Tensor, labels: Optional[Tensor],
+              fused_loss: nn.Module, logits_wanted: bool) -> tuple:
+    """(loss or None, logits [B, T, V] or None) of a masked-LM head: ``transform`` then the
+    ``decoder`` projection. In training with labels, unless ``logits_wanted``, only the
+    labelled rows are transformed and projected, by one fused loss."""
+    if labels is not None and transform.training and not logits_wanted and is_plain_linear(decoder):
+        rows = labels != IGNORE_INDEX
+        return fused_loss(transform(hidden[rows]), decoder.weight, labels[rows], decoder.bias), None
+    logits = decoder(transform(hidden))
+    loss = None if labels is None else ops.cross_entropy(logits.flatten(0, -2), labels.flatten(),
+                                                         ignore_index=IGNORE_INDEX)
+    return loss, logits
+
+
+class BertLMPredictionHead(nn.Module):
+    """The transform, then the vocabulary projection ``decoder`` (its weight tied to the
+    word embeddings, its bias to ``bias``, unless the config unties them)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.approximate = approximate or config.gelu_approximate
         self.loss = LinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
 
-    def transform(self, hidden: Tensor) -> Tensor:
-        pre, bias = lower(F.linear(hidden, self.dense.weight), self.dense.bias)
-        return self.norm(ops.bias_gelu(pre, bias, self.approximate))
-
-    def forward(self, hidden: Tensor, decoder_weight: Tensor, labels: Optional[Tensor] = None,
-                return_logits: bool = False) -> tuple:
-        """(loss or None, logits [..., vocab] or None). In training with labels, unless
-        return_logits, only the labelled rows are transformed and projected."""
-        if labels is not None and self.training and not return_logits:
-            rows = labels != IGNORE_INDEX
-            return self.loss(self.transform(hidden[rows]), decoder_weight, labels[rows], self.bias), None
-        logits = F.linear(self.transform(hidden), decoder_weight, self.bias)
-        loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-        return loss, logits
+    def forward(self, hidden: Tensor, labels: Optional[Tensor] = None, logits_wanted: bool = True) -> tuple:
+        return masked_lm(self.transform, self.decoder, hidden, labels, self.loss, logits_wanted)
 
 
-# --- checkpoints -------------------------------------------------------------------------------
-
-def encoder_rules(ours: str, theirs: str) -> list:
-    """Our encoder and embedding names under prefix ``ours`` -> transformers' under ``theirs``."""
-    pairs = [
-        ("embeddings.norm.*", "embeddings.LayerNorm.*"),
-        ("encoder.layers.*.attn.query.*", "encoder.layer.*.attention.self.query.*"),
-        ("encoder.layers.*.attn.key.*", "encoder.layer.*.attention.self.key.*"),
-        ("encoder.layers.*.attn.value.*", "encoder.layer.*.attention.self.value.*"),
-        ("encoder.layers.*.attn.out.*", "encoder.layer.*.attention.output.dense.*"),
-        ("encoder.layers.*.norm1.*", "encoder.layer.*.attention.output.LayerNorm.*"),
-        ("encoder.layers.*.ffn.fc1.*", "encoder.layer.*.intermediate.dense.*"),
-        ("encoder.layers.*.ffn.fc2.*", "encoder.layer.*.output.dense.*"),
-        ("encoder.layers.*.norm2.*", "encoder.layer.*.output.LayerNorm.*"),
-    ]
-    return [KeyRule(ours + a, theirs + b) for a, b in pairs]
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
 
 
-LM_HEAD_RULES = [
-    KeyRule("head.dense.*", "cls.predictions.transform.dense.*"),
-    KeyRule("head.norm.*", "cls.predictions.transform.LayerNorm.*"),
-    KeyRule("head.bias", "cls.predictions.bias"),
-]
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+# --- transformers' plumbing, shared with ELECTRA ---------------------------------------------------
+
+def check_inputs(input_ids: Optional[Tensor], inputs_embeds: Optional[Tensor], attention_mask: Optional[Tensor],
+                 token_type_ids: Optional[Tensor], max_positions: int) -> None:
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("give exactly one of input_ids and inputs_embeds")
+    if input_ids is not None and (input_ids.dim() != 2 or input_ids.is_floating_point()):
+        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                         f"of shape {tuple(input_ids.shape)}")
+    if inputs_embeds is not None and inputs_embeds.dim() != 3:
+        raise ValueError(f"inputs_embeds must be [batch, seq, width], got shape {tuple(inputs_embeds.shape)}")
+    shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+    if shape[1] > max_positions:
+        raise ValueError(f"the input has {shape[1]} positions, more than max_position_embeddings "
+                         f"({max_positions})")
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be [batch, seq] = {shape}, got {tuple(t.shape)} (fusedlm "
+                             f"takes 2-D padding masks only)")
+
+
+def output_flags(config, output_attentions, output_hidden_states, return_dict) -> tuple:
+    """Each flag as given, else the config's (transformers' rule)."""
+    def pick(value, name, default):
+        return bool(getattr(config, name, default) if value is None else value)
+    return (pick(output_attentions, "output_attentions", False),
+            pick(output_hidden_states, "output_hidden_states", False),
+            pick(return_dict, "return_dict", True))
+
+
+def finish(output, return_dict: bool):
+    """transformers' output object, or its tuple of the fields that are set."""
+    return output if return_dict else output.to_tuple()
 
 
 class BertPreTrainedModel(PreTrainedModel):
-    """Weight init as transformers' (normal(0, initializer_range), zero biases) and the
-    gradient-checkpointing switch."""
+    """transformers' base for BERT: its config class, checkpoint prefix and weight init."""
 
     config_class = BertConfig
-    key_map = KeyMap(encoder_rules("bert.", "bert."))
-    # Buffers and the tied decoder that transformers' files may hold: nothing to load here.
-    ignored_keys = (r"(\w+\.)?embeddings\.(position_ids|token_type_ids)",
-                    r"cls\.predictions\.decoder\.(weight|bias)")
+    base_model_prefix = "bert"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["BertEmbeddings", "BertLayer"]
 
-    def init_weights(self) -> None:
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                with torch.no_grad():
-                    module.weight[module.padding_idx].zero_()
+    def __init__(self, config, *args, **kwargs):
+        check_config(config)
+        super().__init__(config, *args, **kwargs)
 
-    def gradient_checkpointing_enable(self) -> None:
-        self._set_checkpointing(True)
-
-    def gradient_checkpointing_disable(self) -> None:
-        self._set_checkpointing(False)
-
-    def _set_checkpointing(self, on: bool) -> None:
-        for module in self.modules():
-            if isinstance(module, BertEncoder):
-                module.gradient_checkpointing = on
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, BertLMPredictionHead):
+            init.zeros_(module.bias)
+        elif isinstance(module, BertEmbeddings):  # buffers too: a load builds the model empty
+            init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1])[None])
+            init.zeros_(module.token_type_ids)
 
 
-def check_inputs(input_ids: Tensor, attention_mask: Optional[Tensor], token_type_ids: Optional[Tensor],
-                 max_positions: int) -> None:
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        found = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor)
-                 else type(input_ids).__name__)
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {found}")
-    if input_ids.shape[1] > max_positions:
-        raise ValueError(f"input_ids has {input_ids.shape[1]} positions, more than "
-                         f"max_position_embeddings ({max_positions})")
-    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-        if t is not None and tuple(t.shape) != tuple(input_ids.shape):
-            raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got "
-                             f"{tuple(t.shape)}")
+class BertModel(BertPreTrainedModel):
+    """Embeddings, encoder and (``add_pooling_layer``) pooler: transformers' BertModel.
+
+    ``output_attentions=True`` runs attention on the plain-PyTorch path, which computes
+    the weights (the fused kernels never materialise them)."""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                inputs_embeds: Optional[Tensor] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None):
+        check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids,
+                     self.config.max_position_embeddings)
+        attend, states, return_dict = output_flags(self.config, output_attentions, output_hidden_states,
+                                                   return_dict)
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, H]
+        hidden, hidden_states, attentions = self.encoder(x, attention_mask, states, attend)
+        pooled = None if self.pooler is None else self.pooler(hidden)
+        return finish(BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden, pooler_output=pooled, hidden_states=hidden_states,
+            attentions=attentions), return_dict)
 
 
 # --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
-#
-# Each mixin goes before a task model base (BertTaskModel, ElectraTaskModel) whose
-# ``base_model`` is the encoder, and gives the head's forward (and, where the head's
-# modules are the same in both families, its __init__).
 
-def classifier_dropout(config: BertConfig) -> float:
+def classifier_dropout(config) -> float:
     return config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
 
 
-def classification_loss(logits: Tensor, labels: Tensor, config: BertConfig) -> Tensor:
+def classification_loss(logits: Tensor, labels: Tensor, config) -> Tensor:
     """transformers' rule: regression for one label, single-label for integer labels,
     multi-label (independent sigmoids) otherwise, unless config.problem_type says."""
     problem = config.problem_type
@@ -332,16 +379,27 @@ def classification_loss(logits: Tensor, labels: Tensor, config: BertConfig) -> T
         else:
             problem = "multi_label_classification"
     if problem == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.view(logits.shape[:-1]).float())
+        if config.num_labels == 1:
+            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
+        return F.mse_loss(logits, labels.to(logits.dtype))
     if problem == "single_label_classification":
-        return ops.cross_entropy(logits, labels.long(), ignore_index=IGNORE_INDEX)
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return ops.cross_entropy(logits.view(-1, config.num_labels), labels.view(-1).long(),
+                                 ignore_index=IGNORE_INDEX)
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+def token_loss(logits: Tensor, labels: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
+    """Cross-entropy over the real tokens' labels (-100 ignored); a label at a padding
+    position is ignored too, since that position's output is not the model's."""
+    if attention_mask is not None:
+        labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    return ops.cross_entropy(logits.flatten(0, -2), labels.flatten().long(), ignore_index=IGNORE_INDEX)
 
 
 def span_logits(logits: Tensor, attention_mask: Optional[Tensor]) -> tuple:
-    """[batch, seq, 2] -> start and end logits [batch, seq]; padding can never be an answer
-    (its logits are the dtype's lowest value)."""
-    start, end = logits.float().unbind(-1)
+    """[B, T, 2] -> start and end logits [B, T]; padding can never be an answer (its
+    logits are the dtype's lowest value)."""
+    start, end = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
     if attention_mask is not None:
         padding = attention_mask == 0
         lowest = torch.finfo(start.dtype).min
@@ -351,189 +409,184 @@ def span_logits(logits: Tensor, attention_mask: Optional[Tensor]) -> tuple:
 
 def span_loss(start: Tensor, end: Tensor, start_positions: Tensor, end_positions: Tensor) -> Tensor:
     """transformers' QA loss: the mean of the start and end cross-entropies; positions
-    outside the sequence are clamped to seq and ignored."""
+    outside the sequence are clamped to T and ignored."""
     seq = start.shape[1]
-    start_positions, end_positions = start_positions.clamp(0, seq), end_positions.clamp(0, seq)
+    start_positions = start_positions.reshape(-1).clamp(0, seq)
+    end_positions = end_positions.reshape(-1).clamp(0, seq)
     return (ops.cross_entropy(start, start_positions, ignore_index=seq)
             + ops.cross_entropy(end, end_positions, ignore_index=seq)) / 2
 
 
-class MaskedLMMixin:
-    """The masked LM through the model's ``head`` (a BertLMHead), tied to the encoder's
-    word embeddings."""
+class EncoderTaskModel:
+    """What BERT's and ELECTRA's task models share: the encoder call with transformers'
+    arguments and flags. ``base_model`` (transformers' property) is the encoder."""
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False,
-                return_logits: bool = False) -> ModelOutput:
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
-                              output_hidden_states)
-        loss, logits = self.head(out.last_hidden_state,
-                                 self.base_model.embeddings.word_embeddings.weight,
-                                 labels, return_logits)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
+    def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+               output_attentions, output_hidden_states):
+        return self.base_model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                               position_ids=position_ids, inputs_embeds=inputs_embeds,
+                               output_attentions=output_attentions,
+                               output_hidden_states=output_hidden_states, return_dict=True)
 
 
-class SequenceClassificationMixin:
+class SequenceClassificationMixin(EncoderTaskModel):
     """One label per sequence: the model's ``classify`` turns the encoder's output into
-    logits [batch, num_labels]; the loss follows classification_loss."""
+    logits [B, num_labels]; the loss follows classification_loss."""
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
-                              output_hidden_states)
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
         logits = self.classify(out)
         loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           pooler_output=out.pooler_output, hidden_states=out.hidden_states)
+        return finish(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                               attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
 
 
-class TokenClassificationMixin:
-    """A label per token: ``classifier`` over the dropped-out hidden states."""
+class TokenClassificationMixin(EncoderTaskModel):
+    """dropout -> ``classifier`` per token: logits [B, T, num_labels]."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         super().__init__(config)
+        self.dropout = nn.Dropout(classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = classifier_dropout(config)
-        self.init_weights()
+        self.post_init()
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
-                              output_hidden_states)
-        logits = self.classifier(F.dropout(out.last_hidden_state, self.dropout, self.training))
-        loss = None if labels is None else ops.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
+        logits = self.classifier(self.dropout(out.last_hidden_state))
+        loss = None if labels is None else token_loss(logits, labels, attention_mask)
+        return finish(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                            attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
 
 
-class QuestionAnsweringMixin:
+class QuestionAnsweringMixin(EncoderTaskModel):
     """Answer spans: ``qa_outputs`` gives each token a start and an end logit."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config):
         # transformers sizes qa_outputs by num_labels and reads it as (start, end).
         if config.num_labels != 2:
             raise ValueError(f"question answering needs num_labels == 2 (start and end), got "
                              f"{config.num_labels}")
         super().__init__(config)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        self.init_weights()
+        self.post_init()
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                start_positions: Optional[Tensor] = None, end_positions: Optional[Tensor] = None,
-                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
-        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids,
-                              output_hidden_states)
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
         start, end = span_logits(self.qa_outputs(out.last_hidden_state), attention_mask)
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = span_loss(start, end, start_positions, end_positions)
-        return QuestionAnsweringOutput(loss=loss, start_logits=start, end_logits=end,
-                                       last_hidden_state=out.last_hidden_state,
-                                       hidden_states=out.hidden_states)
+        return finish(QuestionAnsweringModelOutput(loss=loss, start_logits=start, end_logits=end,
+                                                   hidden_states=out.hidden_states,
+                                                   attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
 
 
 # --- the models --------------------------------------------------------------------------------
 
-class BertModel(BertPreTrainedModel):
-    """Embeddings, encoder and (``add_pooling_layer``) pooler; transformers' BertModel,
-    whose checkpoints have no ``bert.`` prefix."""
+class BertForPreTraining(EncoderTaskModel, BertPreTrainedModel):
+    """Masked LM + next-sentence prediction: transformers' BertForPreTraining. The loss
+    is the sum of the two losses (both labels given; ``labels`` token ids, -100 = not
+    predicted; ``next_sentence_label`` 0 = B follows A, 1 = random B). In training with
+    labels the masked-LM head projects only the labelled rows and ``prediction_logits``
+    is None unless ``return_logits=True``."""
 
-    key_map = KeyMap(encoder_rules("", ""))
-
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
-        super().__init__()
-        self.config = config
-        self.embeddings = BertEmbeddings(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                output_hidden_states: bool = False) -> ModelOutput:
-        check_inputs(input_ids, attention_mask, token_type_ids, self.config.max_position_embeddings)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)  # [batch, seq, hidden]
-        hidden, states = self.encoder(x, attention_mask, output_hidden_states)
-        pooled = None if self.pooler is None else self.pooler(hidden)
-        return ModelOutput(last_hidden_state=hidden, pooler_output=pooled, hidden_states=states)
-
-
-class BertTaskModel(BertPreTrainedModel):
-    """Base of the models that put a task head on a BertModel, kept as ``bert`` (their
-    checkpoints' prefix); ``pooled``: whether it has the pooler."""
-
-    def __init__(self, config: BertConfig, pooled: bool = False):
-        super().__init__()
-        self.config = config
-        self.bert = BertModel(config, add_pooling_layer=pooled)
-
-    @property
-    def base_model(self) -> BertModel:
-        return self.bert
-
-
-class BertForPreTraining(BertTaskModel):
-    """Masked LM + next-sentence prediction. The loss is the sum of the losses whose
-    labels are given (``labels``: token ids, -100 = not predicted; ``next_sentence_label``:
-    0 = B follows A, 1 = random B)."""
-
-    key_map = KeyMap(encoder_rules("bert.", "bert.") + LM_HEAD_RULES
-                     + [KeyRule("nsp.*", "cls.seq_relationship.*")])
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config, pooled=True)
-        self.head = BertLMHead(config)
-        self.nsp = nn.Linear(config.hidden_size, 2)
-        self.init_weights()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, next_sentence_label: Optional[Tensor] = None,
-                output_hidden_states: bool = False, return_logits: bool = False) -> PreTrainingOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        loss, logits = self.head(out.last_hidden_state, self.bert.embeddings.word_embeddings.weight,
-                                 labels, return_logits)
-        nsp_logits = self.nsp(out.pooler_output)  # [batch, 2]
-        if next_sentence_label is not None:
-            nsp_loss = ops.cross_entropy(nsp_logits, next_sentence_label)
-            loss = nsp_loss if loss is None else loss + nsp_loss
-        return PreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=nsp_logits,
-                                 last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states)
-
-
-class BertForMaskedLM(MaskedLMMixin, BertTaskModel):
-    """The masked-LM head alone. In training with labels the loss comes from the
-    labelled rows only and ``logits`` is None; ``return_logits=True`` (or eval mode)
-    builds the [batch, seq, vocab] logits."""
-
-    key_map = KeyMap(encoder_rules("bert.", "bert.") + LM_HEAD_RULES)
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                          "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
-        self.head = BertLMHead(config)
-        self.init_weights()
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.cls.predictions.decoder = value
+        self.cls.predictions.bias = value.bias
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, next_sentence_label=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, return_logits: bool = False):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
+        both = labels is not None and next_sentence_label is not None
+        mlm_loss, logits = self.cls.predictions(out.last_hidden_state, labels if both else None,
+                                                return_logits)
+        nsp_logits = self.cls.seq_relationship(out.pooler_output)  # [B, 2]
+        loss = None
+        if both:  # transformers' rule: a loss only when both labels are given
+            loss = mlm_loss + ops.cross_entropy(nsp_logits, next_sentence_label.view(-1))
+        return finish(BertForPreTrainingOutput(loss=loss, prediction_logits=logits,
+                                               seq_relationship_logits=nsp_logits,
+                                               hidden_states=out.hidden_states, attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
 
 
-class BertForSequenceClassification(SequenceClassificationMixin, BertTaskModel):
-    """dropout -> linear over the pooled first token: logits [batch, num_labels]."""
+class BertForMaskedLM(EncoderTaskModel, BertPreTrainedModel):
+    """The masked-LM head alone: transformers' BertForMaskedLM. In training with labels
+    the loss comes from the labelled rows only and ``logits`` is None unless
+    ``return_logits=True``; in eval, or without labels, the [B, T, V] logits are built."""
+
+    _tied_weights_keys = BertForPreTraining._tied_weights_keys
 
     def __init__(self, config: BertConfig):
-        super().__init__(config, pooled=True)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.dropout = classifier_dropout(config)
-        self.init_weights()
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
 
-    def classify(self, out: ModelOutput) -> Tensor:
-        return self.classifier(F.dropout(out.pooler_output, self.dropout, self.training))
+    get_output_embeddings = BertForPreTraining.get_output_embeddings
+    set_output_embeddings = BertForPreTraining.set_output_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, return_logits: bool = False):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
+        loss, logits = self.cls.predictions(out.last_hidden_state, labels, return_logits)
+        return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                     attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
+
+
+class BertForSequenceClassification(SequenceClassificationMixin, BertPreTrainedModel):
+    """dropout -> linear over the pooled first token: logits [B, num_labels]."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def classify(self, out) -> Tensor:
+        return self.classifier(self.dropout(out.pooler_output))
+
+
+class BertTaskModel(BertPreTrainedModel):
+    """A BertModel without pooler under ``bert``, for the per-token heads."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
 
 
 class BertForTokenClassification(TokenClassificationMixin, BertTaskModel):
-    """dropout -> linear per token: logits [batch, seq, num_labels]; labels -100 are ignored."""
+    """dropout -> linear per token: logits [B, T, num_labels]; labels -100 are ignored."""
 
 
 class BertForQuestionAnswering(QuestionAnsweringMixin, BertTaskModel):

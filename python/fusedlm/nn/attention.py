@@ -128,3 +128,24 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
     return mask.to(dtype)
+
+
+def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                           key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+                           dropout_p: float = 0.0) -> tuple:
+    """(softmax(q k^T * scale, masked) with dropout @ v, the attention weights), for q/k/v
+    [batch, heads, seq, head_dim] and key_padding_mask bool [batch, seq_k] (True =
+    padding): the plain-PyTorch path for callers that ask to see the weights, which the
+    fused kernels never materialise. Masked scores take the dtype's lowest value, as
+    transformers' eager attention does, so a row with every key masked is uniform."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, heads, seq_q, seq_k]
+    lowest = torch.finfo(scores.dtype).min
+    if causal:
+        seq_q, seq_k = scores.shape[-2:]
+        future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).triu(seq_k - seq_q + 1)
+        scores = scores.masked_fill(future, lowest)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], lowest)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(F.dropout(weights, dropout_p), v), weights

@@ -7,16 +7,29 @@ their own Linear layers.
 """
 from typing import Optional
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
 from ._autocast import lower
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether module computes exactly F.linear(x, weight, bias), so a fused op may read its
+    weights instead of calling it: not a subclass (a LoRA adapter, a quantised layer) and
+    no hooks that would change its output."""
+    return (type(module) is nn.Linear and not module._forward_hooks
+            and not module._forward_pre_hooks)
+
+
 def linear_gelu_linear(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, *, approximate: str = "none",
                        dropout_p: float = 0.0, backend: Optional[str] = None) -> Tensor:
     """fc2(dropout(GELU(fc1(x)))) in one fused op: [..., fc1.in_features] -> [..., fc2.out_features].
-    Under autocast it runs in the autocast dtype, as torch's Linear layers would."""
+    Under autocast it runs in the autocast dtype, as torch's Linear layers would. When
+    either layer is not a plain nn.Linear (an adapter wraps it, a hook watches it) the
+    layers are called as modules instead, so what they add is never skipped."""
+    if not (is_plain_linear(fc1) and is_plain_linear(fc2)):
+        return fc2(F.dropout(F.gelu(fc1(x), approximate=approximate), dropout_p))
     x, w1, b1, w2, b2 = lower(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
     return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p,
                         backend=backend)
