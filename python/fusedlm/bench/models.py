@@ -10,7 +10,8 @@ without padding; generate adds 32 tokens greedily to a 16-token prompt at batch 
 sides with a KV cache, neither stopping early). ELMo: LSTM cell 512, projection 128,
 filters [[1, 32], [2, 32], [3, 64], [4, 128]], one highway layer, 16 sentences of 10 to 20
 random words. Training steps run in training mode (dropout on). The rate is real tokens
-(new tokens for generate) per second.
+(new tokens for generate) per second. fusedlm's models and their twins are transformers
+models of the same class names and weights, so both sides run transformers' generate.
 
 Two more at BERT-base's width (hidden 768, 12 heads, FFN 3072): ``encoder-layer``, a
 post-LN GELU ``TransformerEncoderLayer`` training step (dropout 0.1, batch 8 x seq 128,
@@ -137,8 +138,10 @@ def _case(benchmark: str, shape: str, steps: dict, tokens: int, skipped: dict) -
 
 def bert(bench: Bench) -> Iterator[Case]:
     z = sizes_for(bench)
-    config = models.BertConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
-                               num_attention_heads=z.heads, intermediate_size=z.ffn)
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
+                                     num_attention_heads=z.heads, intermediate_size=z.ffn)
     model = models.BertForMaskedLM(config).to(bench.device)
     twin, skipped = _transformers_twin(model, "BertForMaskedLM", bench.device)
     batch = _padded_batch(bench, z)
@@ -160,9 +163,12 @@ def bert(bench: Bench) -> Iterator[Case]:
 
 def electra(bench: Bench) -> Iterator[Case]:
     z = sizes_for(bench)
-    config = models.ElectraConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
-                                  num_attention_heads=z.heads, intermediate_size=z.ffn)
-    model = models.ElectraForPreTraining(config).to(bench.device)
+    import transformers
+
+    config = transformers.ElectraConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
+                                        num_attention_heads=z.heads, intermediate_size=z.ffn,
+                                        embedding_size=128)
+    model = models.ElectraForJointPreTraining(config).to(bench.device)
     batch = _padded_batch(bench, z)
     ids, labels = models.mask_tokens(batch["input_ids"], mask_token_id=3, vocab_size=z.vocab,
                                      special_token_ids=(0,), attention_mask=batch["attention_mask"],
@@ -176,9 +182,11 @@ def gpt(bench: Bench) -> Iterator[Case]:
     z = sizes_for(bench)
     # The default eos id (50256) lies outside this vocabulary, so both sides' greedy decoding
     # always runs the full new_tokens steps.
-    config = models.GPTConfig(vocab_size=z.vocab, n_positions=2 * z.seq, n_embd=z.hidden,
-                              n_layer=z.layers, n_head=z.heads, n_inner=z.ffn)
-    model = models.GPTLMHeadModel(config).to(bench.device)
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=z.vocab, n_positions=2 * z.seq, n_embd=z.hidden,
+                                     n_layer=z.layers, n_head=z.heads, n_inner=z.ffn)
+    model = models.GPT2LMHeadModel(config).to(bench.device)
     twin, skipped = _transformers_twin(model, "GPT2LMHeadModel", bench.device)
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=bench.device)
     train = _train_step({"input_ids": ids, "labels": ids})
@@ -189,17 +197,12 @@ def gpt(bench: Bench) -> Iterator[Case]:
     mask = torch.ones_like(prompt)
 
     def generate(m):
-        out = m.eval().generate(prompt, mask, max_new_tokens=z.new_tokens)
-        assert out.shape[1] == z.prompt + z.new_tokens
-
-    def generate_transformers(m):
         out = m.eval().generate(prompt, attention_mask=mask, max_new_tokens=z.new_tokens,
                                 min_new_tokens=z.new_tokens, do_sample=False, use_cache=True,
                                 pad_token_id=0)
         assert out.shape[1] == z.prompt + z.new_tokens
 
-    steps = _ours(model, generate) | {name: _step(lambda m=m: generate_transformers(m))
-                                      for name, m in twin.items()}
+    steps = _ours(model, generate) | {name: _step(lambda m=m: generate(m)) for name, m in twin.items()}
     yield _case("GPT greedy generate", f"1x{z.prompt} prompt, {z.new_tokens} new tokens", steps,
                 z.new_tokens, skipped)
 
