@@ -2,7 +2,7 @@
 #             default corpus, then fill in a masked word with it
 # make test   set up, build fusedlm, and run the test suite
 # make bench  set up, build fusedlm, and print the CPU benchmark table (fusedlm bench)
-# make test-oldest  the test suite against the oldest torch and triton fusedlm supports,
+# make test-oldest  the test suite against the oldest torch, triton and transformers fusedlm supports,
 #             built from a copy of the sources in build/oldest (CI runs it after `make test`)
 #
 # Each creates .venv, installs what fusedlm needs into it, and compiles fusedlm.
@@ -34,7 +34,7 @@ test: $(VENV)/.fusedlm
 
 # Its own environment and build folder, so that neither build overwrites the other's objects.
 # A CPU build: PyPI's torch 2.11 is a CUDA build, whose kernels the GPU checks compile.
-OLDEST := torch==2.11.0 triton==3.6.0
+OLDEST := torch==2.11.0 triton==3.6.0 transformers==5.17.0
 OLDEST_VENV := .venv-oldest
 OLDEST_SRC := build/oldest
 

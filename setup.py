@@ -157,7 +157,7 @@ if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHES)
 write_build_info(with_cuda)
 
-TRANSFORMERS = "transformers>=5.24,<6"
+TRANSFORMERS = "transformers>=5.17,<6"
 
 setup(
     name="fusedlm",
