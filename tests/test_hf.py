@@ -1,6 +1,7 @@
 """fusedlm.patch on Hugging Face models built from tiny configs: the patched model's loss,
 logits and every parameter gradient match the unpatched model's on fresh inputs with
-padding masks of mixed lengths."""
+padding masks of mixed lengths; asked for them, it returns eager attention's weights; a
+model sharing its config is left as it was."""
 import pytest
 import torch
 
@@ -31,11 +32,12 @@ MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
 
 
 def _pair(family, dtype=torch.float32, **config):
-    """(unpatched, patched) with the same weights; each from its own config object, as
-    patching switches its model's config to fusedlm's attention."""
+    """(unpatched, patched) with the same weights, built from one config object (patching
+    one leaves the other's attention as it is)."""
     cls = getattr(transformers, MODELS[family])
-    reference = cls(_config(family, **config)).to(dtype)
-    patched = cls(_config(family, **config)).to(dtype)
+    shared = _config(family, **config)
+    reference = cls(shared).to(dtype)
+    patched = cls(shared).to(dtype)
     patched.load_state_dict(reference.state_dict())
     return reference, fusedlm.patch(patched)
 
@@ -170,6 +172,51 @@ def test_compiled_patched_bert_has_no_graph_breaks():
     loss.backward()
     reference(**batch).loss.backward()
     _assert_grads_match(patched, reference, 1e-4)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_patching_leaves_models_sharing_the_config_alone(family):
+    cls = getattr(transformers, MODELS[family])
+    config = _config(family)
+    model, other = cls(config).eval(), cls(config).eval()
+    other.load_state_dict(model.state_dict())
+    batch = _batch(family)
+    with torch.no_grad():
+        before = other(**batch)
+    implementation = config._attn_implementation
+    fusedlm.patch(model)
+    assert config._attn_implementation == implementation != NAME
+    assert other.config is config and all(
+        m.config is config for m in other.modules() if hasattr(m, "config"))
+    assert model.config is not config and model.config._attn_implementation == NAME
+    assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
+    with torch.no_grad():
+        after, patched = other(**batch), model(**batch)
+    assert torch.equal(after.logits, before.logits) and torch.equal(after.loss, before.loss)
+    _assert_close(patched.logits, before.logits, 1e-4, "patched logits")
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_output_attentions_returns_the_eager_weights(family):
+    """Asked for the weights, a patched model computes them as transformers' eager
+    attention does (which the unpatched model needs to return them)."""
+    cls = getattr(transformers, MODELS[family])
+    eager = cls(_config(family, attn_implementation="eager")).eval()
+    patched = fusedlm.patch(cls(_config(family)).eval())
+    patched.load_state_dict(eager.state_dict())
+    batch = _batch(family)
+    with torch.no_grad():
+        expected = eager(**batch, output_attentions=True)
+        out = patched(**batch, output_attentions=True)
+        without = patched(**batch)
+    assert len(out.attentions) == len(expected.attentions) == 2
+    for layer, (weights, ref) in enumerate(zip(out.attentions, expected.attentions)):
+        assert weights.shape == (len(LENGTHS), 4, SEQ, SEQ)
+        _assert_close(weights, ref, 1e-5, f"attentions[{layer}]")
+    _assert_close(out.logits, expected.logits, 1e-4, "logits")
+    _assert_close(out.loss, expected.loss, 1e-4, "loss")
+    _assert_close(without.logits, out.logits, 1e-4, "logits without the weights")
+    assert not without.attentions
 
 
 def test_unsupported_configs_are_left_alone_with_a_reason():

@@ -1,16 +1,17 @@
 """ELMo against a plain float64 reference written from the published equations (bilm-tf's
 TensorFlow layout: x @ W, gates i, j, f, o, forget bias + 1, carry-gated highways), the
-reading of AllenNLP's weights.hdf5, the character ids, and ElmoBiLM's training."""
+reading of AllenNLP's weights.hdf5, the character ids, ElmoBiLM's training, and what the
+models take from transformers (save/load, init, outputs, config checks)."""
 import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import fusedlm
-from fusedlm.models import ELMo, ElmoBiLM, ElmoConfig
-from fusedlm.models.elmo import batch_to_ids, word_to_char_ids
+from fusedlm.models.elmo import ELMo, ElmoBiLM, ElmoConfig, batch_to_ids, word_to_char_ids
 from fusedlm.ops import reference
 from fusedlm.ops.lstm import lstm_cell_stepper
 from conftest import as_reference, assert_close, backend_device, backends_for, fresh, interpreted
@@ -294,14 +295,107 @@ def test_lstm_loop_equals_torch_lstm_without_clipping():
         torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-5, rtol=1e-4, msg=k)
 
 
+def _elmo_fields(config):
+    return {name: getattr(config, name) for name in ElmoConfig.__annotations__}
+
+
 def test_save_and_load_pretrained(tmp_path):
+    model = ELMo(_config(num_output_representations=2))
+    _shuffle_mixes(model)
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = ELMo.from_pretrained(tmp_path)
+    assert type(loaded.config) is ElmoConfig and _elmo_fields(loaded.config) == _elmo_fields(model.config)
+    model.eval(), loaded.eval()
+    ids = batch_to_ids(SENTENCES)
+    expected, out = model(ids), loaded(ids)
+    for name in ("last_hidden_state", "mask"):
+        torch.testing.assert_close(out[name], expected[name], rtol=0, atol=0)
+    for got, want in zip(out.representations + list(out.hidden_states),
+                         expected.representations + list(expected.hidden_states)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    ids, word_ids, vocab = _corpus()
+    bilm = ElmoBiLM(_config(vocab_size=vocab))
+    bilm.save_pretrained(tmp_path / "bilm")
+    again = ElmoBiLM.from_pretrained(tmp_path / "bilm")
+    assert torch.equal(again(ids, word_ids).loss, bilm(ids, word_ids).loss)
+    # ELMo from a biLM checkpoint: the mixes start from their init, the softmax stays out.
+    elmo, info = ELMo.from_pretrained(tmp_path / "bilm", output_loading_info=True)
+    assert set(info["missing_keys"]) == {"mixes.0.scalars", "mixes.0.gamma"}
+    assert set(info["unexpected_keys"]) == {"softmax_weight", "softmax_bias"}
+    assert not elmo.mixes[0].scalars.any() and elmo.mixes[0].gamma.item() == 1.0
+
+
+def test_a_missing_tensor_is_reported_and_initialised_as_elmo_does(tmp_path):
     model = ELMo(_config())
     _shuffle_mixes(model)
     model.save_pretrained(tmp_path)
-    loaded = ELMo.from_pretrained(tmp_path)
-    assert loaded.config == model.config
-    model.eval(), loaded.eval()
-    torch.testing.assert_close(loaded.embed(SENTENCES), model.embed(SENTENCES))
+    weights = load_file(tmp_path / "model.safetensors")
+    for name in ("mixes.0.gamma", "char_encoder.highways.1.bias"):
+        del weights[name]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = ELMo.from_pretrained(tmp_path, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == ["char_encoder.highways.1.bias", "mixes.0.gamma"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert loaded.mixes[0].gamma.item() == 1.0
+    n = loaded.char_encoder.highways[1].in_features
+    assert (loaded.char_encoder.highways[1].bias[n:] == 1).all()  # the gate carries its input
+    # Every tensor the file holds is loaded as it was, its module's missing one aside.
+    state = model.state_dict()
+    for name, value in loaded.state_dict().items():
+        if name in weights:
+            assert torch.equal(value, state[name]), name
+
+
+def test_init_is_elmos_own():
+    """transformers' weight init runs at construction: ELMo's own (torch's defaults, open
+    highway gates, even mixes), not transformers' small normal init."""
+    model = ElmoBiLM(_config(vocab_size=2000, num_output_representations=1))
+    encoder = model.char_encoder
+    assert not encoder.embedding.weight[0].any()  # the padding row
+    assert 0.9 < encoder.embedding.weight[1:].std().item() < 1.1  # torch's N(0, 1)
+    for layer in [*encoder.convs, *encoder.highways, encoder.projection, *model.lstm.modules()]:
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d)):
+            fan_in = layer.weight[0].numel()  # torch's uniform(+-1/sqrt(fan_in))
+            assert layer.weight.abs().max().item() <= fan_in ** -0.5
+            assert layer.weight.abs().max().item() > 0.5 * fan_in ** -0.5
+    for highway in encoder.highways:
+        assert (highway.bias[highway.in_features:] == 1).all()
+    std = model.softmax_weight.std().item() * model.config.projection_dim ** 0.5
+    assert 0.9 < std < 1.1 and not model.softmax_bias.any()
+    elmo = ELMo(_config(num_output_representations=2))
+    assert all(not mix.scalars.any() and mix.gamma.item() == 1.0 for mix in elmo.mixes)
+
+
+def test_device_dtype_and_output_access():
+    model = ELMo(_config()).eval()
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    out = model(batch_to_ids(SENTENCES))
+    assert out[0] is out.last_hidden_state is out["last_hidden_state"]
+    assert out["representations"] is out.representations and out[1] is out.representations
+    fields = (out.last_hidden_state, out.representations, out.hidden_states, out.mask)
+    assert len(out.to_tuple()) == 4 and all(a is b for a, b in zip(out.to_tuple(), fields))
+    ids, word_ids, vocab = _corpus()
+    bilm = ElmoBiLM(_config(vocab_size=vocab))
+    trained = bilm(ids, word_ids)
+    assert trained[0] is trained.loss and trained["hidden_states"] is trained.hidden_states
+    untrained = bilm(ids)  # fields that are None are left out, as in transformers
+    assert untrained[0] is untrained.hidden_states and len(untrained.to_tuple()) == 1
+
+
+def test_bad_config_values_are_rejected_naming_them(tmp_path):
+    with pytest.raises(ValueError, match="lstm_dim"):
+        ElmoConfig(lstm_dim=0)
+    with pytest.raises(ValueError, match="proj_clip"):
+        ElmoConfig(proj_clip=-1.0)
+    with pytest.raises(Exception, match="n_layers"):  # transformers' check of the type
+        ElmoConfig(n_layers="two")
+    ELMo(_config()).save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**values, "activation": "gelu"}))
+    with pytest.raises(ValueError, match="activation"):
+        ELMo.from_pretrained(tmp_path)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -310,6 +404,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         torch.manual_seed(3)
         model = ELMo(_config(gradient_checkpointing=checkpointing))
+        assert model.lstm.gradient_checkpointing is checkpointing
         model(ids).last_hidden_state.square().sum().backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):

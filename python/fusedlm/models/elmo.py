@@ -9,22 +9,24 @@ layers, ``gamma * sum_j softmax(s)_j h_j``; ``ElmoBiLM`` trains the two LSTMs as
 models (the forward one predicts the next word, the backward one the previous word).
 
 ``ELMo.from_allennlp(options_file, weight_file)`` reads AllenNLP's released checkpoints.
+The config and models are transformers' (``PretrainedConfig``, ``PreTrainedModel``), so
+``save_pretrained`` / ``from_pretrained`` (config.json + model.safetensors), ``.device``,
+``.dtype`` and activation checkpointing are theirs.
 """
-from __future__ import annotations
-
 import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
 
 from .. import ops
 from ..ops.lstm import lstm_cell_stepper
-from ._pretrained import Config, PreTrainedModel
-from .outputs import ModelOutput
 
 # The character ids of AllenNLP's ELMoCharacterMapper: bytes are 0-255, then the markers.
 # Every id is stored plus one, so that 0 is the padding of tokens past a sentence's end.
@@ -88,13 +90,15 @@ def _default_filters():
     return [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]]
 
 
-@dataclass
-class ElmoConfig(Config):
+@strict
+class ElmoConfig(PretrainedConfig):
     """The fields of AllenNLP's options.json (``char_cnn`` and ``lstm``), flattened, plus
     the settings of its Elmo module (the mixes) and, for ElmoBiLM, the word vocabulary.
-    Defaults are the original ELMo (2x4096_512_2048cnn_2xhighway)."""
+    Defaults are the original ELMo (2x4096_512_2048cnn_2xhighway). Keyword arguments
+    only; a value of the wrong type or out of range raises, naming the field."""
 
     model_type = "elmo"
+
     char_embedding_dim: int = 16
     filters: list = field(default_factory=_default_filters)  # [[width, channels], ...]
     n_highway: int = 2
@@ -104,16 +108,19 @@ class ElmoConfig(Config):
     lstm_dim: int = 4096  # the cell
     projection_dim: int = 512
     n_layers: int = 2
-    cell_clip: Optional[float] = 3.0
-    proj_clip: Optional[float] = 3.0
+    cell_clip: float | int | None = 3.0
+    proj_clip: float | int | None = 3.0
     use_skip_connections: bool = True
     num_output_representations: int = 1  # scalar mixes
     do_layer_norm: bool = False  # normalise each layer before mixing
-    dropout: float = 0.5  # on the mixed representations
+    dropout: float | int = 0.5  # on the mixed representations
     vocab_size: int = 0  # ElmoBiLM's softmax
+    # A model built from the config turns activation checkpointing on (each LSTM layer is
+    # recomputed in the backward) and, as transformers does, removes the flag from it.
     gradient_checkpointing: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
         if self.activation not in ("relu", "tanh"):
             raise ValueError(f"activation must be 'relu' or 'tanh', got {self.activation!r}")
         widest = max((w for w, _ in self.filters), default=0)
@@ -155,11 +162,7 @@ class CharacterEncoder(nn.Module):
         self.convs = nn.ModuleList(nn.Conv1d(config.char_embedding_dim, channels, width)
                                    for width, channels in config.filters)
         n_filters = sum(channels for _, channels in config.filters)
-        # AllenNLP's highway: one product gives the transform (first half) and the gate.
-        self.highways = nn.ModuleList(nn.Linear(n_filters, 2 * n_filters)
-                                      for _ in range(config.n_highway))
-        for layer in self.highways:
-            nn.init.ones_(layer.bias[n_filters:])  # start by carrying the input through
+        self.highways = nn.ModuleList(Highway(n_filters) for _ in range(config.n_highway))
         self.projection = nn.Linear(n_filters, config.projection_dim)
 
     def forward(self, char_ids: Tensor) -> Tensor:
@@ -167,11 +170,22 @@ class CharacterEncoder(nn.Module):
         x = self.embedding(char_ids.view(-1, chars)).transpose(1, 2)  # [words, dim, chars]
         # Max over positions, then the activation (as AllenNLP, and the same for relu).
         x = torch.cat([self.activation(conv(x).amax(dim=-1)) for conv in self.convs], dim=-1)
-        for layer in self.highways:
-            transform, gate = layer(x).chunk(2, dim=-1)
-            gate = torch.sigmoid(gate)
-            x = gate * x + (1 - gate) * torch.relu(transform)
+        for highway in self.highways:
+            x = highway(x)
         return self.projection(x).view(batch, seq, -1)
+
+
+class Highway(nn.Linear):
+    """AllenNLP's highway layer: one product gives the transform (first half) and the
+    gate, and gate * x + (1 - gate) * relu(transform) leaves."""
+
+    def __init__(self, size: int):
+        super().__init__(size, 2 * size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        transform, gate = super().forward(x).chunk(2, dim=-1)
+        gate = torch.sigmoid(gate)
+        return gate * x + (1 - gate) * torch.relu(transform)
 
 
 class LstmDirection(nn.Module):
@@ -271,7 +285,9 @@ class ElmoLstm(nn.Module):
     def __init__(self, config: ElmoConfig):
         super().__init__()
         self.skip = config.use_skip_connections
-        self.gradient_checkpointing = config.gradient_checkpointing
+        # transformers' activation_checkpointing_enable sets it and _gradient_checkpointing_func
+        # (as does a model built from a config with gradient_checkpointing=True).
+        self.gradient_checkpointing = False
         size = config.projection_dim
         self.forward_layers = nn.ModuleList(LstmDirection(size, config, True)
                                             for _ in range(config.n_layers))
@@ -284,8 +300,8 @@ class ElmoLstm(nn.Module):
         layers = []
         for index, (f_layer, b_layer) in enumerate(zip(self.forward_layers, self.backward_layers)):
             if self.gradient_checkpointing and self.training:
-                f_out = checkpoint(f_layer, fwd, mask, backend, use_reentrant=False)
-                b_out = checkpoint(b_layer, bwd, mask, backend, use_reentrant=False)
+                f_out = self._gradient_checkpointing_func(f_layer, fwd, mask, backend)
+                b_out = self._gradient_checkpointing_func(b_layer, bwd, mask, backend)
             else:
                 f_out, b_out = f_layer(fwd, mask, backend), b_layer(bwd, mask, backend)
             if index > 0 and self.skip:
@@ -324,21 +340,35 @@ def _masked_standardize(h: Tensor, mask: Tensor) -> Tensor:
 
 @dataclass
 class ElmoOutput(ModelOutput):
-    """last_hidden_state is the first representation; hidden_states the three layers (the
-    word vectors twice, then each LSTM layer) without the sentence markers."""
+    """ELMo's vectors: last_hidden_state is the first representation; hidden_states the
+    three layers (the word vectors twice, then each LSTM layer) without the sentence
+    markers."""
 
+    last_hidden_state: Optional[Tensor] = None  # [batch, seq, 2 * proj]
     representations: Optional[list] = None  # one [batch, seq, 2 * proj] per scalar mix
+    hidden_states: Optional[tuple] = None
     mask: Optional[Tensor] = None  # bool [batch, seq], True = token
 
 
+@dataclass
+class ElmoBiLMOutput(ModelOutput):
+    """The biLM's loss (with word_ids) and its three layers [batch, seq + 2, 2 * proj],
+    the sentence markers included."""
+
+    loss: Optional[Tensor] = None
+    hidden_states: Optional[tuple] = None
+
+
 class _BiLM(PreTrainedModel):
-    """What ELMo and ElmoBiLM share: the character encoder and the biLSTM."""
+    """What ELMo and ElmoBiLM share: the character encoder and the biLSTM, and the init."""
 
     config_class = ElmoConfig
+    base_model_prefix = "elmo"
+    main_input_name = "char_ids"
+    supports_gradient_checkpointing = True
 
     def __init__(self, config: ElmoConfig, *, backend: Optional[str] = None):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.backend = backend  # pins fusedlm's ops to one backend; None chooses per call
         self.char_encoder = CharacterEncoder(config)
         self.lstm = ElmoLstm(config)
@@ -360,6 +390,25 @@ class _BiLM(PreTrainedModel):
         layers = self.lstm(words, marked, self.backend)
         return [torch.cat([words, words], dim=-1) * marked[..., None], *layers], marked
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """ELMo's init, which transformers runs on every module at construction and on the
+        tensors a checkpoint lacks at loading (its init functions skip those loaded):
+        torch's own for the layers, highway gates that start by carrying their input
+        through, even mixes, a softmax of the projection's scale."""
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Embedding)):
+            # Its init calls go through transformers' guarded ones here. An Embedding's
+            # padding row is zeroed unguarded, but a loaded Embedding is not initialised.
+            module.reset_parameters()
+            # The gate's bias; checked here, as the slice would not carry a loaded tensor's mark.
+            if isinstance(module, Highway) and not getattr(module.bias, "_is_hf_initialized", False):
+                init.ones_(module.bias[module.in_features:])
+        elif isinstance(module, ScalarMix):
+            init.zeros_(module.scalars)
+            init.ones_(module.gamma)
+        elif isinstance(module, ElmoBiLM):
+            init.normal_(module.softmax_weight, std=self.config.projection_dim ** -0.5)
+            init.zeros_(module.softmax_bias)
+
     @classmethod
     def from_allennlp(cls, options_file, weight_file, **config_overrides):
         """The model of an AllenNLP options.json and weights.hdf5 (bilm-tf's layout); parts
@@ -371,10 +420,10 @@ class _BiLM(PreTrainedModel):
         with h5py.File(weight_file, "r") as weights:
             rows = weights["char_embed"].shape[0] + 1  # plus the padding row
             config = ElmoConfig.from_options(options, **{"n_characters": rows, **config_overrides})
-            model = cls(config)
+            model = cls(config)  # initialised here, so the file's weights are kept
             state = model.state_dict()
             state.update(_read_hdf5(weights, config))
-        model.load_checked(state)
+        model.load_state_dict(state)
         return model
 
 
@@ -386,6 +435,7 @@ class ELMo(_BiLM):
         self.mixes = nn.ModuleList(ScalarMix(config.n_layers + 1, config.do_layer_norm)
                                    for _ in range(config.num_output_representations))
         self.dropout = nn.Dropout(config.dropout)
+        self.post_init()
 
     def forward(self, char_ids: Tensor) -> ElmoOutput:
         layers, marked = self._layers(char_ids)
@@ -403,8 +453,7 @@ class ELMo(_BiLM):
         """[batch, seq, 2 * projection_dim] vectors of tokenized sentences (or character
         ids), from the first mix."""
         if not isinstance(sentences, Tensor):
-            device = self.char_encoder.embedding.weight.device
-            sentences = batch_to_ids(sentences, self.config.max_characters_per_token).to(device)
+            sentences = batch_to_ids(sentences, self.config.max_characters_per_token).to(self.device)
         return self(sentences).last_hidden_state
 
 
@@ -416,16 +465,16 @@ class ElmoBiLM(_BiLM):
         if config.vocab_size < 1:
             raise ValueError(f"config.vocab_size must be at least 1 for ElmoBiLM, got {config.vocab_size}")
         super().__init__(config, backend=backend)
-        self.softmax_weight = nn.Parameter(torch.randn(config.vocab_size, config.projection_dim)
-                                           * config.projection_dim ** -0.5)
-        self.softmax_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.softmax_weight = nn.Parameter(torch.empty(config.vocab_size, config.projection_dim))
+        self.softmax_bias = nn.Parameter(torch.empty(config.vocab_size))
+        self.post_init()
 
-    def forward(self, char_ids: Tensor, word_ids: Optional[Tensor] = None) -> ModelOutput:
+    def forward(self, char_ids: Tensor, word_ids: Optional[Tensor] = None) -> ElmoBiLMOutput:
         """word_ids [batch, seq]: the words' ids (-100, and positions past a sentence's end,
         are ignored). Returns the mean of the two directions' losses and the layers."""
         layers, marked = self._layers(char_ids)
         if word_ids is None:
-            return ModelOutput(hidden_states=tuple(layers))
+            return ElmoBiLMOutput(hidden_states=tuple(layers))
         if word_ids.shape != char_ids.shape[:2]:
             raise ValueError(f"word_ids must have shape {tuple(char_ids.shape[:2])}, got "
                              f"{tuple(word_ids.shape)}")
@@ -438,7 +487,7 @@ class ElmoBiLM(_BiLM):
         losses = [ops.masked_lm_loss(top[..., half], self.softmax_weight.to(top.dtype),
                                      self.softmax_bias.to(top.dtype), target, backend=self.backend)
                   for half, target in ((slice(0, proj), ahead), (slice(proj, None), behind))]
-        return ModelOutput(loss=(losses[0] + losses[1]) / 2, hidden_states=tuple(layers))
+        return ElmoBiLMOutput(loss=(losses[0] + losses[1]) / 2, hidden_states=tuple(layers))
 
 
 # --- AllenNLP's weights.hdf5 ---------------------------------------------------------------------

@@ -3,11 +3,12 @@
 A :class:`Rule` recognises one kind of module (``torch.nn.LayerNorm``, Hugging Face's
 ``BertSelfAttention``, ...) and builds its replacement. :func:`patch` walks the model,
 replaces every module a rule matches, and records what it did, or why it left a
-recognised module alone, in a :class:`PatchReport` (``patch_report(model)``).
+recognised module alone, in a :class:`PatchReport` (``patch_report(model)``). A rule
+module may also register a step that runs on the whole model once its modules are
+replaced (Hugging Face models: the switch to fusedlm's attention, see hf/__init__.py).
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -44,43 +45,45 @@ class PatchReport:
 
 
 _RULES: list[Rule] = []
+# (model) -> None, each run once :func:`patch` has replaced the model's modules.
+_FINISHERS: list[Callable[[nn.Module], None]] = []
 # Marks a module fusedlm built or patched, so that patching twice changes nothing.
 PATCHED = "_fusedlm_patched"
 
 
-def register(*rules: Rule) -> None:
+def register(*rules: Rule, finish: Optional[Callable[[nn.Module], None]] = None) -> None:
     _RULES.extend(rules)
+    if finish is not None:
+        _FINISHERS.append(finish)
 
 
-def _rules() -> list[Rule]:
+def _load_rules() -> None:
     from . import torch_modules  # noqa: F401  (each registers its rules)
     if importlib.util.find_spec("transformers") is not None:  # an optional dependency
         from . import hf  # noqa: F401
-    return _RULES
 
 
-def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = True) -> nn.Module:
+def patch(model: nn.Module, *, backend: Optional[str] = None) -> nn.Module:
     """Replaces the modules of ``model`` that fusedlm has a faster version of.
 
-    Weights, buffers and train/eval state are kept; modules no rule recognises are
-    left untouched. ``backend`` pins every replaced module's ops to one backend
-    (default: chosen per call). With ``inplace=False`` a deep copy is patched.
-    Returns the model, a new object when a rule replaces the model itself (a bare
+    Only ``model`` changes: weights, buffers and train/eval state are kept, modules no
+    rule recognises are left untouched, and other models sharing its submodules' config
+    objects keep theirs (patch ``copy.deepcopy(model)`` to keep the original as it is).
+    ``backend`` pins every replaced module's ops to one backend (default: chosen per
+    call). Returns the model, a new object when a rule replaces the model itself (a bare
     TransformerEncoder, say); ``patch_report(model)`` tells what was replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {backend!r}")
-    if not inplace:
-        model = copy.deepcopy(model)
+    _load_rules()
     report = getattr(model, "_fusedlm_patch_report", None) or PatchReport()
-    rules = _rules()
     # Parents before children: a replaced parent brings its own children along.
     for path, module in list(model.named_modules(remove_duplicate=False)):
         if getattr(module, PATCHED, False) or not _still_attached(model, path, module):
             continue
-        rule = next((r for r in rules if r.matches(module)), None)
+        rule = next((r for r in _RULES if r.matches(module)), None)
         if rule is None:
             continue
         outcome = rule.replace(module, backend)
@@ -96,6 +99,8 @@ def patch(model: nn.Module, *, backend: Optional[str] = None, inplace: bool = Tr
             else:
                 _set_submodule(model, path, outcome)
         report.replaced[path] = rule.name
+    for finish in _FINISHERS:
+        finish(model)
     model._fusedlm_patch_report = report
     return model
 

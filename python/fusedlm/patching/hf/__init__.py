@@ -1,8 +1,11 @@
 """Rules for Hugging Face transformers models: BERT, RoBERTa, ELECTRA and GPT-2.
 
-- self-attention: the model's config is switched to the "fusedlm" attention
-  implementation (hf/attention.py); the module itself is unchanged. A config object
-  that other models share switches them too (``inplace=False`` copies it);
+- self-attention: the module is unchanged, and the model runs the "fusedlm" attention
+  implementation (hf/attention.py). transformers picks the implementation (of the
+  attention and of the mask) from ``config._attn_implementation``, and one config
+  object may serve several models, so the switch is made on a copy that every module
+  of the patched model holding that config gets in its place: models sharing the
+  original keep their implementation;
 - BERT-style SelfOutput/Output and Intermediate, GPT-2's MLP: fused blocks
   (hf/layers.py) holding the same submodules;
 - masked-LM and causal-LM models: the loss runs through the fused head (hf/heads.py).
@@ -10,6 +13,7 @@
 Each rule matches one exact class of one model family. A module whose layout this
 transformers release changed is left alone, with a reason naming the release.
 """
+import copy
 import importlib
 import sys
 
@@ -58,13 +62,28 @@ def _attention(module: nn.Module, backend):
     if getattr(config, "position_embedding_type", "absolute") != "absolute":
         return f"relative position embeddings ({config.position_embedding_type}) are not supported"
     if getattr(config, "output_attentions", False):
-        return "output_attentions is set: fused attention never builds the attention weights"
+        # (a call's output_attentions=True is served: see attention.attention_forward)
+        return "config.output_attentions is set, which transformers allows with eager attention only"
     current = config._attn_implementation
     if current not in _REPLACEABLE:
         return f"attn_implementation {current!r} was chosen explicitly"
-    config._attn_implementation = attention.NAME
-    module._fusedlm_backend = backend
+    setattr(module, attention.BACKEND, backend)
     return module
+
+
+def _switch_configs(model: nn.Module) -> None:
+    """Gives the configs of the attention modules patched to fusedlm's implementation
+    the name "fusedlm", each on a copy that replaces it in every module of ``model``."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(m, attention.BACKEND) and m.config._attn_implementation != attention.NAME}
+    copies = {}
+    for key, config in configs.items():
+        copies[key] = copy.deepcopy(config)  # its sub-configs too: the name is set on them
+        copies[key]._attn_implementation = attention.NAME
+    for module in model.modules():
+        own = copies.get(id(vars(module).get("config")))
+        if own is not None:
+            module.config = own
 
 
 def _add_norm(module: nn.Module, backend):
@@ -169,6 +188,7 @@ def _register_all() -> None:
         cls = getattr(_model_module(name), name)
         register(Rule(f"{name} loss -> fusedlm masked_lm_loss", lambda m, cls=cls: type(m) is cls,
                       _head_rule(head, *attrs)))
+    register(finish=_switch_configs)
 
 
 _register_all()

@@ -8,10 +8,15 @@ fusedlm's. Its mask function keeps a plain padding mask compact, as a bool
 a key_padding_mask, plus causal when the module is causal. Every other mask
 (caches, offsets, custom mask functions) is materialised as SDPA's is and runs
 as an additive bias, with causality already inside it.
+
+A call that asks for the attention weights (``output_attentions=True``) runs the plain
+softmax(q k^T * scale + mask) v of transformers' eager attention instead, which builds
+them: fused attention never does.
 """
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import ops
@@ -20,28 +25,71 @@ try:  # imported here, not where it is used: torch 2.11's compiler cannot trace 
     from transformers import masking_utils
 except ImportError:  # transformers < 4.53: register() says why
     masking_utils = None
+try:  # transformers 5 records the weights from the attention modules' outputs (below)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # earlier releases pass output_attentions down to the attention function
+    _active_collector = None
 
 NAME = "fusedlm"
+BACKEND = "_fusedlm_backend"  # set on a patched attention module: the backend its calls pin
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor], scaling: Optional[float] = None,
                       dropout: float = 0.0, **kwargs):
-    """q/k/v [batch, heads, seq, head_dim] -> ([batch, seq, heads, head_dim], no weights)."""
+    """q/k/v [batch, heads, seq, head_dim] -> ([batch, seq, heads, head_dim], the weights
+    [batch, heads, seq_q, seq_k] when the caller asks for them, else None)."""
     if kwargs.get("head_mask") is not None:
         raise ValueError("fusedlm attention does not take a head_mask: patch the model without it")
     causal = bool(getattr(module, "is_causal", False))
+    if _weights_wanted(kwargs):
+        return _eager(query, key, value, attention_mask, causal, scaling, dropout)
     key_padding_mask = attn_bias = None
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool and attention_mask.shape[1:3] == (1, 1):
+        if _is_compact(attention_mask):
             key_padding_mask = ~attention_mask[:, 0, 0, :]
         else:
             causal = False
             attn_bias = _additive(attention_mask, query.dtype)
     out = ops.attention(query, key, value, causal=causal, key_padding_mask=key_padding_mask,
                         attn_bias=attn_bias, dropout_p=dropout, scale=scaling,
-                        backend=getattr(module, "_fusedlm_backend", None))
+                        backend=getattr(module, BACKEND, None))
     return out.transpose(1, 2), None
+
+
+def _weights_wanted(kwargs) -> bool:
+    """Whether this call's caller asked for the attention weights. transformers 5 keeps
+    them while its collector is gathering "attentions" (GPT-2 does not pass
+    output_attentions on to the attention function; BERT does)."""
+    if kwargs.get("output_attentions"):
+        return True
+    collecting = _active_collector.get() if _active_collector is not None else None
+    return bool(collecting) and "attentions" in collecting
+
+
+def _eager(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], causal: bool,
+           scaling: Optional[float], dropout: float):
+    """transformers' eager attention on either mask: masked scores take the dtype's lowest
+    value (a row with every key masked is then uniform, as there)."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [batch, heads, seq_q, seq_k]
+    lowest = torch.finfo(scores.dtype).min
+    if causal and (mask is None or _is_compact(mask)):  # SDPA's full masks hold causality
+        seq_q, seq_k = scores.shape[-2:]
+        future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).triu(seq_k - seq_q + 1)
+        scores = scores.masked_fill(future, lowest)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, lowest)
+    elif mask is not None:
+        scores = scores + mask.to(scores.dtype)
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.matmul(F.dropout(weights, dropout), value)
+    return out.transpose(1, 2), weights
+
+
+def _is_compact(mask: Tensor) -> bool:
+    """compact_mask's padding mask, bool [batch, 1, 1, seq_k]."""
+    return mask.dtype == torch.bool and mask.shape[1:3] == (1, 1)
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
