@@ -1,42 +1,45 @@
-"""fusedlm.models.electra against transformers' ELECTRA of the same weights, the joint
-generator/discriminator pretraining, checkpoints and training."""
+"""fusedlm.models' ELECTRA against transformers' ELECTRA of the same weights: outputs,
+losses and gradients on padded batches with embeddings narrower than the encoder,
+checkpoints both ways, the joint generator + discriminator pretraining (its two
+checkpoints, its sampling, its training), and errors."""
 import pytest
 import torch
 
-from models_helpers import (Corpus, assert_matches_transformers, assert_rel, assert_trains,  # noqa: F401
-                            call, masked, parity_batch, qa_reference_loss)
-from fusedlm.models import (ElectraConfig, ElectraDiscriminator, ElectraForPreTraining,
+from models_helpers import (Corpus, assert_matches_transformers, assert_rel, assert_trains, call, masked,
+                            parity_batch, perturb, qa_reference_loss)
+from fusedlm.models import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraForPreTraining,
                             ElectraForQuestionAnswering, ElectraForSequenceClassification,
-                            ElectraForTokenClassification, ElectraGenerator, ElectraModel)
+                            ElectraForTokenClassification, ElectraModel)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
-pytest.importorskip("safetensors")
 
 VOCAB = 40
-LENGTHS = (12, 9, 5)
+LENGTHS = (12, 9, 5)  # padding in two rows: the packed path runs
 # embedding_size != hidden_size: embeddings_project runs
 TINY = dict(vocab_size=VOCAB, embedding_size=24, hidden_size=32, num_hidden_layers=2,
             num_attention_heads=4, intermediate_size=64, max_position_embeddings=16, num_labels=3)
 
 
-def _configs(**changes):
-    ours = ElectraConfig(**{**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                            **changes})
-    ours_only = ("model_type", "gradient_checkpointing", "generator_size", "discriminator_weight")
-    fields = {k: v for k, v in ours.to_dict().items() if k not in ours_only}
-    return ours, transformers.ElectraConfig(**fields, attn_implementation="eager")
+def _config(**changes):
+    return transformers.ElectraConfig(**{**TINY, "hidden_dropout_prob": 0.0,
+                                         "attention_probs_dropout_prob": 0.0, **changes},
+                                      attn_implementation="eager")
 
 
-def _replaced(batch):
-    return {**batch, "labels": torch.randint(2, batch["input_ids"].shape) * batch["attention_mask"]}
+def _batch():
+    batch = parity_batch(VOCAB, LENGTHS)
+    # the discriminator's labels, at padding too (transformers leaves padding out of the loss)
+    return {**batch, "replaced": torch.randint(2, batch["input_ids"].shape)}
 
 
-# name: (ours, transformers' class, batch entries as labels, per-token fields, per-sequence fields)
+# name: (ours, transformers' class, the batch entries they take as labels, output fields per
+# token (compared at real tokens), fields per sequence)
 CASES = {
     "model": (ElectraModel, "ElectraModel", {}, ("last_hidden_state",), ()),
-    "discriminator": (ElectraDiscriminator, "ElectraForPreTraining", None, ("logits",), ()),
-    "generator": (ElectraGenerator, "ElectraForMaskedLM", {}, ("logits",), ()),
+    "discriminator": (ElectraForPreTraining, "ElectraForPreTraining", {"labels": "replaced"},
+                      ("logits",), ()),
+    "generator": (ElectraForMaskedLM, "ElectraForMaskedLM", {}, ("logits",), ()),
     "sequence": (ElectraForSequenceClassification, "ElectraForSequenceClassification",
                  {"labels": "class_labels"}, (), ("logits",)),
     "token": (ElectraForTokenClassification, "ElectraForTokenClassification",
@@ -46,49 +49,231 @@ CASES = {
 }
 
 
+def _loss(case, out, batch, weight):
+    if case == "model":  # the encoder's outputs at real tokens (padding differs by design)
+        return (out.last_hidden_state[batch["attention_mask"].bool()] * weight).sum()
+    if case == "qa":
+        return qa_reference_loss(out.start_logits, out.end_logits, batch)
+    return out.loss
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, tmp_path):
+def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, backend, tmp_path):
+    import fusedlm
     cls, hf_name, renames, per_token, per_sequence = CASES[case]
-    _, hf_config = _configs(**({"num_labels": 2} if case == "qa" else {}))
-    batch = parity_batch(VOCAB, LENGTHS)
-    batch = _replaced(batch) if renames is None else {**batch, **{k: batch[v] for k, v in renames.items()}}
+    batch = _batch()
+    batch = {**batch, **{k: batch[v] for k, v in renames.items()}}
     weight = torch.randn(int(batch["attention_mask"].sum()), TINY["hidden_size"])
-
-    def loss_of(out):
-        if case == "model":
-            return (out.last_hidden_state[batch["attention_mask"].bool()] * weight).sum()
-        if case == "qa":
-            return qa_reference_loss(out.start_logits, out.end_logits, batch)
-        return out.loss
-
-    assert_matches_transformers(cls, getattr(transformers, hf_name), hf_config, batch, loss_of,
-                                per_token, per_sequence, TINY["num_hidden_layers"], tmp_path)
+    fusedlm.set_backend(backend)
+    try:
+        assert_matches_transformers(cls, getattr(transformers, hf_name),
+                                    _config(**({"num_labels": 2} if case == "qa" else {})), batch,
+                                    lambda out: _loss(case, out, batch, weight), per_token, per_sequence,
+                                    TINY["num_hidden_layers"], tmp_path)
+    finally:
+        fusedlm.set_backend(None)
 
 
-# --- joint pretraining -------------------------------------------------------------------------
+def test_without_padding_and_with_equal_widths_the_generator_matches_transformers(tmp_path):
+    batch = parity_batch(VOCAB, (12, 12, 12))
+    assert_matches_transformers(ElectraForMaskedLM, transformers.ElectraForMaskedLM,
+                                _config(embedding_size=32), batch, lambda out: out.loss, ("logits",), (),
+                                TINY["num_hidden_layers"], tmp_path)
 
-def _pretraining_batch(config):
-    batch = parity_batch(VOCAB, LENGTHS)
-    return masked(batch, config.vocab_size, torch.Generator().manual_seed(3))
+
+def test_the_discriminator_head_follows_hidden_act_and_the_other_heads_keep_erf_gelu():
+    config = _config(hidden_act="gelu_new")
+    batch = {k: v for k, v in _batch().items() if k != "labels"}
+    real = batch["attention_mask"].bool()
+    for cls, field in ((ElectraForPreTraining, "logits"), (ElectraForMaskedLM, "logits"),
+                       (ElectraForSequenceClassification, "logits")):
+        theirs = getattr(transformers, cls.__name__)(config).eval()
+        perturb(theirs)
+        ours = cls(config).eval()
+        ours.load_state_dict(theirs.state_dict())
+        with torch.no_grad():
+            a, b = getattr(call(ours, batch), field), getattr(call(theirs, batch), field)
+        if a.dim() > 1 and a.shape[:2] == real.shape:
+            a, b = a[real], b[real]
+        assert_rel(a, b, cls.__name__)
+
+
+def test_regression_and_multi_label_losses_match_transformers(tmp_path):
+    for num_labels, labels in ((1, torch.randn(3)), (3, torch.randint(2, (3, 3)).float())):
+        theirs = transformers.ElectraForSequenceClassification(_config(num_labels=num_labels)).eval()
+        theirs.save_pretrained(tmp_path / str(num_labels))
+        ours = ElectraForSequenceClassification.from_pretrained(tmp_path / str(num_labels)).eval()
+        batch = {**_batch(), "labels": labels}
+        assert_rel(call(ours, batch).loss, call(theirs, batch).loss, f"loss ({num_labels} labels)")
+
+
+# --- every forward argument and output ----------------------------------------------------------
+
+def _pair(cls=ElectraModel, **changes):
+    """(ours, theirs) of the same random weights, in eval mode."""
+    theirs = getattr(transformers, cls.__name__)(_config(**changes)).eval()
+    perturb(theirs)
+    ours = cls(_config(**changes)).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+def test_inputs_embeds_position_ids_and_token_types_match_transformers():
+    ours, theirs = _pair()
+    batch = _batch()
+    real = batch["attention_mask"].bool()
+    embeds = torch.randn(*batch["input_ids"].shape, TINY["embedding_size"])  # [B, T, E]
+    positions = torch.arange(12).flip(0).expand(3, 12)
+    for extra in ({"inputs_embeds": embeds}, {"position_ids": positions}):
+        args = {"attention_mask": batch["attention_mask"], "token_type_ids": batch["token_type_ids"],
+                **({"input_ids": batch["input_ids"]} if "inputs_embeds" not in extra else {}), **extra}
+        with torch.no_grad():
+            a, b = ours(**args), theirs(**args)
+        assert_rel(a.last_hidden_state[real], b.last_hidden_state[real], str(list(extra)))
+
+
+def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
+    ours, theirs = _pair(ElectraForPreTraining)
+    batch = _batch()
+    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        a = ours(**args, output_attentions=True, output_hidden_states=True)
+        b = theirs(**args, output_attentions=True, output_hidden_states=True)
+        plain = ours(**args)
+    assert type(a) is type(b)
+    assert len(a.attentions) == len(b.attentions) == TINY["num_hidden_layers"]
+    real = batch["attention_mask"].bool()
+    for x, y in zip(a.attentions, b.attentions):
+        assert x.shape == y.shape
+        assert_rel(x.transpose(1, 2)[real], y.transpose(1, 2)[real], "attentions")
+    # the first is the projected embeddings [B, T, H], as transformers records it
+    assert len(a.hidden_states) == len(b.hidden_states) == TINY["num_hidden_layers"] + 1
+    for x, y in zip(a.hidden_states, b.hidden_states):
+        assert_rel(x[real], y[real], "hidden_states")
+    assert_rel(a.logits[real], plain.logits[real], "logits with and without attentions")
+    assert a[0] is a["logits"] is a.logits
+    tupled = ours(**args, return_dict=False)
+    assert isinstance(tupled, tuple) and torch.equal(tupled[0], plain.logits)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+def _file_tensors(folder):
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+@pytest.mark.parametrize("saved, cls", [("ElectraForPreTraining", ElectraForPreTraining),
+                                        ("ElectraForMaskedLM", ElectraForMaskedLM)])
+def test_a_discriminator_or_generator_saved_by_transformers_loads_with_every_weight(saved, cls, tmp_path):
+    theirs = getattr(transformers, saved)(_config())
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path)
+    model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    ours = model.state_dict()
+    for name, value in _file_tensors(tmp_path).items():
+        assert torch.equal(ours[name], value), name
+    if cls is ElectraForMaskedLM:  # the head reads the word embeddings
+        assert model.generator_lm_head.weight is model.electra.embeddings.word_embeddings.weight
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ("ElectraForPreTraining", ElectraModel), ("ElectraForPreTraining", ElectraForSequenceClassification),
+    ("ElectraForPreTraining", ElectraForTokenClassification), ("ElectraModel", ElectraForPreTraining),
+    ("ElectraModel", ElectraForMaskedLM), ("ElectraForMaskedLM", ElectraModel),
+    ("ElectraForSequenceClassification", ElectraModel),
+])
+def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
+    theirs = getattr(transformers, saved)(_config())
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path)
+    prefix = "" if saved == "ElectraModel" else "electra."
+    model, info = loaded.from_pretrained(tmp_path, output_loading_info=True)
+    ours = model.state_dict()
+    ours_prefix = "" if loaded is ElectraModel else "electra."
+    encoder = {k[len(prefix):]: v for k, v in _file_tensors(tmp_path).items()
+               if k.startswith(tuple(prefix + p for p in ("embeddings.", "embeddings_project.", "encoder.")))}
+    assert len(encoder) == 5 + 2 + 16 * TINY["num_hidden_layers"]
+    for name, value in encoder.items():
+        assert torch.equal(ours[ours_prefix + name], value), name
+    assert not any(k.startswith(("electra.", "embeddings", "encoder.")) for k in info["missing_keys"]), \
+        info["missing_keys"]
+
+
+def test_an_untied_generator_head_loads_its_own_weight_both_ways(tmp_path):
+    theirs = transformers.ElectraForMaskedLM(_config(tie_word_embeddings=False)).eval()
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = ElectraForMaskedLM.from_pretrained(tmp_path / "theirs").eval()
+    head = ours.generator_lm_head.weight
+    assert head is not ours.electra.embeddings.word_embeddings.weight
+    assert torch.equal(head, theirs.generator_lm_head.weight)
+    batch = _batch()
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        assert_rel(call(ours, batch).logits[real], call(theirs, batch).logits[real], "untied logits")
+    ours.save_pretrained(tmp_path / "ours")
+    again = transformers.ElectraForMaskedLM.from_pretrained(tmp_path / "ours")
+    assert torch.equal(again.generator_lm_head.weight, head)
+
+
+# --- the deliberate differences (as BERT's) ------------------------------------------------------
+
+def test_token_labels_at_padding_are_ignored_and_outputs_there_are_zeros():
+    ours, theirs = _pair(ElectraForTokenClassification)
+    batch = _batch()
+    labels = torch.randint(3, batch["input_ids"].shape)  # labels at padding too, not -100
+    padding = batch["attention_mask"] == 0
+    with torch.no_grad():
+        out = call(ours, {**batch, "labels": labels}, output_hidden_states=True)
+        expected = call(theirs, {**batch, "labels": labels.masked_fill(padding, -100)}).loss
+    assert_rel(out.loss, expected, "loss over real tokens")
+    assert torch.all(out.hidden_states[-1][padding] == 0)
+
+
+def test_the_generator_in_training_builds_no_logits_unless_asked():
+    model = ElectraForMaskedLM(_config()).train()
+    batch = _batch()
+    fused = call(model, batch)
+    assert fused.logits is None
+    full = call(model, batch, return_logits=True)
+    assert full.logits.shape == (len(LENGTHS), max(LENGTHS), VOCAB)
+    assert_rel(fused.loss, full.loss, "loss")
+    assert call(model.eval(), batch).logits is not None
+
+
+# --- generator and discriminator trained together ------------------------------------------------
+
+def _pretraining_batch():
+    return masked(parity_batch(VOCAB, LENGTHS), VOCAB, torch.Generator().manual_seed(3))
 
 
 def test_generator_and_discriminator_share_the_embeddings_and_only_those():
-    config, _ = _configs()
-    model = ElectraForPreTraining(config)
-    generator, discriminator = model.generator.electra, model.discriminator.electra
-    assert generator.embeddings is discriminator.embeddings
-    assert generator.project is not discriminator.project
-    assert generator.config.hidden_size == 8 and generator.config.num_attention_heads == 1
-    assert generator.config.embedding_size == config.embedding_size
-    shared = {id(p) for p in generator.embeddings.parameters()}
-    own = [p for p in model.generator.parameters() if id(p) not in shared]
-    assert not shared & {id(p) for p in own}
+    model = ElectraForJointPreTraining(_config())
+    generator, discriminator = model.generator, model.discriminator
+    shared = discriminator.electra.embeddings
+    assert generator.electra.embeddings is shared
+    assert generator.generator_lm_head.weight is shared.word_embeddings.weight
+    assert generator.electra.embeddings_project is not discriminator.electra.embeddings_project
+    # the paper's rule: a quarter of the heads (of the same size) and of the FFN
+    gen = model.generator_config
+    assert (gen.hidden_size, gen.num_attention_heads, gen.intermediate_size) == (8, 1, 16)
+    assert gen.embedding_size == TINY["embedding_size"] and model.config is discriminator.config
+    counts = [sum(p.numel() for p in m.parameters()) for m in (model, generator, discriminator, shared)]
+    assert counts[0] == counts[1] + counts[2] - counts[3]
+
+    given = ElectraForJointPreTraining(_config(), _config(hidden_size=16, num_attention_heads=2))
+    assert given.generator.config.hidden_size == 16
 
 
 def test_the_loss_joins_the_generator_and_weighted_discriminator_and_sampling_passes_no_gradient():
-    config, _ = _configs(discriminator_weight=7.0)
-    model = ElectraForPreTraining(config).train()
-    batch = _pretraining_batch(config)
+    model = ElectraForJointPreTraining(_config(), discriminator_weight=7.0).train()
+    batch = _pretraining_batch()
     out = call(model, batch, generator=torch.Generator().manual_seed(0))
     assert_rel(out.loss, out.generator_loss + 7.0 * out.discriminator_loss, "loss")
 
@@ -97,16 +282,17 @@ def test_the_loss_joins_the_generator_and_weighted_discriminator_and_sampling_pa
     assert torch.equal(out.replaced_ids[~masked_positions], originals[~masked_positions])
     assert torch.equal(out.replaced_labels, (out.replaced_ids != originals).long())
     assert out.prediction_logits.shape == (int(masked_positions.sum()), VOCAB)
+    assert out.logits.shape == batch["input_ids"].shape
 
     # The discriminator's loss reaches the generator's own weights only through the sampled
     # ids, which carry no gradient; it does reach the shared embeddings.
     out.discriminator_loss.backward()
     assert all(p.grad is None for p in model.generator.electra.encoder.parameters())
-    assert all(p.grad is None for p in model.generator.head.parameters())
+    assert all(p.grad is None for p in model.generator.generator_predictions.parameters())
     assert model.discriminator.electra.embeddings.word_embeddings.weight.grad.abs().sum() > 0
 
     again = call(model, batch, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(again.replaced_ids, out.replaced_ids)  # the generator's draws repeat
+    assert torch.equal(again.replaced_ids, out.replaced_ids)  # the draws repeat
 
 
 def test_samples_follow_the_generator_softmax():
@@ -118,33 +304,56 @@ def test_samples_follow_the_generator_softmax():
     torch.testing.assert_close(frequencies, torch.softmax(logits[0].double(), 0), atol=0.01, rtol=0)
 
 
-def test_the_parts_save_in_transformers_layout_and_the_whole_round_trips(tmp_path):
-    config, _ = _configs()
-    model = ElectraForPreTraining(config).eval()
-    model.discriminator.save_pretrained(tmp_path / "discriminator")
-    model.generator.save_pretrained(tmp_path / "generator")
-    hf_disc = transformers.ElectraForPreTraining.from_pretrained(tmp_path / "discriminator",
-                                                                 attn_implementation="eager").eval()
-    hf_gen = transformers.ElectraForMaskedLM.from_pretrained(tmp_path / "generator",
-                                                             attn_implementation="eager").eval()
-    assert hf_gen.config.hidden_size == model.generator.config.hidden_size
-    batch = parity_batch(VOCAB, LENGTHS)
+def test_the_two_folders_load_in_transformers_and_give_the_joint_models_outputs(tmp_path):
+    model = ElectraForJointPreTraining(_config()).eval()
+    perturb(model)
+    batch = _pretraining_batch()
+    with torch.no_grad():
+        out = call(model, batch, generator=torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path)
+    loaded = {}
+    for folder, hf_cls in (("generator", transformers.ElectraForMaskedLM),
+                           ("discriminator", transformers.ElectraForPreTraining)):
+        loaded[folder], info = hf_cls.from_pretrained(tmp_path / folder, output_loading_info=True,
+                                                      attn_implementation="eager")
+        assert not any(info.values()), (folder, info)
+    hf_gen, hf_disc = loaded["generator"].eval(), loaded["discriminator"].eval()
+    assert hf_gen.config.hidden_size == model.generator_config.hidden_size
+
+    args = {k: batch[k] for k in ("attention_mask", "token_type_ids")}
+    masked_positions = batch["labels"] != -100
     real = batch["attention_mask"].bool()
     with torch.no_grad():
-        assert_rel(call(model.discriminator, batch).logits[real], call(hf_disc, batch).logits[real], "disc")
-        assert_rel(call(model.generator, batch).logits[real], call(hf_gen, batch).logits[real], "gen")
-
-    model.save_pretrained(tmp_path / "whole")
-    loaded = ElectraForPreTraining.from_pretrained(tmp_path / "whole")
-    assert loaded.generator.electra.embeddings is loaded.discriminator.electra.embeddings
-    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        gen = hf_gen(batch["input_ids"], labels=batch["labels"], **args)
+        disc = hf_disc(out.replaced_ids, labels=out.replaced_labels, **args)
+    assert_rel(out.prediction_logits, gen.logits[masked_positions], "generator logits")
+    assert_rel(out.generator_loss, gen.loss, "generator loss")
+    assert_rel(out.logits[real], disc.logits[real], "discriminator logits")
+    assert_rel(out.discriminator_loss, disc.loss, "discriminator loss")
 
 
-def test_pretraining_runs_under_bf16_autocast():
-    config, _ = _configs()
-    model = ElectraForPreTraining(config).train()
-    batch = _pretraining_batch(config)
+def test_from_pretrained_reads_both_folders_back_and_shares_the_embeddings_again(tmp_path):
+    model = ElectraForJointPreTraining(_config(), _config(hidden_size=16, num_attention_heads=2)).eval()
+    perturb(model)
+    model.save_pretrained(tmp_path)
+    loaded = ElectraForJointPreTraining.from_pretrained(tmp_path, discriminator_weight=3.0).eval()
+    shared = loaded.discriminator.electra.embeddings
+    assert loaded.generator.electra.embeddings is shared
+    assert loaded.generator.generator_lm_head.weight is shared.word_embeddings.weight
+    assert loaded.generator_config.hidden_size == 16 and loaded.discriminator_weight == 3.0
+    expected = model.state_dict()
+    assert expected.keys() == loaded.state_dict().keys()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    # the discriminator's checkpoint alone serves as transformers' and fusedlm's ElectraForPreTraining
+    alone = ElectraForPreTraining.from_pretrained(tmp_path / "discriminator")
+    assert torch.equal(alone.discriminator_predictions.dense.weight,
+                       model.discriminator.discriminator_predictions.dense.weight)
+
+
+def test_joint_pretraining_runs_under_bf16_autocast():
+    model = ElectraForJointPreTraining(_config()).train()
+    batch = _pretraining_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = call(model, batch, generator=torch.Generator().manual_seed(0))
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
@@ -156,13 +365,13 @@ def test_pretraining_runs_under_bf16_autocast():
 # --- training ----------------------------------------------------------------------------------
 
 CORPUS = Corpus()
-TRAIN = dict(TINY, vocab_size=CORPUS.vocab_size, embedding_size=32, hidden_size=64,
-             intermediate_size=128, max_position_embeddings=32, num_labels=2,
-             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TRAIN = dict(TINY, vocab_size=CORPUS.vocab_size, embedding_size=32, hidden_size=64, intermediate_size=128,
+             max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0,
+             attention_probs_dropout_prob=0.0)
 
 
-def test_pretraining_trains_and_the_cpu_backend_follows_the_reference():
-    model = ElectraForPreTraining(ElectraConfig(**TRAIN))
+def test_joint_pretraining_trains_and_the_cpu_backend_follows_the_reference():
+    model = ElectraForJointPreTraining(transformers.ElectraConfig(**TRAIN))
     assert_trains(model, lambda g: masked(CORPUS.batch(16, g), CORPUS.vocab_size, g), steps=200)
 
 
@@ -173,23 +382,33 @@ def test_sequence_classification_trains_and_the_cpu_backend_follows_the_referenc
         b = CORPUS.batch(16, g)
         return {**b, "labels": (b["input_ids"] == keyword).any(1).long()}
 
-    assert_trains(ElectraForSequenceClassification(ElectraConfig(**TRAIN)), batch, steps=200)
+    assert_trains(ElectraForSequenceClassification(transformers.ElectraConfig(**TRAIN)), batch, steps=200)
 
 
 # --- errors ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("changes, name", [
-    ({"embedding_size": 0}, "embedding_size"),
-    ({"generator_size": 0.0}, "generator_size"),
-    ({"discriminator_weight": -1.0}, "discriminator_weight"),
-    ({"hidden_act": "swish"}, "hidden_act"),
+    ({"hidden_size": 30}, "hidden_size"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+    ({"is_decoder": True}, "is_decoder"),
+    ({"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
 ])
-def test_bad_configs_name_the_field(changes, name):
+def test_settings_the_fused_path_cannot_honour_are_refused_by_name(changes, name):
     with pytest.raises(ValueError, match=name):
-        ElectraConfig(**{**TINY, **changes})
+        ElectraModel(transformers.ElectraConfig(**{**TINY, **changes}))
 
 
-def test_pretraining_without_labels_says_so():
-    config, _ = _configs()
+def test_question_answering_needs_two_labels():
+    with pytest.raises(ValueError, match="num_labels"):
+        ElectraForQuestionAnswering(_config(num_labels=3))
+
+
+def test_joint_pretraining_refuses_what_it_cannot_do_by_name():
+    with pytest.raises(ValueError, match="embedding_size"):
+        ElectraForJointPreTraining(_config(), _config(embedding_size=16))
+    with pytest.raises(ValueError, match="size"):
+        ElectraForJointPreTraining.generator_config_for(_config(), 0.0)
+    with pytest.raises(ValueError, match="discriminator_weight"):
+        ElectraForJointPreTraining(_config(), discriminator_weight=-1.0)
     with pytest.raises(ValueError, match="labels"):
-        ElectraForPreTraining(config)(torch.randint(VOCAB, (2, 6)))
+        ElectraForJointPreTraining(_config())(torch.randint(VOCAB, (2, 6)))

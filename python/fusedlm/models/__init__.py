@@ -5,11 +5,24 @@ Each class named as in transformers subclasses ``transformers.PreTrainedModel``,
 transformers' config class and loads the same checkpoints, so transformers' loader,
 saver, output classes, pipelines, Trainer and generate serve it.
 """
+try:
+    import transformers  # noqa: F401
+except ImportError as e:
+    raise ImportError("fusedlm.models needs transformers: pip install 'fusedlm[hf]' "
+                      "(fusedlm.ops, fusedlm.nn and fusedlm.patch do not)") from e
+
 from .bert import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                    BertForSequenceClassification, BertForTokenClassification, BertModel,
                    BertPreTrainedModel)
+from .electra import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraForPreTraining,
+                      ElectraForQuestionAnswering, ElectraForSequenceClassification,
+                      ElectraForTokenClassification, ElectraModel, ElectraPreTrainedModel)
+from .elmo import ELMo, ElmoBiLM, ElmoConfig
 from .masking import mask_tokens
 
 __all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
-           "BertPreTrainedModel", "mask_tokens"]
+           "BertPreTrainedModel", "ElectraForJointPreTraining", "ElectraForMaskedLM",
+           "ElectraForPreTraining", "ElectraForQuestionAnswering", "ElectraForSequenceClassification",
+           "ElectraForTokenClassification", "ElectraModel", "ElectraPreTrainedModel", "ELMo", "ElmoBiLM",
+           "ElmoConfig", "mask_tokens"]

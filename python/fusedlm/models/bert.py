@@ -43,8 +43,8 @@ def check_config(config) -> None:
     if config.hidden_act not in GELU_APPROXIMATIONS:
         raise ValueError(f"hidden_act must be one of {tuple(GELU_APPROXIMATIONS)}, got {config.hidden_act!r}")
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise ValueError("is_decoder / add_cross_attention: fusedlm's BERT is an encoder; use "
-                         "transformers' BertLMHeadModel for a BERT decoder")
+        raise ValueError("is_decoder / add_cross_attention: fusedlm's BERT and ELECTRA are encoders; "
+                         "use transformers' BertLMHeadModel or ElectraForCausalLM for a decoder")
     if getattr(config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type must be 'absolute', got {config.position_embedding_type!r}")
     if getattr(config, "chunk_size_feed_forward", 0):
@@ -222,10 +222,15 @@ class BertPredictionHeadTransform(nn.Module):
         self.approximate = approximate or GELU_APPROXIMATIONS[config.hidden_act]
 
     def forward(self, hidden: Tensor) -> Tensor:
-        if not is_plain_linear(self.dense):  # an adapter's or a hook's product must run
-            return self.LayerNorm(F.gelu(self.dense(hidden), approximate=self.approximate))
-        pre, bias = lower(F.linear(hidden, self.dense.weight), self.dense.bias)
-        return self.LayerNorm(ops.bias_gelu(pre, bias, self.approximate))
+        return self.LayerNorm(dense_gelu(self.dense, hidden, self.approximate))
+
+
+def dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor:
+    """GELU(dense(x)), the bias added inside the GELU kernel."""
+    if not is_plain_linear(dense):  # an adapter's or a hook's product must run
+        return F.gelu(dense(x), approximate=approximate)
+    pre, bias = lower(F.linear(x, dense.weight), dense.bias)
+    return ops.bias_gelu(pre, bias, approximate)
 
 
 def masked_lm(transform: nn.Module, decoder: nn.Linear, hidden: Tensor, labels: Optional[Tensor],

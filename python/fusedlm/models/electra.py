@@ -1,170 +1,243 @@
-"""ELECTRA (Clark et al., 2020) on BERT's layers: a small masked-LM generator fills the
-masked positions with samples, and the discriminator learns which tokens were replaced.
+"""ELECTRA (Clark et al., 2020) as transformers models, on BERT's fused layers.
 
-Both are BERT encoders (fusedlm.models.bert's embeddings, layers and packing) whose
-embeddings may be narrower than the hidden size (``embedding_size``, projected up by
-``embeddings_project``). In ElectraForPreTraining the two share one embeddings module
-(token, position and type embeddings and their LayerNorm); each keeps its own
-projection. The parts read and write transformers' checkpoints: ElectraDiscriminator
-is its ElectraForPreTraining, ElectraGenerator its ElectraForMaskedLM.
+A small masked-LM generator fills the masked positions with samples, and the
+discriminator learns which tokens were replaced. Both are BERT encoders
+(fusedlm.models.bert's embeddings, layers and packing) whose embeddings may be
+narrower than the hidden size (``embedding_size``, projected up by
+``embeddings_project``).
+
+Every class named as in transformers subclasses ``transformers.PreTrainedModel``,
+takes transformers' ``ElectraConfig``, has transformers' module and parameter names
+(so its loader and saver move checkpoints both ways, base <-> task through the
+``electra`` prefix) and returns its output classes: ``ElectraForPreTraining`` is the
+discriminator with its replaced-token-detection head, ``ElectraForMaskedLM`` the
+generator. ``ElectraForJointPreTraining`` (a name transformers does not use) trains
+the two together on shared embeddings and saves them as those two checkpoints.
+
+Shapes: B batch, T tokens, E embedding size, H hidden, V vocab, M masked tokens.
 """
-import dataclasses
+import copy
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import ElectraConfig
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, MaskedLMOutput
+from transformers.models.electra.modeling_electra import ElectraForPreTrainingOutput
+from transformers.utils import ModelOutput
 
 from .. import ops
-from ..nn._autocast import lower
-from ._pretrained import KeyMap, KeyRule
-from .bert import (IGNORE_INDEX, BertConfig, BertEmbeddings, BertEncoder, BertLMHead,
-                   BertPreTrainedModel, MaskedLMMixin, QuestionAnsweringMixin,
-                   SequenceClassificationMixin, TokenClassificationMixin, check_inputs,
-                   classifier_dropout, encoder_rules)
-from .outputs import ElectraPreTrainingOutput, ModelOutput
+from ..nn import LinearCrossEntropyLoss, is_plain_linear
+from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertEncoder,
+                   BertPredictionHeadTransform, BertPreTrainedModel, EncoderTaskModel,
+                   QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
+                   check_inputs, classifier_dropout, dense_gelu, finish, masked_lm, output_flags)
 
-
-@dataclass
-class ElectraConfig(BertConfig):
-    """transformers' ElectraConfig fields (defaults: ELECTRA-small's discriminator), plus
-    the joint pretraining's: ``generator_size`` scales the discriminator's hidden size,
-    intermediate size and heads down to the generator's (the paper's 1/4), and
-    ``discriminator_weight`` weighs its loss (the paper's 50)."""
-
-    model_type = "electra"
-    embedding_size: int = 128
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    intermediate_size: int = 1024
-    generator_size: float = 0.25
-    discriminator_weight: float = 50.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        size = self.embedding_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"embedding_size must be a positive int, got {self.embedding_size!r}")
-        if not isinstance(self.generator_size, (int, float)) or not 0.0 < self.generator_size <= 1.0:
-            raise ValueError(f"generator_size must be in (0, 1], got {self.generator_size!r}")
-        if not isinstance(self.discriminator_weight, (int, float)) or self.discriminator_weight < 0:
-            raise ValueError(f"discriminator_weight must be a non-negative number, got "
-                             f"{self.discriminator_weight!r}")
-
-    def generator_config(self) -> "ElectraConfig":
-        """The generator's config: the same embeddings, a narrower encoder."""
-        heads = max(1, round(self.num_attention_heads * self.generator_size))
-        head_dim = self.hidden_size // self.num_attention_heads
-        intermediate = max(1, round(self.intermediate_size * self.generator_size))
-        return dataclasses.replace(self, hidden_size=heads * head_dim, num_attention_heads=heads,
-                                   intermediate_size=intermediate, generator_size=1.0)
+GENERATOR_SIZE = 0.25  # the paper's generator: 1/4 of the discriminator's width
+DISCRIMINATOR_WEIGHT = 50.0  # the paper's weight of the discriminator's loss
 
 
 class ElectraPreTrainedModel(BertPreTrainedModel):
+    """transformers' base for ELECTRA: its config class and checkpoint prefix; BERT's
+    weight init and refused settings."""
+
     config_class = ElectraConfig
-    key_map = KeyMap(encoder_rules("electra.", "electra.")
-                     + [KeyRule("electra.project.*", "electra.embeddings_project.*")])
-    ignored_keys = BertPreTrainedModel.ignored_keys + (r"generator_lm_head\.weight",)
+    base_model_prefix = "electra"
 
 
 class ElectraModel(ElectraPreTrainedModel):
-    """Embeddings [batch, seq, embedding_size] -> project to hidden_size (when they
-    differ) -> BERT's encoder. ``embeddings`` shares another model's embeddings."""
+    """Embeddings [B, T, E] -> ``embeddings_project`` to [B, T, H] (when E != H) -> BERT's
+    encoder: transformers' ElectraModel (no pooler)."""
 
-    key_map = KeyMap(encoder_rules("", "") + [KeyRule("project.*", "embeddings_project.*")])
-
-    def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
-        super().__init__()
-        self.config = config
-        self.embeddings = embeddings or BertEmbeddings(config, config.embedding_size)
-        self.project = (nn.Linear(config.embedding_size, config.hidden_size)
-                        if config.embedding_size != config.hidden_size else None)
+    def __init__(self, config: ElectraConfig):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config, config.embedding_size)
+        if config.embedding_size != config.hidden_size:
+            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
         self.encoder = BertEncoder(config)
-        self.init_weights()
+        self.post_init()
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                output_hidden_states: bool = False) -> ModelOutput:
-        check_inputs(input_ids, attention_mask, token_type_ids, self.config.max_position_embeddings)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)  # [batch, seq, embedding_size]
-        if self.project is not None:
-            x = self.project(x)  # [batch, seq, hidden]
-        hidden, states = self.encoder(x, attention_mask, output_hidden_states)
-        return ModelOutput(last_hidden_state=hidden, hidden_states=states)
+                inputs_embeds: Optional[Tensor] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None):
+        check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids,
+                     self.config.max_position_embeddings)
+        attend, states, return_dict = output_flags(self.config, output_attentions, output_hidden_states,
+                                                   return_dict)
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, E]
+        if hasattr(self, "embeddings_project"):
+            x = self.embeddings_project(x)  # [B, T, H]
+        hidden, hidden_states, attentions = self.encoder(x, attention_mask, states, attend)
+        return finish(BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden, hidden_states=hidden_states, attentions=attentions), return_dict)
 
 
 class ElectraTaskModel(ElectraPreTrainedModel):
-    """Base of the models that put a task head on an ElectraModel, kept as ``electra``
-    (their checkpoints' prefix); ``embeddings`` as ElectraModel's."""
+    """An ElectraModel under ``electra``, for the heads."""
 
-    def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
+    def __init__(self, config: ElectraConfig):
+        super().__init__(config)
+        self.electra = ElectraModel(config)
+
+
+# --- the heads ---------------------------------------------------------------------------------
+
+class ElectraDiscriminatorPredictions(nn.Module):
+    """dense -> GELU (hidden_act; bias fused in) -> ``dense_prediction``: one logit per
+    token, [B, T, H] -> [B, T]."""
+
+    def __init__(self, config):
         super().__init__()
-        self.config = config
-        self.electra = ElectraModel(config, embeddings)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense_prediction = nn.Linear(config.hidden_size, 1)
+        self.approximate = GELU_APPROXIMATIONS[config.hidden_act]
 
-    @property
-    def base_model(self) -> ElectraModel:
-        return self.electra
+    def forward(self, hidden: Tensor) -> Tensor:
+        h = dense_gelu(self.dense, hidden, self.approximate)
+        if not is_plain_linear(self.dense_prediction):
+            return self.dense_prediction(h).squeeze(-1)
+        # [B, T] from the one-row weight, not a squeezed view of [B, T, 1]: FSDP2 cannot
+        # follow in-place changes to a view that a module returns.
+        return F.linear(h, self.dense_prediction.weight[0], self.dense_prediction.bias[0])
 
 
 def replaced_token_loss(logits: Tensor, labels: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
-    """Binary cross-entropy of 'replaced' over the real tokens (mean)."""
+    """Binary cross-entropy of 'replaced' (labels 1) against 'original' (0), the mean over
+    the real tokens (attention_mask 1) as transformers takes it."""
+    per_token = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
     if attention_mask is None:
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return per_token.mean()
     # A weighted mean rather than selecting the real tokens: no data-dependent size, so
     # torch.compile keeps it in the graph.
-    per_token = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
     real = (attention_mask == 1).float()
     return (per_token * real).sum() / real.sum()
 
 
-class ElectraDiscriminator(ElectraTaskModel):
-    """Replaced-token detection: dense -> GELU -> one logit per token [batch, seq];
-    ``labels`` 1 = replaced. transformers' ElectraForPreTraining."""
+class ElectraClassificationHead(nn.Module):
+    """First token -> dropout -> dense -> GELU (erf, whatever hidden_act says, as
+    transformers) -> dropout -> ``out_proj``: [B, T, H] -> [B, num_labels]."""
 
-    key_map = KeyMap(ElectraPreTrainedModel.key_map.rules + [
-        KeyRule("dense.*", "discriminator_predictions.dense.*"),
-        KeyRule("prediction.*", "discriminator_predictions.dense_prediction.*")])
-
-    def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
-        super().__init__(config, embeddings)
+    def __init__(self, config):
+        super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.prediction = nn.Linear(config.hidden_size, 1)
-        self.init_weights()
+        self.dropout = nn.Dropout(classifier_dropout(config))
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, output_hidden_states: bool = False) -> ModelOutput:
-        out = self.electra(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        pre, bias = lower(F.linear(out.last_hidden_state, self.dense.weight), self.dense.bias)
-        # [batch, seq] from the one-row weight, not a squeezed view of [batch, seq, 1]:
-        # FSDP2 cannot follow in-place changes to a view that a module returns.
-        h = ops.bias_gelu(pre, bias, self.config.gelu_approximate)
-        logits = F.linear(h, self.prediction.weight[0], self.prediction.bias[0])
+    def forward(self, hidden: Tensor) -> Tensor:
+        x = self.dropout(hidden[:, 0])  # [B, H]
+        return self.out_proj(self.dropout(dense_gelu(self.dense, x, "none")))
+
+
+# --- the models --------------------------------------------------------------------------------
+
+class ElectraForPreTraining(EncoderTaskModel, ElectraTaskModel):
+    """The discriminator: replaced-token detection, logits [B, T] (> 0: replaced);
+    transformers' ElectraForPreTraining. ``labels`` [B, T]: 1 = replaced, 0 = original;
+    the loss is their binary cross-entropy over the real tokens."""
+
+    def __init__(self, config: ElectraConfig):
+        super().__init__(config)
+        self.discriminator_predictions = ElectraDiscriminatorPredictions(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
+        logits = self.discriminator_predictions(out.last_hidden_state)
         loss = None if labels is None else replaced_token_loss(logits, labels, attention_mask)
-        return ModelOutput(loss=loss, logits=logits, last_hidden_state=out.last_hidden_state,
-                           hidden_states=out.hidden_states)
+        return finish(ElectraForPreTrainingOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                                  attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
 
 
-class ElectraGenerator(MaskedLMMixin, ElectraTaskModel):
-    """The masked-LM generator: BERT's LM head (GELU, projecting to embedding_size) with
-    the decoder tied to the word embeddings. transformers' ElectraForMaskedLM."""
+class ElectraForMaskedLM(EncoderTaskModel, ElectraTaskModel):
+    """The generator: ``generator_predictions`` (dense to E -> erf GELU -> LayerNorm) and
+    ``generator_lm_head`` (E -> V, its weight tied to the word embeddings);
+    transformers' ElectraForMaskedLM. In training with labels the loss comes from the
+    labelled rows only and ``logits`` is None unless ``return_logits=True``."""
 
-    key_map = KeyMap(ElectraPreTrainedModel.key_map.rules + [
-        KeyRule("head.dense.*", "generator_predictions.dense.*"),
-        KeyRule("head.norm.*", "generator_predictions.LayerNorm.*"),
-        KeyRule("head.bias", "generator_lm_head.bias")])
+    _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
 
-    def __init__(self, config: ElectraConfig, embeddings: Optional[BertEmbeddings] = None):
-        super().__init__(config, embeddings)
+    def __init__(self, config: ElectraConfig):
+        super().__init__(config)
         # transformers' generator head is erf GELU whatever hidden_act says
-        self.head = BertLMHead(config, width=config.embedding_size, approximate="none")
-        self.init_weights()
+        self.generator_predictions = BertPredictionHeadTransform(config, config.embedding_size, "none")
+        self.generator_lm_head = nn.Linear(config.embedding_size, config.vocab_size)
+        self.masked_lm_loss = LinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.generator_lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.generator_lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, return_logits: bool = False):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
+        loss, logits = masked_lm(self.generator_predictions, self.generator_lm_head, out.last_hidden_state,
+                                 labels, self.masked_lm_loss, return_logits)
+        return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                     attentions=out.attentions),
+                      output_flags(self.config, None, None, return_dict)[2])
+
+
+class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):
+    """ElectraClassificationHead over the first token: logits [B, num_labels]."""
+
+    def __init__(self, config: ElectraConfig):
+        super().__init__(config)
+        self.classifier = ElectraClassificationHead(config)
+        self.post_init()
+
+    def classify(self, out) -> Tensor:
+        return self.classifier(out.last_hidden_state)
+
+
+class ElectraForTokenClassification(TokenClassificationMixin, ElectraTaskModel):
+    """dropout -> linear per token: logits [B, T, num_labels]; labels -100 are ignored."""
+
+
+class ElectraForQuestionAnswering(QuestionAnsweringMixin, ElectraTaskModel):
+    """Span extraction: start and end logits per token; the loss needs both positions."""
+
+
+# --- generator and discriminator trained together ---------------------------------------------
+
+@dataclass
+class ElectraJointPreTrainingOutput(ModelOutput):
+    """ELECTRA's joint step. ``loss`` = generator_loss + discriminator_weight *
+    discriminator_loss; ``logits`` are the discriminator's [B, T] (> 0: replaced),
+    ``prediction_logits`` the generator's at the masked positions [M, V];
+    ``replaced_ids`` [B, T] is the discriminator's input (the generator's samples at the
+    masked positions) and ``replaced_labels`` [B, T] its targets (1 where a sample
+    differs from the original)."""
+
+    loss: Optional[Tensor] = None
+    generator_loss: Optional[Tensor] = None
+    discriminator_loss: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+    prediction_logits: Optional[Tensor] = None
+    replaced_ids: Optional[Tensor] = None
+    replaced_labels: Optional[Tensor] = None
 
 
 def gumbel_sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
-    """One draw per row of softmax(logits) [rows, vocab] (Gumbel-max), without gradient."""
+    """One draw per row of softmax(logits) [rows, V] (Gumbel-max), without gradient."""
     device = generator.device if generator is not None else logits.device
     # rand(shape, generator=None) cannot trace a data-dependent row count; uniform_ can.
     uniform = torch.empty(logits.shape, device=device).uniform_(generator=generator).to(logits.device)
@@ -172,74 +245,123 @@ def gumbel_sample(logits: Tensor, generator: Optional[torch.Generator] = None) -
     return (logits.detach().float() + gumbel).argmax(-1)
 
 
-class ElectraForPreTraining(ElectraPreTrainedModel):
-    """Generator and discriminator trained together on shared embeddings.
+# Settings the shared embeddings fix: the generator's must equal the discriminator's.
+SHARED_SETTINGS = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size",
+                   "pad_token_id", "layer_norm_eps")
 
-    ``forward`` takes masked input_ids and their ``labels`` (original ids at masked
-    positions, -100 elsewhere), as fusedlm.models.mask_tokens gives them. The generator
-    predicts the masked positions (its logits built for those rows only); its samples
-    replace them (no gradient flows through the sampling); the discriminator tells
-    replaced tokens from originals over the real tokens. Checkpoints in transformers'
-    layout: ``model.generator`` and ``model.discriminator``.
+
+class ElectraForJointPreTraining(nn.Module):
+    """Generator (``generator``, an ElectraForMaskedLM) and discriminator
+    (``discriminator``, an ElectraForPreTraining) trained together on one embeddings
+    module (word, position and token type embeddings and their LayerNorm): the
+    discriminator's, which the generator uses too. Each keeps its own
+    ``embeddings_project``.
+
+    ``generator_config`` defaults to ``generator_config_for(config)``: the paper's
+    generator, 1/4 the discriminator's width. ``forward`` takes masked input_ids and
+    ``labels`` (original ids at masked positions, -100 elsewhere), as
+    fusedlm.models.mask_tokens gives them.
+
+    ``save_pretrained(folder)`` writes ``folder/generator`` (transformers'
+    ElectraForMaskedLM) and ``folder/discriminator`` (its ElectraForPreTraining), each
+    whole, embeddings included; ``from_pretrained(folder)`` reads both and shares the
+    discriminator's embeddings again. ``discriminator_weight`` is a training setting,
+    not saved.
     """
 
-    key_map = KeyMap()
-    ignored_keys = ()
-    tied_keys = tuple(f"generator.electra.embeddings.{name}" for name in (
-        "word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
-        "norm.weight", "norm.bias"))
-
-    def __init__(self, config: ElectraConfig):
+    def __init__(self, config: ElectraConfig, generator_config: Optional[ElectraConfig] = None,
+                 discriminator_weight: float = DISCRIMINATOR_WEIGHT):
         super().__init__()
-        self.config = config
-        self.discriminator = ElectraDiscriminator(config)
-        self.generator = ElectraGenerator(config.generator_config(),
-                                          embeddings=self.discriminator.electra.embeddings)
+        generator_config = generator_config or self.generator_config_for(config)
+        self._join(ElectraForMaskedLM(generator_config), ElectraForPreTraining(config), discriminator_weight)
+
+    @staticmethod
+    def generator_config_for(config: ElectraConfig, size: float = GENERATOR_SIZE) -> ElectraConfig:
+        """The discriminator's config with the encoder narrowed by ``size``: heads
+        round(heads * size) (at least 1) of the same head size, intermediate
+        round(intermediate * size); the embeddings and everything else unchanged."""
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0.0 < size <= 1.0:
+            raise ValueError(f"size must be in (0, 1], got {size!r}")
+        heads = max(1, round(config.num_attention_heads * size))
+        generator = copy.deepcopy(config)
+        generator.hidden_size = heads * (config.hidden_size // config.num_attention_heads)
+        generator.num_attention_heads = heads
+        generator.intermediate_size = max(1, round(config.intermediate_size * size))
+        return generator
+
+    @classmethod
+    def from_parts(cls, generator: ElectraForMaskedLM, discriminator: ElectraForPreTraining,
+                   discriminator_weight: float = DISCRIMINATOR_WEIGHT) -> "ElectraForJointPreTraining":
+        """Joins a generator and a discriminator as they are; the generator's embeddings
+        are replaced by the discriminator's."""
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model._join(generator, discriminator, discriminator_weight)
+        return model
+
+    def _join(self, generator: ElectraForMaskedLM, discriminator: ElectraForPreTraining,
+              discriminator_weight: float) -> None:
+        differ = [f"{name} (generator {getattr(generator.config, name)!r}, discriminator "
+                  f"{getattr(discriminator.config, name)!r})" for name in SHARED_SETTINGS
+                  if getattr(generator.config, name) != getattr(discriminator.config, name)]
+        if differ:
+            raise ValueError("the generator's config must match the discriminator's in what the shared "
+                             "embeddings fix: " + ", ".join(differ))
+        if (isinstance(discriminator_weight, bool) or not isinstance(discriminator_weight, (int, float))
+                or discriminator_weight < 0):
+            raise ValueError(f"discriminator_weight must be a non-negative number, got "
+                             f"{discriminator_weight!r}")
+        self.generator, self.discriminator = generator, discriminator
+        self.discriminator_weight = float(discriminator_weight)
+        generator.electra.embeddings = discriminator.electra.embeddings
+        generator.tie_weights()  # the generator's head onto the shared word embeddings
+
+    @property
+    def config(self) -> ElectraConfig:
+        """The discriminator's config (the model ELECTRA's pretraining is for)."""
+        return self.discriminator.config
+
+    @property
+    def generator_config(self) -> ElectraConfig:
+        return self.generator.config
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
                 labels: Optional[Tensor] = None,
-                generator: Optional[torch.Generator] = None) -> ElectraPreTrainingOutput:
+                generator: Optional[torch.Generator] = None) -> ElectraJointPreTrainingOutput:
+        """``generator``: the random generator of the samples (default: torch's)."""
         if labels is None or tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels must be given with input_ids' shape {tuple(input_ids.shape)} "
                              f"(original ids at masked positions, -100 elsewhere)")
-        generated = self.generator.electra(input_ids, attention_mask, token_type_ids, position_ids)
-        masked = labels != IGNORE_INDEX
-        word_embeddings = self.generator.electra.embeddings.word_embeddings.weight
-        _, logits = self.generator.head(generated.last_hidden_state[masked], word_embeddings)
-        generator_loss = ops.cross_entropy(logits, labels[masked])  # logits [masked, vocab]
+        gen = self.generator
+        hidden = gen.electra(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
+        masked = labels != IGNORE_INDEX  # [B, T]
+        # The generator's logits at the masked positions only: [M, V]
+        logits = gen.generator_lm_head(gen.generator_predictions(hidden[masked]))
+        generator_loss = ops.cross_entropy(logits, labels[masked])
 
         originals = torch.where(masked, labels, input_ids)
         replaced_ids = originals.masked_scatter(masked, gumbel_sample(logits, generator))
         replaced = (replaced_ids != originals).long()
         disc = self.discriminator(replaced_ids, attention_mask, token_type_ids, position_ids, labels=replaced)
-        loss = generator_loss + self.config.discriminator_weight * disc.loss
-        return ElectraPreTrainingOutput(loss=loss, generator_loss=generator_loss,
-                                        discriminator_loss=disc.loss, logits=disc.logits,
-                                        prediction_logits=logits, replaced_ids=replaced_ids,
-                                        replaced_labels=replaced)
+        loss = generator_loss + self.discriminator_weight * disc.loss
+        return ElectraJointPreTrainingOutput(loss=loss, generator_loss=generator_loss,
+                                             discriminator_loss=disc.loss, logits=disc.logits,
+                                             prediction_logits=logits, replaced_ids=replaced_ids,
+                                             replaced_labels=replaced)
 
+    def save_pretrained(self, folder, **kwargs) -> None:
+        """``folder/generator`` and ``folder/discriminator``, each through transformers'
+        save_pretrained (``kwargs`` go to both)."""
+        self.generator.save_pretrained(os.path.join(folder, "generator"), **kwargs)
+        self.discriminator.save_pretrained(os.path.join(folder, "discriminator"), **kwargs)
 
-class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):
-    """First token -> dropout -> dense -> GELU -> dropout -> out_proj: [batch, num_labels]."""
-
-    def __init__(self, config: ElectraConfig):
-        super().__init__(config)
-        self.classifier = nn.ModuleDict({"dense": nn.Linear(config.hidden_size, config.hidden_size),
-                                         "out_proj": nn.Linear(config.hidden_size, config.num_labels)})
-        self.dropout = classifier_dropout(config)
-        self.init_weights()
-
-    def classify(self, out: ModelOutput) -> Tensor:
-        x = F.dropout(out.last_hidden_state[:, 0], self.dropout, self.training)  # [batch, hidden]
-        pre, bias = lower(F.linear(x, self.classifier.dense.weight), self.classifier.dense.bias)
-        x = F.dropout(ops.bias_gelu(pre, bias), self.dropout, self.training)
-        return self.classifier.out_proj(x)
-
-
-class ElectraForTokenClassification(TokenClassificationMixin, ElectraTaskModel):
-    """dropout -> linear per token: logits [batch, seq, num_labels]; labels -100 are ignored."""
-
-
-class ElectraForQuestionAnswering(QuestionAnsweringMixin, ElectraTaskModel):
-    """Span extraction as BertForQuestionAnswering: start and end logits per token."""
+    @classmethod
+    def from_pretrained(cls, folder, discriminator_weight: float = DISCRIMINATOR_WEIGHT,
+                        **kwargs) -> "ElectraForJointPreTraining":
+        """The two folders save_pretrained writes, each through transformers'
+        from_pretrained (``kwargs`` go to both). The discriminator's embeddings are the
+        shared ones; the generator's copy is dropped."""
+        generator = ElectraForMaskedLM.from_pretrained(os.path.join(folder, "generator"), **kwargs)
+        discriminator = ElectraForPreTraining.from_pretrained(os.path.join(folder, "discriminator"), **kwargs)
+        return cls.from_parts(generator, discriminator, discriminator_weight)
