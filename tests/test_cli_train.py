@@ -19,8 +19,9 @@ from fusedlm.cli.distributed import Processes
 from fusedlm.cli.train import read_metrics
 from fusedlm.cli.tokenizer import load as load_tokenizer
 from fusedlm.models import (BertForMaskedLM, BertForSequenceClassification,
-                            BertForTokenClassification, ElectraDiscriminator,
-                            ElectraForPreTraining, ELMo, ElmoBiLM, GPTLMHeadModel)
+                            BertForTokenClassification, ElectraForJointPreTraining,
+                            ElectraForPreTraining, ELMo, ElmoBiLM)
+from fusedlm.models.gpt import GPT2LMHeadModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +48,7 @@ def test_gpt_pretrain_then_generate(capsys, tmp_path, corpus):
     assert [r["step"] for r in record] == list(range(1, 9))
     assert record[-1]["loss"] < record[0]["loss"] - 0.5
     assert record[-1]["tokens"] == 8 * 4 * 32 and record[0]["lr"] > record[-1]["lr"] > 0
-    model = GPTLMHeadModel.from_pretrained(out)
+    model = GPT2LMHeadModel.from_pretrained(out)
     assert model.config.n_layer == 2 and model.config.n_embd == 128 and model.config.n_head == 2
 
     code, text, err = run_cli(capsys, "generate", "--model", out, "--prompt", "Return the",
@@ -57,7 +58,8 @@ def test_gpt_pretrain_then_generate(capsys, tmp_path, corpus):
     # Greedy decoding is the model's own greedy continuation.
     tokenizer = load_tokenizer(out)
     ids = torch.tensor([tokenizer.encode("Return the").ids])
-    expect = model.eval().generate(ids, max_new_tokens=12)
+    eos = model.config.eos_token_id
+    expect = model.eval().generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=eos)
     assert text == "Return the" + tokenizer.decode(expect[0, ids.shape[1]:].tolist()) + "\n"
 
 
@@ -97,9 +99,9 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(capsys, tmp_path, corpu
                            "--log-every", 1, "--device", "cpu")
     assert code == 0, err
     assert losses(tmp_path / "resumed") == straight
-    model_class = registry.SPECS[model].heads["pretrain"]
-    weights = model_class.from_pretrained(tmp_path / "straight").state_dict()
-    for k, v in model_class.from_pretrained(tmp_path / "resumed").state_dict().items():
+    spec = registry.SPECS[model]
+    weights = spec.load_checkpoint(checkpoint.latest(tmp_path / "straight")).state_dict()
+    for k, v in spec.load_checkpoint(checkpoint.latest(tmp_path / "resumed")).state_dict().items():
         assert torch.equal(v, weights[k]), k
 
 
@@ -119,10 +121,11 @@ def test_failed_save_leaves_the_previous_checkpoint(capsys, tmp_path, corpus, mo
     assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-2"]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
     kept = out / "checkpoint-2"
-    assert {p.name for p in kept.iterdir()} == {"config.json", "model.safetensors",
-                                                "tokenizer.json", "trainer_state.pt"}
+    assert {p.name for p in kept.iterdir()} == {"config.json", "generation_config.json",
+                                                "model.safetensors", "tokenizer.json",
+                                                "trainer_state.pt"}
     assert checkpoint.load_state(kept)["step"] == 2
-    GPTLMHeadModel.from_pretrained(kept)
+    GPT2LMHeadModel.from_pretrained(kept)
     monkeypatch.undo()
     code, _, err = run_cli(capsys, "pretrain", "--resume", "--out", out, "--device", "cpu")
     assert code == 0, err
@@ -219,9 +222,9 @@ def test_fsdp_on_one_process_matches_and_resumes(capsys, tmp_path, corpus, monke
     assert [s for s, _ in sharded] == [1, 2, 3]
     for (_, a), (_, b) in zip(plain, sharded):
         assert abs(a - b) <= 1e-5 * abs(a), (plain, sharded)
-    model = GPTLMHeadModel.from_pretrained(tmp_path / "fsdp")
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "fsdp")
     assert model.lm_head.weight is model.transformer.wte.weight
-    expect = GPTLMHeadModel.from_pretrained(tmp_path / "plain").state_dict()
+    expect = GPT2LMHeadModel.from_pretrained(tmp_path / "plain").state_dict()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, expect[key], atol=1e-5, rtol=1e-4, msg=key)
     transformers = pytest.importorskip("transformers")
@@ -265,9 +268,9 @@ def test_fsdp_two_processes_match_one_and_resume(capsys, tmp_path, corpus):
         assert abs(a - b) <= 1e-5 * abs(a), (losses(one), losses(two))
     state = checkpoint.load_state(checkpoint.latest(two))
     assert state["settings"]["fsdp"] and len(state["rng"]) == 2
-    model = GPTLMHeadModel.from_pretrained(two)
+    model = GPT2LMHeadModel.from_pretrained(two)
     assert model.lm_head.weight is model.transformer.wte.weight
-    expect = GPTLMHeadModel.from_pretrained(one).state_dict()
+    expect = GPT2LMHeadModel.from_pretrained(one).state_dict()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, expect[key], atol=1e-5, rtol=1e-4, msg=key)
 
@@ -382,7 +385,8 @@ def test_finetune_learns_a_separable_task(capsys, tmp_path, bert, task):
     names = json.loads((out / "labels.json").read_text())
     assert names == (["neg", "pos"] if task == "classify" else ["NUM", "O", "PER"])
     model_class = BertForSequenceClassification if task == "classify" else BertForTokenClassification
-    assert model_class.from_pretrained(out).config.num_labels == len(names)
+    config = model_class.from_pretrained(out).config
+    assert config.num_labels == len(names) and list(config.id2label.values()) == names
 
 
 def test_finetune_bad_input(capsys, tmp_path, bert):
@@ -418,14 +422,20 @@ def test_electra_pretrain_exports_the_discriminator(capsys, tmp_path, corpus):
     assert code == 0, err
     record = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in record] == [1, 2, 3, 4] and record[-1]["loss"] < record[0]["loss"]
-    whole = ElectraForPreTraining.from_pretrained(checkpoint.latest(out))
-    exported = ElectraDiscriminator.from_pretrained(out)
+    whole = ElectraForJointPreTraining.from_pretrained(checkpoint.latest(out))
+    exported = ElectraForPreTraining.from_pretrained(out)  # the discriminator
     for name, value in exported.state_dict().items():
         assert torch.equal(value, whole.discriminator.state_dict()[name]), name
     lines = tmp_path / "lines.txt"
     lines.write_text("Return the value.\n")
     code, _, err = run_cli(capsys, "embed", "--model", out, lines, "--pool", "first", "--device", "cpu")
     assert code == 0, err
+    # The checkpoint's generator fills masks, with the checkpoint's tokenizer.
+    code, _, err = run_cli(capsys, "fill-mask", "--model", checkpoint.latest(out), "the [MASK]")
+    assert code == 2 and "holds two models; pass" in err
+    code, text, err = run_cli(capsys, "fill-mask", "--model", checkpoint.latest(out) / "generator",
+                              "the [MASK]", "--device", "cpu")
+    assert code == 0 and text.startswith("[MASK] 1: "), err
     code, _, err = run_cli(capsys, "pretrain", "--resume", "--out", out, "--steps", 5,
                            "--device", "cpu")
     assert code == 0, err
@@ -458,4 +468,4 @@ def test_elmo_pretrain_then_embed(capsys, tmp_path, corpus):
                   (["Return", "the", "value", "."], ["Raise", "ValueError"])]
     torch.testing.assert_close(vectors, torch.stack(expect), atol=1e-5, rtol=1e-5)
     code, _, err = run_cli(capsys, "fill-mask", "--model", out, "a [MASK]")
-    assert code == 2 and "fill-mask needs a bert model, not elmo" in err
+    assert code == 2 and "fill-mask needs a bert or electra model, not elmo" in err

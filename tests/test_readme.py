@@ -29,4 +29,5 @@ def test_electra_example_runs(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
     exec(compile(_python_block("ELECTRA"), "README.md", "exec"), {})
-    transformers.ElectraForPreTraining.from_pretrained(tmp_path / "tiny-electra")
+    transformers.ElectraForPreTraining.from_pretrained(tmp_path / "tiny-electra" / "discriminator")
+    transformers.ElectraForMaskedLM.from_pretrained(tmp_path / "tiny-electra" / "generator")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from .common import resolve_device
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     _writable("--plot", args.plot)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install matplotlib)")
-    result = bench.run(device, ops, models, quick=args.quick)
+    # The log named now: bench's default is the stderr of when it was first imported.
+    result = bench.run(device, ops, models, quick=args.quick, log=sys.stderr)
     print(report.table(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

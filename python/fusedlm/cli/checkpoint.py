@@ -4,8 +4,8 @@ schedule, loss scaler, random generators, data position, settings).
 
 A checkpoint is written into a hidden temporary folder and renamed into place, so a
 kill leaves either the old checkpoint or the new one, never half of one. The model and
-tokenizer are also exported to OUT itself (each file replaced atomically), so that
-``--model OUT`` reads the latest weights.
+tokenizer are also exported to OUT itself (saved into a temporary folder, then each
+file renamed over its old one), so that ``--model OUT`` reads the latest weights.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from typing import Optional
 
 import torch
 
-from ..models._pretrained import CONFIG_NAME, _atomic_write
 from . import tokenizer as tok
+from .common import atomic_write
+from .loading import CONFIG_NAME, quiet
 
 STATE_NAME = "trainer_state.pt"
 _NAME = re.compile(r"checkpoint-(\d+)")
@@ -55,9 +56,10 @@ def save(out, step: int, model, export, tokenizer, state: dict, keep: int = 1) -
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{final.name}."))
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; the checkpoint need not be
-        model.save_pretrained(tmp)
+        with quiet():
+            model.save_pretrained(tmp)
         _write_tokenizer(tmp, tokenizer)
-        _atomic_write(tmp / STATE_NAME, lambda f: torch.save(state, f))
+        atomic_write(tmp / STATE_NAME, lambda f: torch.save(state, f))
         if final.exists():  # saved at this step before (a re-run of the last step)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -66,9 +68,21 @@ def save(out, step: int, model, export, tokenizer, state: dict, keep: int = 1) -
         raise
     for old in checkpoints(out)[:-keep]:
         shutil.rmtree(old)
-    export.save_pretrained(out)
+    _export(out, export)
     _write_tokenizer(out, tokenizer)
     return final
+
+
+def _export(out: Path, model) -> None:
+    """``model.save_pretrained(out)``, each file renamed into place."""
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".export."))
+    try:
+        with quiet():
+            model.save_pretrained(tmp)
+        for file in sorted(tmp.iterdir()):
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_state(directory) -> dict:
@@ -76,7 +90,7 @@ def load_state(directory) -> dict:
 
 
 def _write_tokenizer(directory: Path, tokenizer) -> None:
-    _atomic_write(directory / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))
+    atomic_write(directory / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))
 
 
 def _umask() -> int:

@@ -1,14 +1,15 @@
-"""Pieces the commands share: devices, dtypes, and loading a model directory."""
+"""Pieces the commands share: devices, dtypes, atomic writes, and loading a model folder."""
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
-from ..models._pretrained import CONFIG_NAME, TORCH_WEIGHTS_NAME, WEIGHTS_NAME
-from . import registry
+from . import loading, registry
 from . import tokenizer as tok
 from .errors import UsageError
 
@@ -44,29 +45,56 @@ def resolve_device(name) -> torch.device:
     return device
 
 
-def read_model_type(directory) -> str:
-    """The model_type of a checkpoint directory, after checking it is one."""
+def atomic_write(path: Path, write) -> None:
+    """Writes through a temporary file in the same folder (``write(file)``), then renames
+    it over ``path``: a reader sees the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_config(directory) -> dict:
+    """The config.json of a model folder, after checking the folder holds weights."""
     directory = Path(directory)
     if not directory.is_dir():
         raise UsageError(f"--model {directory}: no such directory")
-    config = directory / CONFIG_NAME
+    config = directory / loading.CONFIG_NAME
     if not config.is_file():
-        raise UsageError(f"--model {directory}: not a checkpoint (no {CONFIG_NAME})")
-    if not ((directory / WEIGHTS_NAME).is_file() or (directory / TORCH_WEIGHTS_NAME).is_file()):
-        raise UsageError(f"--model {directory}: not a checkpoint (no {WEIGHTS_NAME})")
+        halves = [h for h in ("discriminator", "generator")
+                  if (directory / h / loading.CONFIG_NAME).is_file()]
+        if halves:  # an ELECTRA pretraining checkpoint holds the two models in folders
+            raise UsageError(f"--model {directory}: holds two models; pass "
+                             f"{' or '.join(str(directory / h) for h in halves)}")
+        raise UsageError(f"--model {directory}: not a checkpoint (no {loading.CONFIG_NAME})")
+    if not loading.holds_weights(directory):
+        raise UsageError(f"--model {directory}: not a checkpoint (no {loading.WEIGHT_FILES[0]})")
     try:
         values = json.loads(config.read_text())
     except (ValueError, OSError) as e:
-        raise UsageError(f"--model {directory}: unreadable {CONFIG_NAME} ({e})") from None
-    return values.get("model_type", "") if isinstance(values, dict) else ""
+        raise UsageError(f"--model {directory}: unreadable {loading.CONFIG_NAME} ({e})") from None
+    return values if isinstance(values, dict) else {}
 
 
-def load_model(directory, command: str, device: torch.device, *, strict: bool = True,
-               **config_changes):
-    """(spec, model, tokenizer) of a checkpoint directory, the model being the class that
-    serves ``command``, in eval mode on ``device``. ``strict=False`` lets a head the
-    checkpoint lacks start from its initialisation (fine-tuning a pretrained encoder)."""
-    model_type = read_model_type(directory)
+def read_model_type(directory) -> str:
+    """The model_type of a model folder, after checking it is one."""
+    return read_config(directory).get("model_type", "")
+
+
+def load_model(directory, command: str, device: torch.device, **config_changes):
+    """(spec, model, tokenizer) of a model folder (transformers' layout, sharded or not),
+    the model being the class that serves ``command``, chosen by config.json's
+    model_type, in eval mode on ``device``. What the command may leave out of the folder
+    or start afresh is the spec's :class:`~fusedlm.cli.loading.Head`; anything else is a
+    UsageError. ``config_changes`` go to the config (num_labels, ...)."""
+    config = read_config(directory)
+    model_type = config.get("model_type", "")
     spec = registry.by_model_type(model_type)
     if spec is None:
         raise UsageError(f"--model {directory}: holds a {model_type!r} model, which fusedlm "
@@ -75,12 +103,21 @@ def load_model(directory, command: str, device: torch.device, *, strict: bool = 
         can = sorted(s.name for s in registry.SPECS.values() if command in s.heads)
         raise UsageError(f"--model {directory}: {command} needs a {' or '.join(can)} model, "
                          f"not {spec.name}")
-    tokenizer = tok.load(directory)
-    model_class = spec.heads[command]
-    try:
-        config = dataclasses.replace(model_class.config_class.load(directory), **config_changes)
-        model = model_class.from_pretrained(directory, config=config, strict=strict)
-    except (ValueError, TypeError, OSError) as e:
-        raise UsageError(f"--model {directory}: {e}") from None
-    return spec, model.to(device).eval(), tokenizer
+    tokenizer = tok.load(_tokenizer_file(Path(directory)))
+    architectures = config.get("architectures") or [""]
+    loaded = loading.load(directory, spec.heads[command], holds=str(architectures[0]),
+                          **config_changes)
+    note = loaded.note()
+    if note:
+        print(f"fusedlm: {directory}: {note}", file=sys.stderr)
+    return spec, loaded.model.to(device).eval(), tokenizer
 
+
+def _tokenizer_file(directory: Path) -> Path:
+    """The folder's tokenizer.json; for one half of an ELECTRA pretraining checkpoint
+    (generator/, discriminator/), the checkpoint's."""
+    own = directory / tok.FILE_NAME
+    if not own.is_file() and directory.name in ("generator", "discriminator") \
+            and (directory.parent / tok.FILE_NAME).is_file():
+        return directory.parent / tok.FILE_NAME
+    return own

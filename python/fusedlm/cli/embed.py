@@ -1,25 +1,29 @@
-"""fusedlm embed: one vector per line of a text file, from a BERT or ELECTRA encoder,
+"""fusedlm embed: one vector per line of a text file, from a BERT or ELECTRA encoder
+(any of their transformers folders: the encoder is read, the heads left) or ELMo,
 written as .npy or .safetensors."""
 from __future__ import annotations
 
 import argparse
 import io
+import re
 import sys
 from pathlib import Path
 
 import torch
 
-from ..models._pretrained import WEIGHTS_NAME, _atomic_write
-from .common import load_model, positive_int, resolve_device
+from .common import atomic_write, load_model, positive_int, resolve_device
 from .corpus import decode
 from .errors import UsageError
+
+WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a model folder's (or shard's)
 
 
 def add_parser(commands) -> None:
     p = commands.add_parser("embed", help="vectors of the lines of a text file",
                             description="Encodes each non-empty line of FILE and writes one "
                                         "vector per line ([lines, hidden] float32) to --out.")
-    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint directory")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a BERT, ELECTRA or ELMo folder")
     p.add_argument("file", metavar="FILE", help="text, one sentence or passage per line")
     p.add_argument("--out", help="FILE.npy or FILE.safetensors (default: FILE with .npy)")
     p.add_argument("--pool", choices=("mean", "first"), default="mean",
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else source.with_suffix(".npy")
     if out.suffix not in (".npy", ".safetensors"):
         raise UsageError(f"--out {out}: the name must end in .npy or .safetensors")
-    if out.name == WEIGHTS_NAME:
+    if WEIGHTS.fullmatch(out.name):
         raise UsageError(f"--out {out}: that is a checkpoint's weights file; choose another name")
     if not source.is_file():
         raise UsageError(f"{source}: no such file")
@@ -77,4 +81,4 @@ def _write(path: Path, vectors: torch.Tensor) -> None:
         from safetensors.torch import save
 
         data = save({"embeddings": vectors})
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))

@@ -1,4 +1,5 @@
-"""fusedlm fill-mask: the most probable tokens at each [MASK] of a text (BERT)."""
+"""fusedlm fill-mask: the most probable tokens at each [MASK] of a text, from a masked
+LM (a BERT folder with its masked-LM head, or ELECTRA's generator)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,9 @@ def add_parser(commands) -> None:
                             description="Prints, for each [MASK] in TEXT, the --top-k most "
                                         "probable tokens and their probabilities, then TEXT "
                                         "with the best of each filled in.")
-    p.add_argument("--model", required=True, metavar="DIR", help="a BERT checkpoint directory")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a BERT folder with its masked-LM head (BertForMaskedLM, "
+                        "BertForPreTraining) or an ELECTRA generator folder")
     p.add_argument("text", help='e.g. "Paris is the [MASK] of France."')
     p.add_argument("--top-k", type=positive_int, default=5, help="candidates per mask (default 5)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")

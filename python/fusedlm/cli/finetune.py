@@ -1,6 +1,9 @@
 """fusedlm finetune: trains a pretrained BERT or ELECTRA with a classification head
 (--task classify: a label per text) or a tagging head (--task tag: a label per word),
-reporting accuracy and F1 on --eval after every epoch."""
+reporting accuracy and F1 on --eval after every epoch. The folder may be any of
+transformers' BERT or ELECTRA layouts: the task head starts new (for BERT's classifier,
+with the pooler when the folder has none), every other weight is the folder's, and its
+pretraining heads are left unread."""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ..models._pretrained import _atomic_write
 from . import checkpoint
 from . import tokenizer as tok
-from .common import DTYPES, load_model, positive_int, resolve_device
+from .common import DTYPES, atomic_write, load_model, positive_int, resolve_device
 from .distributed import Processes
 from .errors import UsageError
 from .labelled import accuracy, macro_f1, read_examples, tag_f1
+from .loading import quiet
 from .train import Trainer
 
 IGNORE_INDEX = -100
@@ -26,13 +29,16 @@ SCORES_NAME = "eval.json"
 
 def add_parser(commands) -> None:
     p = commands.add_parser("finetune", help="fine-tune a pretrained encoder to classify or tag",
-                            description="Fine-tunes a BERT or ELECTRA checkpoint on --train and "
+                            description="Fine-tunes a BERT or ELECTRA folder (the task head "
+                                        "starts new, every other weight is the folder's) on "
+                                        "--train and "
                                         "reports accuracy and F1 on --eval (macro F1 over the "
                                         "classes for classify; micro F1 over the tags other than "
                                         "O for tag). Files: CSV, TSV or JSONL with a text and a "
                                         "label column; for tag, words and labels are lists or "
                                         "space-separated strings of equal length.")
-    p.add_argument("--model", required=True, metavar="DIR", help="a BERT or ELECTRA checkpoint")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a BERT or ELECTRA folder (transformers' layout)")
     p.add_argument("--task", required=True, choices=("classify", "tag"))
     p.add_argument("--train", required=True, metavar="FILE")
     p.add_argument("--eval", required=True, metavar="FILE")
@@ -68,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--eval has labels --train lacks: {', '.join(unseen[:5])}")
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
-    spec, model, tokenizer = load_model(args.model, args.task, device, strict=False,
-                                        num_labels=len(names))
+    # The task head starts new; every other weight comes from the folder.
+    spec, model, tokenizer = load_model(args.model, args.task, device, num_labels=len(names),
+                                        id2label=dict(enumerate(names)),
+                                        label2id={name: i for i, name in enumerate(names)})
     if args.seq_len > spec.positions(model.config):
         raise UsageError(f"--seq-len {args.seq_len} is more than the model's "
                          f"{spec.positions(model.config)} positions")
@@ -96,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
         scores = {"epoch": epoch, "train_loss": sum(losses) / len(losses), **scores}
         print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in scores.items()))
-    model.save_pretrained(out)
-    _atomic_write(out / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))
-    _atomic_write(out / LABELS_NAME, lambda f: f.write(json.dumps(names).encode()))
-    _atomic_write(out / SCORES_NAME, lambda f: f.write(json.dumps(scores).encode()))
+    with quiet():
+        model.save_pretrained(out)
+    atomic_write(out / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))
+    atomic_write(out / LABELS_NAME, lambda f: f.write(json.dumps(names).encode()))
+    atomic_write(out / SCORES_NAME, lambda f: f.write(json.dumps(scores).encode()))
     print(f"saved to {out}")
     return 0
 

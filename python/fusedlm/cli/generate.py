@@ -1,4 +1,4 @@
-"""fusedlm generate: continues a prompt with a GPT checkpoint."""
+"""fusedlm generate: continues a prompt with a GPT-2 folder (transformers' generate)."""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +7,16 @@ import torch
 
 from .common import load_model, positive_int, resolve_device
 from .errors import UsageError
+from .loading import quiet
 
 
 def add_parser(commands) -> None:
     p = commands.add_parser("generate", help="continue a prompt with a GPT checkpoint",
                             description="Continues --prompt with the model in --model (greedy "
-                                        "with --temperature 0, else sampled) and prints the text.")
-    p.add_argument("--model", required=True, metavar="DIR", help="a GPT checkpoint directory")
+                                        "with --temperature 0, else sampled) until "
+                                        "--max-new-tokens or the end-of-text token, and prints "
+                                        "the text.")
+    p.add_argument("--model", required=True, metavar="DIR", help="a GPT-2 folder")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=positive_int, default=50)
     p.add_argument("--temperature", type=float, default=1.0,
@@ -41,9 +44,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--prompt is {len(ids)} tokens: with --max-new-tokens "
                          f"{args.max_new_tokens} that is more than the model's {room} positions")
     sample = args.temperature > 0
-    out = model.generate(torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
-                         do_sample=sample, temperature=args.temperature if sample else 1.0,
-                         top_k=args.top_k, top_p=args.top_p,
-                         generator=torch.Generator(device).manual_seed(args.seed))
+    # Every option is given (the folder's generation_config.json may say otherwise):
+    # greedy, or sampling with no top-k or top-p cut unless asked for.
+    options = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k or 0,
+                   top_p=args.top_p or 1.0) if sample else dict(do_sample=False)
+    eos = model.config.eos_token_id
+    prompt = torch.tensor([ids], device=device)
+    torch.manual_seed(args.seed)  # transformers' sampling draws from torch's generators
+    with quiet():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                             max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                             pad_token_id=eos, **options)
     print(args.prompt + tokenizer.decode(out[0, len(ids):].tolist()))
     return 0

@@ -168,7 +168,7 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     if resumed is None:
         model = spec.build(size, tokenizer, settings["dropout"])
     else:
-        model = spec.heads["pretrain"].from_pretrained(resumed)
+        model = spec.load_checkpoint(resumed)
     positions = spec.positions(model.config)
     if settings["seq_len"] > positions:
         raise UsageError(f"--seq-len {settings['seq_len']} is more than the model's {positions} "
@@ -228,7 +228,8 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
                            "elapsed_s": round(time.perf_counter() - began, 3)})
             since_log = []
         if done % save_every == 0 or done == settings["steps"]:
-            _save(out, done, spec, model, tokenizer, trainer, settings, blocks, device, processes)
+            _save(out, done, spec, model, tokenizer, trainer, settings, blocks, device, processes,
+                  fresh=functools.partial(spec.build, size, tokenizer, settings["dropout"]))
     progress.close()
     if processes.main:
         plot_losses(out)
@@ -238,7 +239,9 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     return 0
 
 
-def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, processes) -> None:
+def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, processes,
+          fresh) -> None:
+    """``fresh()``: a new model like the one trained, for a sharded one to be saved from."""
     rng = processes.gather(_rng(device))  # every process's, so each resumes its own stream
     # Gathered by every process under FSDP; the whole state is rank 0's.
     weights, trainer_state = processes.model_state(model), trainer.state_dict()
@@ -246,8 +249,8 @@ def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, 
         # Saving may draw random numbers (a model built for export): not from the run's.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if processes.fsdp:  # the sharded model cannot save itself: a whole copy does
-                model = spec.heads["pretrain"](model.config)
-                model.load_checked(weights)
+                model = fresh()
+                model.load_state_dict(weights)
             checkpoint.save(out, step, model, spec.export(model), tokenizer, {
                 "step": step, "settings": settings, "trainer": trainer_state, "rng": rng,
                 "data": fingerprint(blocks)})

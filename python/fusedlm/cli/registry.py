@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor
 
-from .. import models
+from . import loading
 from . import tokenizer as tok
 from .errors import UsageError
 
@@ -42,10 +43,13 @@ class ModelSpec:
     ``batch(blocks, tokenizer, generator)``: the inputs of a global micro-batch (dict of
     tensors whose first dimension is the batch; rows are split between processes).
     ``loss(model, inputs, generator)``: the training loss of one process's rows.
-    ``heads``: the model class each command loads (``pretrain``, ``generate``, ...).
+    ``heads``: how each command (``pretrain`` to resume, ``generate``, ``embed``, ...)
+    loads a folder: the class, and the parts that may start new or go unused.
     ``positions(config)``: the longest sequence the model takes.
     ``export(model)``: what pretraining leaves in the output folder for the other
     commands (the model itself, or the part of it that is used afterwards).
+    ``resume(folder)``: the model a pretraining checkpoint holds (default: the
+    ``pretrain`` head's).
     ``hidden(model, tokenizer, texts, device)``: the ``embed`` head's token vectors of a
     batch of texts: (float [batch, seq, width], bool mask [batch, seq] True = token,
     number of texts cut to the model's positions).
@@ -60,11 +64,18 @@ class ModelSpec:
     blocks: Callable
     batch: Callable
     loss: Callable
-    heads: Dict[str, type]
+    heads: Dict[str, loading.Head]
     positions: Callable
     export: Callable = lambda model: model
+    resume: Optional[Callable] = None
     hidden: Optional[Callable] = None
     layers: Optional[Callable] = None
+
+    def load_checkpoint(self, folder):
+        """The model a pretraining checkpoint holds, every tensor of it from the files."""
+        if self.resume is not None:
+            return self.resume(folder)
+        return loading.load(folder, self.heads["pretrain"], flag="--resume").model
 
 
 def token_ids(tokenizer, documents) -> list:
@@ -93,13 +104,17 @@ def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=())
 # GPT: byte-level BPE, documents separated by <|endoftext|>, every position a target.
 
 def _gpt_build(size: Size, tokenizer, dropout: Optional[float]):
+    from transformers import GPT2Config
+
+    from ..models.gpt import GPT2LMHeadModel
+
     eos = tok.special_id(tokenizer, tok.ENDOFTEXT)
     extra = {} if dropout is None else dict(resid_pdrop=dropout, embd_pdrop=dropout,
                                             attn_pdrop=dropout)
-    config = models.GPTConfig(vocab_size=tokenizer.get_vocab_size(), n_positions=1024,
-                              n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
-                              bos_token_id=eos, eos_token_id=eos, **extra)
-    return models.GPTLMHeadModel(config)
+    config = GPT2Config(vocab_size=tokenizer.get_vocab_size(), n_positions=1024,
+                        n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
+                        bos_token_id=eos, eos_token_id=eos, **extra)
+    return GPT2LMHeadModel(config)
 
 
 def _gpt_blocks(documents, tokenizer, seq_len: int) -> Tensor:
@@ -117,7 +132,9 @@ def _lm_loss(model, inputs: dict, generator: torch.Generator) -> Tensor:
 GPT = ModelSpec(
     name="gpt", model_type="gpt2", tokenizer="bpe", build=_gpt_build, blocks=_gpt_blocks,
     batch=_gpt_batch, loss=_lm_loss,
-    heads={"pretrain": models.GPTLMHeadModel, "generate": models.GPTLMHeadModel},
+    # The head is tied to the token embedding: a GPT2Model folder serves as well.
+    heads={"pretrain": loading.Head("gpt.GPT2LMHeadModel"),
+           "generate": loading.Head("gpt.GPT2LMHeadModel")},
     positions=lambda config: config.n_positions, layers=lambda model: list(model.transformer.h))
 
 
@@ -139,7 +156,9 @@ def _bert_blocks(documents, tokenizer, seq_len: int) -> Tensor:
 
 
 def _masked_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
-    input_ids, labels = models.mask_tokens(
+    from ..models import mask_tokens
+
+    input_ids, labels = mask_tokens(
         blocks, mask_token_id=tok.special_id(tokenizer, "[MASK]"),
         vocab_size=tokenizer.get_vocab_size(),
         special_token_ids=[tok.special_id(tokenizer, t) for t in tok.WORDPIECE_SPECIALS],
@@ -156,62 +175,111 @@ def _max_positions(config) -> int:
     return config.max_position_embeddings
 
 
-def _encoder_hidden(encoder: Callable) -> Callable:
-    """``hidden`` of a transformer encoder (``encoder(model)``): WordPiece, padded."""
-    def hidden(model, tokenizer, texts, device) -> tuple:
-        tokenizer.enable_truncation(_max_positions(model.config))
-        tokenizer.enable_padding(pad_id=tok.special_id(tokenizer, "[PAD]"), pad_token="[PAD]")
-        batch = tokenizer.encode_batch(texts)
-        ids = torch.tensor([e.ids for e in batch], device=device)
-        mask = torch.tensor([e.attention_mask for e in batch], device=device)
-        out = encoder(model)(ids, attention_mask=mask).last_hidden_state.float()
-        return out, mask.bool(), sum(bool(e.overflowing) for e in batch)
+def _encoder_hidden(model, tokenizer, texts, device) -> tuple:
+    """``hidden`` of a transformer encoder (BertModel, ElectraModel): WordPiece, padded."""
+    tokenizer.enable_truncation(_max_positions(model.config))
+    tokenizer.enable_padding(pad_id=tok.special_id(tokenizer, "[PAD]"), pad_token="[PAD]")
+    batch = tokenizer.encode_batch(texts)
+    ids = torch.tensor([e.ids for e in batch], device=device)
+    mask = torch.tensor([e.attention_mask for e in batch], device=device)
+    out = model(ids, attention_mask=mask).last_hidden_state.float()
+    return out, mask.bool(), sum(bool(e.overflowing) for e in batch)
 
-    return hidden
 
+def _bert_build(size: Size, tokenizer, dropout: Optional[float]):
+    from transformers import BertConfig
+
+    from ..models.bert import BertForMaskedLM
+
+    return BertForMaskedLM(_bert_config(BertConfig, size, tokenizer, dropout))
+
+
+# The parts of BERT's and ELECTRA's folders besides the encoder: the pretraining heads,
+# BERT's pooler and the fine-tuning heads. A command reads the ones it uses and may leave
+# the others unread; which of its own may start new is the Head's ``new``.
+BERT_HEADS = ("cls.", "pooler.", "classifier.", "qa_outputs.")
+ELECTRA_HEADS = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.",
+                 "classifier.", "qa_outputs.")
 
 BERT = ModelSpec(
     name="bert", model_type="bert", tokenizer="wordpiece",
-    build=lambda size, tokenizer, dropout: models.BertForMaskedLM(
-        _bert_config(models.BertConfig, size, tokenizer, dropout)),
+    build=_bert_build,
     blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
-    heads={"pretrain": models.BertForMaskedLM, "fill-mask": models.BertForMaskedLM,
-           "embed": models.BertForMaskedLM, "classify": models.BertForSequenceClassification,
-           "tag": models.BertForTokenClassification},
-    positions=_max_positions, hidden=_encoder_hidden(lambda model: model.bert),
-    layers=lambda model: list(model.bert.encoder.layers))
+    heads={"pretrain": loading.Head("bert.BertForMaskedLM"),
+           "fill-mask": loading.Head("bert.BertForMaskedLM", unused=BERT_HEADS,
+                                     what="masked-LM head",
+                                     hint="fill-mask needs a BertForMaskedLM or "
+                                          "BertForPreTraining folder"),
+           "embed": loading.Head("bert.BertModel", unused=BERT_HEADS,
+                                 kwargs={"add_pooling_layer": False}),
+           # The classifier reads the pooler, which a masked-LM folder has none of: then
+           # it is new too, part of the head being fine-tuned.
+           "classify": loading.Head("bert.BertForSequenceClassification", unused=BERT_HEADS,
+                                    new=("classifier.", "pooler.")),
+           "tag": loading.Head("bert.BertForTokenClassification", unused=BERT_HEADS,
+                               new=("classifier.",))},
+    positions=_max_positions, hidden=_encoder_hidden,
+    layers=lambda model: list(model.bert.encoder.layer))
+
+
+def _electra_build(size: Size, tokenizer, dropout: Optional[float]):
+    from transformers import ElectraConfig
+
+    from ..models.electra import ElectraForJointPreTraining
+
+    # ELECTRA-Small's 128-wide embeddings, projected up, below base size.
+    return ElectraForJointPreTraining(_bert_config(
+        ElectraConfig, size, tokenizer, dropout,
+        embedding_size=128 if size.hidden <= 256 else size.hidden))
+
+
+def _electra_resume(folder):
+    """A checkpoint's generator/ and discriminator/, joined again on the discriminator's
+    embeddings."""
+    from ..models.electra import ElectraForJointPreTraining
+
+    halves = [loading.load(Path(folder) / part, loading.Head(f"electra.{model}"),
+                           flag="--resume").model
+              for part, model in (("generator", "ElectraForMaskedLM"),
+                                  ("discriminator", "ElectraForPreTraining"))]
+    return ElectraForJointPreTraining.from_parts(*halves)
+
 
 ELECTRA = ModelSpec(
-    name="electra", model_type="electra", tokenizer="wordpiece",
-    # ELECTRA-Small's 128-wide embeddings, projected up, below base size.
-    build=lambda size, tokenizer, dropout: models.ElectraForPreTraining(_bert_config(
-        models.ElectraConfig, size, tokenizer, dropout,
-        embedding_size=128 if size.hidden <= 256 else size.hidden)),
+    name="electra", model_type="electra", tokenizer="wordpiece", build=_electra_build,
     blocks=_bert_blocks, batch=_masked_batch, loss=_electra_loss,
-    heads={"pretrain": models.ElectraForPreTraining, "embed": models.ElectraDiscriminator,
-           "classify": models.ElectraForSequenceClassification,
-           "tag": models.ElectraForTokenClassification},
+    heads={"fill-mask": loading.Head("electra.ElectraForMaskedLM", unused=ELECTRA_HEADS,
+                                     what="masked-LM head",
+                                     hint="fill-mask needs ELECTRA's generator (an "
+                                          "ElectraForMaskedLM folder), not its discriminator"),
+           "embed": loading.Head("electra.ElectraModel", unused=ELECTRA_HEADS),
+           "classify": loading.Head("electra.ElectraForSequenceClassification",
+                                    unused=ELECTRA_HEADS, new=("classifier.",)),
+           "tag": loading.Head("electra.ElectraForTokenClassification", unused=ELECTRA_HEADS,
+                               new=("classifier.",))},
     positions=_max_positions,
     # The discriminator is the model ELECTRA's pretraining is for (transformers'
-    # ElectraForPreTraining layout); the whole pair stays in the checkpoints.
-    export=lambda model: model.discriminator, hidden=_encoder_hidden(lambda model: model.electra),
+    # ElectraForPreTraining); the checkpoints keep both halves.
+    export=lambda model: model.discriminator, resume=_electra_resume, hidden=_encoder_hidden,
     # The embeddings both halves share stay in the root.
-    layers=lambda model: [*model.generator.electra.encoder.layers,
-                          *model.discriminator.electra.encoder.layers])
+    layers=lambda model: [*model.generator.electra.encoder.layer,
+                          *model.discriminator.electra.encoder.layer])
 
 
 # ELMo: words read as characters; a block holds, per word, its id in the softmax
 # vocabulary and its character ids ([blocks, seq_len, 1 + max characters]).
 
 def _elmo_build(size: Size, tokenizer, dropout: Optional[float]):
+    from ..models.elmo import ElmoBiLM, ElmoConfig
+
     projection = min(size.hidden, 512)
     small = size.hidden <= 128
-    config = models.ElmoConfig(
-        filters=[[1, 32], [2, 32], [3, 64], [4, 128]] if small else models.ElmoConfig().filters,
+    config = ElmoConfig(
+        filters=[[1, 32], [2, 32], [3, 64], [4, 128]] if small else ElmoConfig().filters,
         n_highway=1 if small else 2, projection_dim=projection,
         lstm_dim=4096 if projection == 512 else 4 * projection,
         vocab_size=tokenizer.get_vocab_size(), **({} if dropout is None else {"dropout": dropout}))
-    return models.ElmoBiLM(config)
+    return ElmoBiLM(config)
 
 
 def _elmo_words(tokenizer, texts) -> list:
@@ -223,13 +291,15 @@ def _elmo_words(tokenizer, texts) -> list:
 
 
 def _elmo_blocks(documents, tokenizer, seq_len: int) -> Tensor:
+    from ..models.elmo import word_to_char_ids
+
     # One row per distinct word ([id, characters...]), gathered into the word stream.
     rows, index, stream = [], {}, []
     for sentence in _elmo_words(tokenizer, documents):
         for word, i in sentence:
             if word not in index:
                 index[word] = len(rows)
-                rows.append([i, *models.elmo.word_to_char_ids(word)])
+                rows.append([i, *word_to_char_ids(word)])
             stream.append(index[word])
     n = len(stream) // seq_len
     if not rows:
@@ -246,16 +316,29 @@ def _elmo_loss(model, inputs: dict, generator: torch.Generator) -> Tensor:
     return model(inputs["char_ids"], inputs["word_ids"]).loss
 
 
+ELMO_NEW, ELMO_UNUSED = ("mixes.",), ("softmax_",)
+
+
 def _elmo_export(model):
     """The ELMo (character encoder, biLSTM, fresh scalar mixes) of a trained biLM."""
-    elmo = models.ELMo(model.config)
-    elmo.load_checked(model.state_dict(), strict=False)
+    from ..models.elmo import ELMo
+
+    elmo = ELMo(model.config)
+    missing, unexpected = elmo.load_state_dict(model.state_dict(), strict=False)
+    # All but the mixes come from the biLM; all of it but the word softmax is used.
+    left = [k for k in missing if not k.startswith(ELMO_NEW)]
+    left += [k for k in unexpected if not k.startswith(ELMO_UNUSED)]
+    if left:
+        raise RuntimeError(f"the biLM and ELMo differ in more than the mixes and the "
+                           f"softmax: {', '.join(left)}")
     return elmo
 
 
 def _elmo_hidden(model, tokenizer, texts, device) -> tuple:
+    from ..models.elmo import batch_to_ids
+
     words = [[w for w, _ in sentence] for sentence in _elmo_words(tokenizer, texts)]
-    char_ids = models.elmo.batch_to_ids(words, model.config.max_characters_per_token)
+    char_ids = batch_to_ids(words, model.config.max_characters_per_token)
     out = model(char_ids.to(device))
     return out.last_hidden_state.float(), out.mask, 0
 
@@ -263,7 +346,10 @@ def _elmo_hidden(model, tokenizer, texts, device) -> tuple:
 ELMO = ModelSpec(
     name="elmo", model_type="elmo", tokenizer="words", build=_elmo_build, blocks=_elmo_blocks,
     batch=_elmo_batch, loss=_elmo_loss,
-    heads={"pretrain": models.ElmoBiLM, "embed": models.ELMo},
+    # ELMo's scalar mixes are its task head (a biLM folder has none); the word softmax
+    # only trains the biLM.
+    heads={"pretrain": loading.Head("elmo.ElmoBiLM"),
+           "embed": loading.Head("elmo.ELMo", new=ELMO_NEW, unused=ELMO_UNUSED)},
     positions=lambda config: sys.maxsize,  # an LSTM takes any length
     export=_elmo_export, hidden=_elmo_hidden,
     layers=lambda model: [*model.lstm.forward_layers, *model.lstm.backward_layers])

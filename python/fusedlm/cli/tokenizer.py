@@ -72,7 +72,9 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
 
 
 def load(path):
-    """The tokenizer of a file, or of a folder's tokenizer.json."""
+    """The tokenizer of a file, or of a folder's tokenizer.json. The file's padding and
+    truncation settings are dropped (a model folder's may pad every text to a fixed
+    length): each command sets its own."""
     path = Path(path)
     if path.is_dir():
         path = path / FILE_NAME
@@ -80,9 +82,12 @@ def load(path):
         raise UsageError(f"{path}: no tokenizer file")
     tk = _tokenizers()
     try:
-        return tk.Tokenizer.from_file(str(path))
+        tokenizer = tk.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
         raise UsageError(f"{path}: not a tokenizers file ({e})") from None
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
 
 
 def from_json(text: str):
