@@ -1,345 +1,502 @@
-"""GPT against transformers' GPT-2 on the same weights, checkpoints both ways, training,
-and generation over the KV cache."""
-import json
-import re
-import textwrap
-
+"""fusedlm.models' GPT-2 against transformers' GPT-2 of the same weights: outputs, losses
+and gradients on left- and right-padded batches, every forward argument, checkpoints both
+ways, generation through transformers' GenerationMixin over the fused KV cache, and each
+deliberate difference."""
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import fusedlm
-from fusedlm.models import GPTConfig, GPTLMHeadModel, GPTModel
-from fusedlm.models.gpt import KVCache, filter_logits
-from models_helpers import train
-from test_readme import _python_block
+from fusedlm.models.gpt import CACHE, GPT2LMHeadModel, GPT2Model
+from fusedlm.models.kv_cache import FusedKVCache
+from models_helpers import assert_rel, perturb
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-MAX_RELATIVE_ERROR = 1e-4  # float32, norm-wise
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
+VOCAB, PAD, EOS = 100, 0, 1
+LENGTHS = (9, 6, 2)
+TINY = dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def _config(**changes):
-    values = dict(vocab_size=101, n_positions=48, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
-    return GPTConfig(**(values | changes))
+    return transformers.GPT2Config(**{**TINY, **changes}, attn_implementation="eager")
 
 
-def _relative_error(actual, expected):
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+def _pair(cls=GPT2LMHeadModel, dtype=torch.float32, **changes):
+    """(ours, theirs) of the same random weights, in eval mode. Generation compares in
+    float64, where no two candidate tokens' scores are close enough for rounding to swap
+    them."""
+    theirs = getattr(transformers, cls.__name__)(_config(**changes)).to(dtype).eval()
+    perturb(theirs, 0.3)
+    ours = cls(_config(**changes)).to(dtype).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
 
 
-def _assert_near(actual, expected, name):
-    error = _relative_error(actual, expected)
-    assert error <= MAX_RELATIVE_ERROR, f"{name}: relative error {error:.3g}"
+def _padded(side: str, lengths=LENGTHS) -> dict:
+    """Random ids padded (PAD) on ``side`` to the longest of ``lengths``, and the attention_mask."""
+    seq = max(lengths)
+    real = torch.arange(seq) < torch.tensor(lengths)[:, None]
+    if side == "left":
+        real = real.flip(1)
+    ids = torch.randint(2, VOCAB, (len(lengths), seq)).masked_fill(~real, PAD)
+    return {"input_ids": ids, "attention_mask": real.long()}
 
 
-def _hf_copy(model, directory):
-    """transformers' GPT2LMHeadModel loaded from the directory this model writes."""
-    model.save_pretrained(directory)
-    hf = transformers.GPT2LMHeadModel.from_pretrained(directory, attn_implementation="eager")
-    return hf.train(model.training)
+def _labels(batch: dict) -> torch.Tensor:
+    """The ids as labels, ignored (-100) where the token or the one before it is padding: a
+    prediction made at a padding position is not the model's (see
+    test_outputs_at_padding_positions_are_the_fused_kernels)."""
+    real = batch["attention_mask"].bool()
+    seen = real & torch.cat([real[:, :1], real[:, :-1]], dim=1)
+    return batch["input_ids"].masked_fill(~seen, -100)
 
 
-def _tokens(batch, seq, vocab):
-    return torch.randint(2, vocab, (batch, seq))
+def _with_backend(backend, run):
+    fusedlm.set_backend(backend)
+    try:
+        return run()
+    finally:
+        fusedlm.set_backend(None)
 
 
-def test_parity_with_transformers(tmp_path):
-    model = GPTLMHeadModel(_config())
-    hf = _hf_copy(model, tmp_path)
-    ids = _tokens(3, 17, 101)
-    labels = ids.clone()
-    labels[0, :5] = -100
-    mask = torch.ones_like(ids)
-    mask[1, 12:] = 0  # right padding: the real tokens' outputs are defined in both
-
-    out = model(ids, mask, labels=labels, return_logits=True)
-    expected = hf(ids, attention_mask=mask, labels=labels)
-    real = mask.bool()
-    _assert_near(out.logits[real], expected.logits[real], "logits")
-    hidden = model.transformer(ids, mask).last_hidden_state
-    hf_hidden = hf.transformer(ids, attention_mask=mask).last_hidden_state
-    _assert_near(hidden[real], hf_hidden[real], "last_hidden_state")
-
-    # Loss and every parameter's gradient, without padding.
-    out = model(ids, labels=labels)
-    expected = hf(ids, labels=labels)
-    _assert_near(out.loss, expected.loss, "loss")
-    out.loss.backward()
-    expected.loss.backward()
-    ours = model.key_map.to_theirs({n: p.grad for n, p in model.named_parameters()})
-    theirs = dict(hf.named_parameters())
-    assert set(ours) == set(theirs)
-    for name, grad in ours.items():
-        _assert_near(grad, theirs[name].grad, f"grad of {name}")
+def _enable_checkpointing(model, **options) -> None:
+    """transformers' activation_checkpointing_enable (gradient_checkpointing_enable up to 5.17)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(**options)
 
 
-def test_training_with_labels_builds_no_logits():
-    model = GPTLMHeadModel(_config()).train()
-    ids = _tokens(2, 9, 101)
-    out = model(ids, labels=ids)
-    assert out.logits is None and out.loss is not None  # the fused loss never built them
-    assert model(ids, labels=ids, return_logits=True).logits.shape == (2, 9, 101)
-    assert model.eval()(ids, labels=ids).logits.shape == (2, 9, 101)
+def _assert_same_grads(ours, theirs, tol: float) -> None:
+    expected = dict(theirs.named_parameters())
+    assert {n for n, _ in ours.named_parameters()} == set(expected)
+    # c_attn's key biases have zero gradients in exact arithmetic (softmax ignores a shift
+    # of a row): rounding noise, small next to the largest gradient.
+    floor = tol * max(p.grad.norm().item() for p in expected.values())
+    for name, p in ours.named_parameters():
+        assert_rel(p.grad, expected[name].grad, f"grad {name}", tol=tol, floor=floor)
 
 
-def test_gpt_model_loads_transformers_gpt2_model(tmp_path):
-    ids = _tokens(2, 9, 101)
-    hf_body = transformers.GPT2Model(transformers.GPT2Config(**_hf_fields(_config())))
-    hf_body.save_pretrained(tmp_path)
-    body = GPTModel.from_pretrained(tmp_path)
-    _assert_near(body(ids).last_hidden_state, hf_body(ids).last_hidden_state, "last_hidden_state")
+# --- outputs, losses and gradients -------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_eval_outputs_match_transformers_at_real_tokens(side, backend):
+    ours, theirs = _pair()
+    batch = _padded(side)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = theirs(**batch, output_hidden_states=True, output_attentions=True)
+        out = _with_backend(backend, lambda: ours(**batch, output_hidden_states=True))
+        weights = ours(**batch, output_attentions=True).attentions
+        body = _with_backend(backend, lambda: ours.transformer(**batch).last_hidden_state)
+    assert_rel(out.logits[real], expected.logits[real], "logits")
+    assert_rel(body[real], expected.hidden_states[-1][real], "GPT2Model's last_hidden_state")
+    assert len(out.hidden_states) == len(expected.hidden_states) == TINY["n_layer"] + 1
+    for i, (a, b) in enumerate(zip(out.hidden_states, expected.hidden_states)):
+        assert_rel(a[real], b[real], f"hidden_states[{i}]")
+    assert len(weights) == len(expected.attentions) == TINY["n_layer"]
+    for i, (a, b) in enumerate(zip(weights, expected.attentions)):  # (B, nh, T, T): real queries
+        assert_rel(a.transpose(1, 2)[real], b.transpose(1, 2)[real], f"attentions[{i}]")
 
 
-@pytest.mark.parametrize("setting", [dict(scale_attn_by_inverse_layer_idx=True),
-                                     dict(scale_attn_weights=False, n_inner=40)],
-                         ids=["inverse_layer_scale", "unscaled_n_inner"])
-def test_parity_with_transformers_attention_settings(tmp_path, setting):
-    model = GPTLMHeadModel(_config(**setting)).eval()
-    hf = _hf_copy(model, tmp_path)
-    ids = _tokens(2, 13, 101)
-    _assert_near(model(ids).logits, hf(ids).logits, "logits")
-    for name, value in setting.items():
-        assert getattr(hf.config, name) == value
-
-
-def _hf_fields(config):
-    return {k: v for k, v in config.to_dict().items() if k != "model_type"}
-
-
-def test_loads_transformers_checkpoints_with_old_mask_buffers(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**_hf_fields(_config())))
-    hf.save_pretrained(tmp_path)
-    # Older files carry each layer's causal mask as buffers: they are skipped.
-    weights = load_file(str(tmp_path / "model.safetensors"))
-    weights["transformer.h.0.attn.bias"] = torch.ones(1, 1, 48, 48)
-    weights["transformer.h.1.attn.masked_bias"] = torch.tensor(-1e4)
-    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    model = GPTLMHeadModel.from_pretrained(tmp_path).eval()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    ids = _tokens(2, 11, 101)
-    _assert_near(model(ids).logits, hf.eval()(ids).logits, "logits")
-    # And back: what fusedlm writes, transformers reads to the same tensors.
-    model.save_pretrained(tmp_path / "again")
-    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "again")
-    for name, p in hf.state_dict().items():
-        torch.testing.assert_close(again.state_dict()[name], p, rtol=0, atol=0, msg=name)
-    config = json.loads((tmp_path / "again" / "config.json").read_text())
-    assert config["model_type"] == "gpt2" and config["n_embd"] == 32
-
-
-def test_checkpoint_of_the_wrong_shape_names_the_tensor(tmp_path):
-    GPTLMHeadModel(_config()).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="transformer.wpe.weight"):
-        GPTLMHeadModel.from_pretrained(tmp_path, config=_config(n_positions=40))
-
-
-# --- training ------------------------------------------------------------------------------------
-
-def _corpus() -> torch.Tensor:
-    """Byte-level tokens of some of the standard library's docstrings."""
-    text = "\n".join(m.__doc__ for m in (json, re, textwrap, torch.nn.Module))
-    return torch.tensor(list(text.encode()), dtype=torch.long)
-
-
-def _batch(corpus, generator, batch=16, seq=32):
-    starts = torch.randint(0, corpus.numel() - seq, (batch,), generator=generator)
-    ids = torch.stack([corpus[s:s + seq] for s in starts.tolist()])
-    return {"input_ids": ids, "labels": ids}
-
-
-def _train(steps, backend=None, seed=0):
-    torch.manual_seed(seed)
-    model = GPTLMHeadModel(_config(vocab_size=256, n_embd=48, n_positions=32))
-    corpus = _corpus()
-    return train(model, lambda generator: _batch(corpus, generator), steps, backend, seed=seed)
-
-
-def test_the_model_trains():
-    losses = _train(60)
-    assert sum(losses[-10:]) / 10 < 0.8 * losses[0], losses[::10]
-
-
-def test_training_on_cpu_follows_the_reference():
-    cpu, ref = _train(20, "cpu"), _train(20, "reference")
-    torch.testing.assert_close(torch.tensor(cpu), torch.tensor(ref), rtol=2e-3, atol=0)
-
-
-def test_gradient_checkpointing_replays_dropout():
-    config = _config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-    ids = _tokens(2, 15, 101)
-    grads = []
-    for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = GPTLMHeadModel(config).train()
-        if checkpointed:
-            model.gradient_checkpointing_enable()
-        torch.manual_seed(1)
-        loss = model(ids, labels=ids).loss
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_training_step_matches_transformers(side, backend):
+    """Training mode, dropout 0: the loss and every gradient within 1e-5 of transformers',
+    and after one AdamW step on each, the same loss again."""
+    ours, theirs = _pair()
+    batch = _padded(side)
+    batch["labels"] = _labels(batch)
+    losses = []
+    for model in (ours.train(), theirs.train()):
+        loss = _with_backend(backend, lambda: model(**batch).loss)
         loss.backward()
-        grads.append([loss] + [p.grad for p in model.parameters()])
-    dropped = GPTLMHeadModel(config).eval()
-    assert grads[0][0] != dropped(ids, labels=ids).loss  # dropout did act
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+        losses.append(loss)
+    assert_rel(losses[0], losses[1], "loss", tol=1e-5)
+    _assert_same_grads(ours, theirs, tol=1e-5)
+    with torch.no_grad():
+        after = [_with_backend(backend, lambda: m(**batch).loss) for m in (ours, theirs)]
+    assert_rel(after[0], after[1], "loss after the step", tol=1e-5)
 
 
-def test_autocast_bfloat16():
-    model = GPTLMHeadModel(_config()).train()
-    ids = _tokens(2, 13, 101)
-    full = model(ids, labels=ids, return_logits=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = model(ids, labels=ids, return_logits=True)
-    assert low.logits.dtype == torch.bfloat16
-    assert abs(low.loss.item() - full.loss.item()) < 2e-2 * full.loss.item()
-    low.loss.backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all()
-               for p in model.parameters())
+@pytest.mark.parametrize("changes", [dict(scale_attn_by_inverse_layer_idx=True),
+                                     dict(scale_attn_weights=False, n_inner=40),
+                                     dict(activation_function="gelu_pytorch_tanh")],
+                         ids=["inverse_layer_scale", "unscaled_n_inner", "gelu_pytorch_tanh"])
+def test_other_supported_settings_match_transformers(changes):
+    ours, theirs = _pair(**changes)
+    batch = _padded("right")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        assert_rel(ours(**batch).logits[real], theirs(**batch).logits[real], "logits")
+
+
+# --- every forward argument ----------------------------------------------------------------------
+
+def test_inputs_embeds_position_ids_and_token_type_ids_match_transformers():
+    ours, theirs = _pair()
+    ids = torch.randint(2, VOCAB, (2, 7))
+    arguments = {"inputs_embeds": ours.transformer.wte(ids).detach(),
+                 "position_ids": torch.randint(0, 64, (2, 7)),
+                 "token_type_ids": torch.randint(0, VOCAB, (2, 7))}
+    with torch.no_grad():
+        for name, value in arguments.items():
+            inputs = {name: value} if name == "inputs_embeds" else {"input_ids": ids, name: value}
+            assert_rel(ours(**inputs).logits, theirs(**inputs).logits, f"logits with {name}")
+
+
+def test_a_cache_continues_the_sequence_as_transformers_does():
+    """Prompt then two steps: ours over its own FusedKVCache (the fused step) and over a
+    transformers DynamicCache (the unfused path), passed as cache or as past_key_values,
+    give transformers' logits."""
+    ours, theirs = _pair()
+    batch = _padded("left")
+    steps = torch.randint(2, VOCAB, (3, 2))
+    runs = {"fused": (ours, None), "dynamic": (ours, transformers.DynamicCache), "theirs": (theirs, None)}
+    logits = {}
+    with torch.no_grad():
+        for name, (model, cache_class) in runs.items():
+            cache = None if cache_class is None else cache_class()
+            out = model(**batch, **{CACHE: cache}, use_cache=True)
+            cache, mask, found = getattr(out, CACHE), batch["attention_mask"], [out.logits]
+            for t in range(steps.shape[1]):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = model(steps[:, t:t + 1], past_key_values=cache, attention_mask=mask)
+                cache = getattr(out, CACHE)
+                found.append(out.logits)
+            logits[name] = found
+    assert isinstance(cache, transformers.cache_utils.Cache)
+    real = batch["attention_mask"].bool()
+    for name in ("fused", "dynamic"):
+        assert_rel(logits[name][0][real], logits["theirs"][0][real], f"{name}: the prompt's logits")
+        for t in (1, 2):
+            assert_rel(logits[name][t], logits["theirs"][t], f"{name}: step {t}'s logits")
+
+
+def test_return_dict_use_cache_logits_to_keep_and_config_defaults():
+    ours, theirs = _pair()
+    ids = torch.randint(2, VOCAB, (2, 6))
+    with torch.no_grad():
+        out = ours(ids)
+        assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
+        assert isinstance(getattr(out, CACHE), FusedKVCache)  # config.use_cache
+        assert out["logits"] is out.logits is out[0]
+        as_tuple = ours(ids, return_dict=False)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == len(theirs(ids, return_dict=False)) == 2
+        torch.testing.assert_close(as_tuple[0], out.logits)
+        assert getattr(ours(ids, use_cache=False), CACHE) is None
+        assert_rel(ours(ids, logits_to_keep=2).logits, theirs(ids, logits_to_keep=2).logits, "kept logits")
+        for model in (ours, theirs):
+            model.config.update({"use_cache": False, "output_hidden_states": True})
+        ours.config.return_dict = False  # (transformers' own GPT-2 fails with it)
+        (ours_logits, ours_states), (their_logits, their_states) = ours(ids), theirs(ids, return_dict=False)
+        assert len(ours_states) == len(their_states) == TINY["n_layer"] + 1
+        assert_rel(ours_logits, their_logits, "logits under the config's defaults")
+        if hasattr(transformers.utils.output_capturing, "selected_hidden_states"):  # after 5.17
+            # output_hidden_states may name the states to keep; the others are None
+            selected = ours.transformer(ids, output_hidden_states=[0, -1], return_dict=True)
+            expected = theirs.transformer(ids, output_hidden_states=[0, -1], return_dict=True)
+            assert ([s is None for s in selected.hidden_states]
+                    == [s is None for s in expected.hidden_states] == [False, True, False])
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+CLASSES = {"ours": {"GPT2Model": GPT2Model, "GPT2LMHeadModel": GPT2LMHeadModel},
+           "theirs": {"GPT2Model": transformers.GPT2Model, "GPT2LMHeadModel": transformers.GPT2LMHeadModel}}
+
+
+@pytest.mark.parametrize("loaded", ["GPT2Model", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("saved", ["GPT2Model", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("writer", ["ours", "theirs"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_checkpoints_load_both_ways_as_transformers_loads_them(writer, saved, loaded, tied, tmp_path):
+    """A folder either library writes loads into either library's class with the same
+    weights and the same report of missing and unexpected keys."""
+    model = CLASSES[writer][saved](_config(tie_word_embeddings=tied))
+    perturb(model)
+    model.save_pretrained(tmp_path)
+    (ours, ours_info), (theirs, their_info) = (
+        CLASSES[side][loaded].from_pretrained(tmp_path, output_loading_info=True)
+        for side in ("ours", "theirs"))
+    assert ours_info == their_info
+    theirs_state = theirs.state_dict()
+    assert ours.state_dict().keys() == theirs_state.keys()
+    for name, tensor in ours.state_dict().items():
+        if name not in ours_info["missing_keys"]:  # a missing untied head is drawn at random
+            torch.testing.assert_close(tensor, theirs_state[name], rtol=0, atol=0, msg=name)
+    if loaded == "GPT2LMHeadModel":
+        assert (ours.lm_head.weight is ours.transformer.wte.weight) == tied
+
+
+def test_sharded_folders_and_dtype_load_both_ways(tmp_path):
+    ours, theirs = _pair()
+    ours.save_pretrained(tmp_path / "ours", max_shard_size="60KB")
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists()
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours", dtype=torch.bfloat16)
+    theirs.save_pretrained(tmp_path / "theirs", max_shard_size="60KB")
+    low = GPT2LMHeadModel.from_pretrained(tmp_path / "theirs", dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in low.parameters()} == {p.dtype for p in again.parameters()} == {torch.bfloat16}
+    for name, tensor in low.state_dict().items():
+        torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0, msg=name)
+    ids = torch.randint(2, VOCAB, (2, 8))
+    with torch.no_grad():
+        assert_rel(low(ids).logits.float(), ours(ids).logits, "bfloat16 logits", tol=2e-2)
+
+
+def test_missing_unexpected_and_old_mask_buffers_are_reported_as_transformers_does(tmp_path):
+    ours, _ = _pair()
+    ours.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["transformer.h.1.ln_2.bias"]
+    weights["transformer.h.0.attn.bias"] = torch.ones(1, 1, 64, 64)  # older files' causal masks
+    weights["transformer.h.1.attn.masked_bias"] = torch.tensor(-1e4)
+    weights["transformer.h.0.mlp.extra"] = torch.zeros(3)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _, ours_info = GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    _, their_info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert ours_info == their_info
+    assert ours_info["missing_keys"] == {"transformer.h.1.ln_2.bias"}
+    assert "transformer.h.0.mlp.extra" in ours_info["unexpected_keys"]
 
 
 # --- generation ----------------------------------------------------------------------------------
 
-def _generator_model():
-    """A model whose greedy continuations vary with the context: at GPT-2's initial scale a
-    tiny model mostly repeats its last token, which no position or padding error changes."""
-    return GPTLMHeadModel(_config(initializer_range=0.5)).eval()
+MODES = {"greedy": dict(do_sample=False),
+         "beam": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+         "sample": dict(do_sample=True)}  # top_k=50 etc.: the generation config's defaults
 
 
-def _left_padded(vocab=101):
-    ids = _tokens(3, 7, vocab)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    mask[2, :6] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    return ids, mask
+@pytest.mark.parametrize("mode", list(MODES))
+def test_generate_gives_transformers_tokens_on_a_left_padded_batch(mode):
+    ours, theirs = _pair(dtype=torch.float64)
+    batch = _padded("left", (7, 4, 2))
+    found = []
+    for model in (ours, theirs):
+        torch.manual_seed(0)
+        found.append(model.generate(**batch, max_new_tokens=8, **MODES[mode]))
+    assert torch.equal(found[0], found[1])
 
 
-def test_greedy_generation_with_cache_equals_recomputation_and_transformers(tmp_path):
-    model = _generator_model()
-    hf = _hf_copy(model, tmp_path).eval()
-    ids, mask = _left_padded()
-    cached = model.generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
-    recomputed = model.generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0,
-                                use_cache=False)
-    hf.generation_config.eos_token_id = None  # no stop token, as eos_token_id=[] here
-    expected = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                           pad_token_id=0)
-    assert cached.shape == (3, 19)
-    assert torch.equal(cached, recomputed)
-    assert torch.equal(cached, expected)
-
-    # Per-sequence stopping at a token sequence 0 produces at its third step.
-    stop = int(cached[0, 9])
-    stopped = model.generate(ids, mask, max_new_tokens=12, eos_token_id=stop, pad_token_id=0)
-    hf_stopped = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                             eos_token_id=stop, pad_token_id=0)
-    assert torch.equal(stopped, hf_stopped)
-    first_stop = (cached[0, 7:] == stop).nonzero()[0].item() + 7
-    assert (stopped[0, first_stop + 1:] == 0).all()
+def test_generate_decodes_through_attention_with_kvcache(monkeypatch):
+    ours, _ = _pair()
+    ours.generation_config.eos_token_id = None  # every step runs
+    calls = []
+    fused_step = fusedlm.ops.attention_with_kvcache
+    monkeypatch.setattr(fusedlm.ops, "attention_with_kvcache",
+                        lambda *a, **k: calls.append(a[0].shape) or fused_step(*a, **k))
+    out = ours.generate(**_padded("left"), max_new_tokens=5, return_dict_in_generate=True)
+    cache = getattr(out, CACHE)
+    assert isinstance(cache, FusedKVCache) and cache.get_seq_length() == 9 + 4
+    # One call per layer per forward: the prompt (9 queries), then one token at a time.
+    assert calls == [(3, 9, 4, 16)] * 2 + [(3, 1, 4, 16)] * 8
+    capacity = {layer.keys.shape[1] for layer in cache.layers}
+    assert capacity == {9 + 5 - 1}, "sized for the whole output up front, never grown"
 
 
-def test_sampling_is_reproducible_and_filters():
-    model = _generator_model()
-    ids, mask = _left_padded()
+def test_generate_with_other_caches_and_without_one_gives_the_same_tokens():
+    ours, theirs = _pair(dtype=torch.float64)
+    batch = _padded("left", (7, 4, 2))
+    expected = theirs.generate(**batch, max_new_tokens=6, do_sample=False)
+    for options in ({CACHE: transformers.DynamicCache()}, {"use_cache": False},
+                    {"cache_implementation": "static"}):
+        assert torch.equal(ours.generate(**batch, max_new_tokens=6, do_sample=False, **options),
+                           expected), options
 
-    def sample(seed, **options):
-        g = torch.Generator().manual_seed(seed)
-        return model.generate(ids, mask, max_new_tokens=10, do_sample=True, eos_token_id=[],
-                              generator=g, **options)
 
-    assert torch.equal(sample(3, temperature=1.5), sample(3, temperature=1.5))
-    assert not torch.equal(sample(3, temperature=5.0), sample(4, temperature=5.0))
-    greedy = model.generate(ids, mask, max_new_tokens=10, eos_token_id=[])
-    assert torch.equal(sample(5, top_k=1), greedy)
-    assert torch.equal(sample(5, top_p=1e-6), greedy)
+def test_generate_from_inputs_embeds_gives_transformers_tokens():
+    ours, theirs = _pair(dtype=torch.float64)
+    batch = _padded("left", (7, 4, 2))
+    embeds = theirs.transformer.wte(batch["input_ids"]).detach()
+    found = [m.generate(inputs_embeds=embeds, attention_mask=batch["attention_mask"], max_new_tokens=6,
+                        do_sample=False) for m in (ours, theirs)]
+    assert torch.equal(found[0], found[1]) and found[0].shape == (3, 6)
 
-    # Each token drawn with top_k=3 is among the 3 most likely after its prefix.
-    tokens = sample(6, top_k=3, temperature=3.0)
-    full_mask = torch.cat([mask, torch.ones(3, 10, dtype=mask.dtype)], dim=1)
-    positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+
+class Recorder(transformers.generation.streamers.BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+class StopAtLength(transformers.StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_a_streamer_receives_the_tokens_and_a_stopping_criterion_stops():
+    ours, theirs = _pair(dtype=torch.float64)
+    prompt = torch.randint(2, VOCAB, (1, 5))
+    stop = transformers.StoppingCriteriaList([StopAtLength(5 + 4)])
+    found = []
+    for model in (ours, theirs):
+        streamer = Recorder()
+        out = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                             streamer=streamer, stopping_criteria=stop)
+        found.append((out, streamer.tokens))
+        assert out.shape == (1, 9) and streamer.ended
+        assert streamer.tokens[0] == prompt.tolist() and sum(streamer.tokens[1:], []) == out[0, 5:].tolist()
+    assert torch.equal(found[0][0], found[1][0]) and found[0][1] == found[1][1]
+
+
+def test_the_text_generation_pipeline_gives_transformers_text():
+    tokenizers = pytest.importorskip("tokenizers")
+    words = "the a film plot was is great dull moving actors who went to paris and london".split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>"] + words)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                                     eos_token="<eos>", unk_token="<unk>")
+    ours, theirs = _pair(vocab_size=len(vocab))
+    prompts = ["the film was", "actors who went to"]
+    texts = [transformers.pipeline("text-generation", model=m, tokenizer=tokenizer, device="cpu")(
+        prompts, max_new_tokens=6, do_sample=False) for m in (ours, theirs)]
+    assert texts[0] == texts[1]
+    assert texts[0][0][0]["generated_text"].startswith("the film was")
+
+
+def test_the_cache_grows_crops_and_selects_rows():
+    """Decoding token by token from an empty FusedKVCache (which doubles as it fills) gives
+    the logits of one forward over the whole sequence; after crop, batch_select_indices or
+    batch_repeat_interleave the next step still does."""
+    ours, _ = _pair()
+    ids = torch.randint(2, VOCAB, (3, 12))
     with torch.no_grad():
-        logits = model(tokens, full_mask, positions).logits[:, 6:-1]  # predicting tokens 7..
-    top3 = logits.topk(3, dim=-1).indices
-    assert (top3 == tokens[:, 7:, None]).any(-1).all()
-
-    logits = torch.randn(4, 50)
-    kept = filter_logits(logits, top_k=7).isfinite()
-    assert torch.equal(kept, logits >= logits.topk(7).values[:, -1:])
-    probs = logits.softmax(-1)
-    kept = filter_logits(logits, top_p=0.6).isfinite()
-    for row, keep in zip(probs, kept):
-        inside = row[keep]
-        # The kept tokens are the most probable ones, reach 0.6, and need their last one.
-        assert inside.min() >= row[~keep].max()
-        assert inside.sum() >= 0.6 and inside.sum() - inside.min() < 0.6
+        full = ours(ids, use_cache=False).logits
+        cache = FusedKVCache(ours.config)
+        steps = [ours(ids[:, t:t + 1], cache).logits for t in range(10)]
+        assert_rel(torch.cat(steps, dim=1), full[:, :10], "step by step")
+        assert {layer.keys.shape[1] for layer in cache.layers} == {16}  # 1, 2, 4, 8, 16
+        cache.crop(-3)
+        assert_rel(ours(ids[:, 7:11], cache).logits, full[:, 7:11], "after crop")
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        assert_rel(ours(ids[[2, 0], 11:12], cache).logits, full[[2, 0], 11:12], "selected rows")
+        cache.crop(-1)
+        cache.batch_repeat_interleave(2)
+        assert_rel(ours(ids[[2, 2, 0, 0], 11:12], cache).logits, full[[2, 2, 0, 0], 11:12], "repeated rows")
 
 
-def test_generation_under_torch_compile_matches():
-    # One decoding step through attention_with_kvcache traces without graph breaks.
-    model = GPTLMHeadModel(_config()).eval()
-    ids = _tokens(2, 5, 101)
+# --- the deliberate differences, training features and refusals ---------------------------------
+
+def test_training_with_labels_builds_no_logits_unless_asked():
+    ours, _ = _pair()
+    ids = torch.randint(2, VOCAB, (2, 7))
+    ours.train()
+    out = ours(ids, labels=ids)
+    assert out.logits is None and out.loss is not None  # the fused loss never built them
+    assert ours(ids, labels=ids, return_logits=True).logits.shape == (2, 7, VOCAB)
+    assert ours(ids).logits.shape == (2, 7, VOCAB)  # no labels
+    ours.eval()
+    assert ours(ids, labels=ids).logits.shape == (2, 7, VOCAB)
+
+
+def test_outputs_at_padding_positions_are_the_fused_kernels():
+    """A left-padding position sees only padding: the fused attention gives it a row of
+    zeros where transformers averages the padding. output_attentions=True, the plain path,
+    computes transformers' values there too."""
+    ours, theirs = _pair()
+    batch = _padded("left")
+    padding = batch["attention_mask"] == 0
     with torch.no_grad():
-        caches = [KVCache.empty(model.config, 2, 8, model.lm_head.weight) for _ in range(2)]
-        for cache in caches:
-            model(ids, kv_cache=cache)
-            cache.seqlens += 5
-        step = torch.compile(lambda t, c: model(t, kv_cache=c).logits, fullgraph=True)
-        nxt = ids[:, -1:]
-        torch.testing.assert_close(step(nxt, caches[0]), model(nxt, kv_cache=caches[1]).logits)
+        fused, plain, expected = (ours(**batch).logits, ours(**batch, output_attentions=True).logits,
+                                  theirs(**batch).logits)
+    assert not torch.allclose(fused[padding], expected[padding], atol=1e-3)
+    assert_rel(plain[padding], expected[padding], "plain path at padding")
+    assert_rel(fused[~padding], expected[~padding], "fused path at real tokens")
 
 
-# --- bad input -----------------------------------------------------------------------------------
+def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
+    config = _config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    ids = torch.randint(2, VOCAB, (2, 11))
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config).train()
+        if checkpointed:
+            _enable_checkpointing(model)
+            assert model.transformer.gradient_checkpointing
+        torch.manual_seed(1)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads.append([loss] + [p.grad for p in model.parameters()])
+    assert grads[0][0] != model.eval()(ids, labels=ids).loss  # dropout did act
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
-def test_errors_name_the_argument():
-    model = GPTLMHeadModel(_config()).eval()
-    ids = _tokens(2, 5, 101)
-    with pytest.raises(ValueError, match="n_embd"):
-        _config(n_embd=30)
-    with pytest.raises(ValueError, match="activation_function"):
-        _config(activation_function="relu")
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        _config(tie_word_embeddings=False)
-    with pytest.raises(TypeError, match="input_ids"):
-        model(ids.float())
-    with pytest.raises(ValueError, match="input_ids"):
-        model(_tokens(1, 49, 101))
-    with pytest.raises(ValueError, match="labels"):
-        model(ids, labels=ids[:, 1:])
-    with pytest.raises(ValueError, match="attention_mask"):
-        model(ids, torch.ones(2, 4))
-    with pytest.raises(ValueError, match="position_ids"):
-        model(ids, position_ids=torch.arange(4)[None])
-    right_padded = torch.ones_like(ids)
-    right_padded[0, -1] = 0
-    all_padding = torch.ones_like(ids)
-    all_padding[1] = 0
-    with pytest.raises(ValueError, match="attention_mask"):
-        model(ids, torch.ones_like(ids), kv_cache=KVCache.empty(model.config, 2, 8, ids.float()))
-    bad = [({"attention_mask": right_padded}, "attention_mask"),
-           ({"attention_mask": all_padding}, "attention_mask"),
-           ({"max_new_tokens": 0}, "max_new_tokens"),
-           ({"max_new_tokens": 44}, "max_new_tokens"),
-           ({"temperature": 0.0}, "temperature"),
-           ({"top_k": 0}, "top_k"),
-           ({"top_p": 1.5}, "top_p")]
+
+def test_autocast_bfloat16_trains_close_to_float32():
+    ours, _ = _pair()
+    ours.train()
+    ids = torch.randint(2, VOCAB, (2, 13))
+    full = ours(ids, labels=ids, return_logits=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = ours(ids, labels=ids, return_logits=True)
+    assert low.logits.dtype == torch.bfloat16
+    assert abs(low.loss.item() - full.loss.item()) < 3e-2 * full.loss.item()
+    low.loss.backward()
+    assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in ours.parameters())
+
+
+def test_peft_lora_on_every_conv1d_gives_transformers_outputs():
+    """LoRA also wraps the MLP's Conv1D layers, which the fused MLP reads: they then run as
+    modules, so the adapters' deltas are never skipped."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                           lora_dropout=0.0, fan_in_fan_out=True, task_type="CAUSAL_LM")
+    wrapped = [peft.get_peft_model(m, lora) for m in _pair()]
+    adapters = {n: torch.randn_like(p) * 0.1 for n, p in wrapped[1].named_parameters() if "lora_" in n}
+    for model in wrapped:
+        model.load_state_dict(adapters, strict=False)
+    batch = _padded("right")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        a, b = (m(**batch).logits for m in wrapped)
+        with wrapped[0].disable_adapter():
+            plain = wrapped[0](**batch).logits
+    assert_rel(a[real], b[real], "LoRA logits")
+    assert not torch.allclose(plain, a), "the adapters changed nothing"
+
+
+@pytest.mark.parametrize("changes, name", [
+    (dict(add_cross_attention=True), "add_cross_attention"),
+    (dict(activation_function="relu"), "activation_function"),
+    (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
+    (dict(n_embd=62), "n_embd"),
+])
+def test_settings_the_fused_path_cannot_honour_are_refused_by_name(changes, name):
+    for cls in (GPT2Model, GPT2LMHeadModel):
+        with pytest.raises(ValueError, match=name):
+            cls(_config(**changes))
+
+
+def test_bad_calls_name_the_argument():
+    ours, _ = _pair()
+    ids = torch.randint(2, VOCAB, (2, 5))
+    bad = [(dict(attention_mask=torch.ones(2, 1, 5, 5)), "attention_mask"),
+           (dict(attention_mask=torch.ones(2, 4)), "attention_mask"),
+           (dict(labels=ids[:, 1:]), "labels"),
+           (dict(encoder_hidden_states=torch.randn(2, 3, 64)), "encoder_hidden_states"),
+           (dict(inputs_embeds=torch.randn(2, 5, 64)), "input_ids and inputs_embeds"),
+           (dict(logits_to_keep=torch.ones(2, 5, dtype=torch.bool)), "logits_to_keep"),
+           (dict(cache=FusedKVCache(ours.config), past_key_values=FusedKVCache(ours.config)),
+            "past_key_values")]
     for options, name in bad:
         with pytest.raises(ValueError, match=name):
-            model.generate(ids, **({"max_new_tokens": 3} | options))
-
-
-def test_readme_example_runs():
-    scope = {}
-    exec(compile(_python_block("GPT"), "README.md", "exec"), scope)
-    assert scope["out"].shape == (4, 24) and scope["loss"].item() > 0
-
-
-def test_exported_names():
-    assert {"GPTConfig", "GPTModel", "GPTLMHeadModel"} <= set(fusedlm.models.__all__)
+            ours(ids, **options)
+    with pytest.raises(ValueError, match="every_n_layers"):
+        _enable_checkpointing(ours, every_n_layers=2)
+    _enable_checkpointing(ours)
+    ours.train()
+    with pytest.raises(ValueError, match="use_cache"):
+        ours(ids, use_cache=True)

@@ -18,6 +18,8 @@ from .electra import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraFor
                       ElectraForQuestionAnswering, ElectraForSequenceClassification,
                       ElectraForTokenClassification, ElectraModel, ElectraPreTrainedModel)
 from .elmo import ELMo, ElmoBiLM, ElmoConfig
+from .gpt import GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
+from .kv_cache import FusedKVCache
 from .masking import mask_tokens
 
 __all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
@@ -25,4 +27,5 @@ __all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertPreTrainedModel", "ElectraForJointPreTraining", "ElectraForMaskedLM",
            "ElectraForPreTraining", "ElectraForQuestionAnswering", "ElectraForSequenceClassification",
            "ElectraForTokenClassification", "ElectraModel", "ElectraPreTrainedModel", "ELMo", "ElmoBiLM",
-           "ElmoConfig", "mask_tokens"]
+           "ElmoConfig", "FusedKVCache", "GPT2LMHeadModel", "GPT2Model", "GPT2PreTrainedModel",
+           "mask_tokens"]

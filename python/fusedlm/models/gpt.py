@@ -1,393 +1,422 @@
-"""GPT (the GPT-2 architecture) on fusedlm's ops, with checkpoints in transformers' layout.
+"""GPT-2 as a transformers model whose forward runs on fusedlm's fused ops.
 
-Pre-LN blocks whose residual adds are fused into the next LayerNorm: a block takes the
-residual stream and the previous sublayer's output x, and ``add_layer_norm`` returns
-both LayerNorm(dropout(x) + residual) and the new stream. Attention is
-``fusedlm.ops.attention`` (causal), the MLP ``fusedlm.ops.gelu_ffn`` (GELU tanh), the
-training loss ``fusedlm.ops.masked_lm_loss`` against the tied embedding, which never
-builds the [tokens, vocab] logits. ``generate`` decodes over a static KV cache with
-``fusedlm.ops.attention_with_kvcache``.
+GPT2Model and GPT2LMHeadModel take transformers' GPT2Config and have transformers'
+GPT-2 parameter names and shapes (Conv1D weights are [in, out]), so transformers'
+from_pretrained / save_pretrained move checkpoints both ways unchanged, forward returns
+transformers' output classes, and transformers' GenerationMixin generates. Inside:
 
-Shapes: B batch, T tokens, C n_embd, nh heads, hs head size (C = nh * hs), V vocab.
+- Pre-LN blocks whose residual adds happen inside the next LayerNorm:
+  fusedlm.nn.LayerNorm's ``norm(x, residual, dropout_p=p)`` returns LN(dropout(x) +
+  residual) and that sum, the residual stream, in one pass.
+- Causal attention is ops.attention; over a FusedKVCache (what generate decodes with)
+  ops.attention_with_kvcache writes the new keys and values into the cache in place.
+- The MLP is ops.gelu_ffn (GELU's tanh form) when autograd records, and two plain
+  products around a fused bias + GELU otherwise.
+- The LM loss is ops.masked_lm_loss: it projects only the labelled positions, never
+  building the [tokens, vocab] logits.
+
+Where the results differ from transformers' GPT-2, on purpose:
+- Outputs at padding positions whose query sees only padding (left padding) are what
+  the fused kernels give there (attention rows of zeros), not transformers' values
+  computed from padding; every output at a real token matches.
+- In training with labels, logits are None unless forward gets return_logits=True.
+- output_attentions=True runs attention in plain PyTorch (the fused kernels never
+  build the weights), as slow as transformers' eager attention.
+- attention_mask is 2-D (1 = token, 0 = padding): the kernels take key padding, not
+  4-D masks. Gradient checkpointing covers every block with torch's non-reentrant
+  checkpoint, and refuses a cache in the forwards it recomputes.
+
+Shapes: B batch, T new tokens, S = cached + new tokens, C n_embd, nh heads, hs head
+size (C = nh * hs), V vocab.
 """
-from __future__ import annotations
-
 import dataclasses
-from typing import Optional, Sequence, Union
+import math
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers import GenerationMixin, GPT2Config, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttentions,
+                                           CausalLMOutputWithCrossAttentions)
+from transformers.pytorch_utils import Conv1D
 
 from .. import ops
-from ..nn._autocast import lower, widen
-from ._pretrained import Config, KeyMap, KeyRule, PreTrainedModel
-from .outputs import CausalLMOutput, ModelOutput
+from ..nn import LayerNorm, is_plain_linear, padding_of, run_layers
+from ..nn._autocast import lower
+from ..nn.attention import attention_with_weights
+from .kv_cache import FusedKVCache
+
+IGNORE_INDEX = -100
+# transformers' names for GELU's tanh approximation, the form the fused MLP computes.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_python_tanh")
+# The cache's name in forward's arguments, the output classes and generate: transformers
+# renamed past_key_values to cache after 5.17.
+CACHE = ("cache" if "cache" in BaseModelOutputWithPastAndCrossAttentions.__dataclass_fields__
+         else "past_key_values")
+
+
+def check_config(config: GPT2Config) -> None:
+    """Settings the fused path cannot honour are refused, by name, never ignored."""
+    if config.activation_function not in TANH_GELUS:
+        raise ValueError(f"activation_function={config.activation_function!r}: fusedlm's GPT-2 "
+                         f"computes GELU's tanh form, one of {TANH_GELUS}")
+    if config.add_cross_attention:
+        raise ValueError("add_cross_attention=True: fusedlm's GPT-2 has no cross-attention")
+    if config.reorder_and_upcast_attn:
+        raise ValueError("reorder_and_upcast_attn=True is not supported: fusedlm's attention "
+                         "kernels choose their own accumulation")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
 
 
 @dataclasses.dataclass
-class GPTConfig(Config):
-    """transformers' GPT2Config fields (and defaults: GPT-2 small)."""
+class BlockArgs:
+    """What every block takes from one forward call."""
 
-    model_type = "gpt2"
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    n_inner: Optional[int] = None  # None: 4 * n_embd
-    activation_function: str = "gelu_new"
-    resid_pdrop: float = 0.1
-    embd_pdrop: float = 0.1
-    attn_pdrop: float = 0.1
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
-    bos_token_id: int = 50256
-    eos_token_id: int = 50256
-    scale_attn_weights: bool = True  # False: scores are q.k, unscaled
-    scale_attn_by_inverse_layer_idx: bool = False  # layer i's scores also divided by i + 1
-    tie_word_embeddings: bool = True
-
-    def __post_init__(self):
-        if not self.tie_word_embeddings:
-            raise ValueError("tie_word_embeddings must be True: GPT's head is its token embedding")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        # GPT-2's "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation.
-        if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation_function must be 'gelu_new' or 'gelu_pytorch_tanh', "
-                             f"got {self.activation_function!r}")
-
-
-@dataclasses.dataclass
-class KVCache:
-    """A static cache for generation: keys and values [n_layer, B, max_len, nh, hs] each,
-    the tokens already in it per sequence (int32 [B]), and each sequence's left padding."""
-
-    keys: Tensor
-    values: Tensor
-    seqlens: Tensor
-    leftpad: Optional[Tensor] = None
+    padding: Optional[Tensor]  # bool (B, S), True = padding; None: no padding
+    cache: Optional[Cache]
+    length: int  # S
+    fused: bool  # the cache is a FusedKVCache and any padding is on the left
+    leftpad: Optional[Tensor]  # int32 (B,): each row's leading padding, for the fused step
+    output_attentions: bool
+    output_hidden_states: bool
 
     @classmethod
-    def empty(cls, config: GPTConfig, batch: int, max_len: int, like: Tensor,
-              leftpad: Optional[Tensor] = None) -> "KVCache":
-        shape = (config.n_layer, batch, max_len, config.n_head, config.n_embd // config.n_head)
-        return cls(like.new_zeros(shape), like.new_zeros(shape),
-                   torch.zeros(batch, dtype=torch.int32, device=like.device), leftpad)
+    def of(cls, attention_mask: Optional[Tensor], cache: Optional[Cache], batch: int, length: int,
+           output_attentions: bool, output_hidden_states: bool) -> "BlockArgs":
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, length):
+            raise ValueError(f"attention_mask must be 2-D, (batch, cached + new tokens) = "
+                             f"{(batch, length)}, 1 = token, 0 = padding; got shape "
+                             f"{tuple(attention_mask.shape)}")
+        padding = padding_of(attention_mask)
+        fused = isinstance(cache, FusedKVCache) and not output_attentions
+        leftpad = None
+        if fused and padding is not None:
+            leftpad = _left_padding(padding)
+            fused = leftpad is not None
+        return cls(padding, cache, length, fused, leftpad, output_attentions,
+                   bool(output_hidden_states))
+
+
+def _left_padding(padding: Tensor) -> Optional[Tensor]:
+    """Each row's count of leading padding (int32 [B]) if padding (bool [B, S]) has no
+    other padding, else None."""
+    leading = padding.int().cumprod(1).sum(1)
+    return leading.int() if bool((padding.sum(1) == leading).all()) else None
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int):
+    def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.dropout = config.attn_pdrop
-        self.scale = (config.n_embd // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
+        C = config.n_embd
+        self.c_attn = Conv1D(3 * C, C)
+        self.c_proj = Conv1D(C, C)
+        self.n_head, self.layer_idx, self.dropout = config.n_head, layer_idx, config.attn_pdrop
+        self.scale = (C // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
-            self.scale /= layer + 1
+            self.scale /= layer_idx + 1
 
-    def forward(self, x: Tensor, padding: Optional[Tensor], cache: Optional[KVCache],
-                layer: int) -> Tensor:
+    def forward(self, x: Tensor, args: BlockArgs) -> tuple:
         B, T, C = x.shape
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)
-        q, k, v = qkv.unbind(2)  # (B, T, nh, hs)
-        if cache is None:
-            y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                              key_padding_mask=padding, scale=self.scale,
-                              dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
-            y = y.transpose(1, 2)
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # (B, T, nh, hs)
+        p = self.dropout if self.training else 0.0
+        weights = None
+        if args.fused and not q.requires_grad and p == 0.0:  # the fused step: no backward, no dropout
+            y = args.cache.layers[self.layer_idx].attend(q, k, v, args.leftpad, self.scale)
         else:
-            keys, values = cache.keys[layer], cache.values[layer]  # (B, max_len, nh, hs)
-            q, k, v = (t.to(keys.dtype) for t in (q, k, v))
-            y = ops.attention_with_kvcache(q, keys, values, cache.seqlens, k, v,
-                                           cache_leftpad=cache.leftpad, scale=self.scale)
-        return self.c_proj(y.reshape(B, T, C))
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+            if args.cache is not None:
+                # The cached keys and values, then these: (B, nh, S, hs). (A StaticCache
+                # returns its whole buffer.)
+                k, v = (t[:, :, :args.length] for t in args.cache.update(k, v, self.layer_idx))
+            if args.output_attentions:
+                y, weights = attention_with_weights(q, k, v, causal=True, key_padding_mask=args.padding,
+                                                    scale=self.scale, dropout_p=p)
+            else:
+                y = ops.attention(q, k, v, causal=True, key_padding_mask=args.padding,
+                                  scale=self.scale, dropout_p=p)
+            y = y.transpose(1, 2)
+        return self.c_proj(y.reshape(B, T, C)), weights
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPT2Config):
         super().__init__()
         inner = config.n_inner or 4 * config.n_embd
-        self.c_fc = nn.Linear(config.n_embd, inner)
-        self.c_proj = nn.Linear(inner, config.n_embd)
+        self.c_fc = Conv1D(inner, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, inner)
 
     def forward(self, x: Tensor) -> Tensor:
-        x, w1, b1, w2, b2 = lower(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                                  self.c_proj.bias)
-        return ops.gelu_ffn(x, w1, b1, w2, b2, approximate="tanh")
+        if not (_is_plain_conv1d(self.c_fc) and _is_plain_conv1d(self.c_proj)):
+            # an adapter's or a hook's product must run
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+        if torch.is_grad_enabled():
+            # One gelu_ffn, whose backward keeps only the pre-activation. It takes
+            # nn.Linear's [out, in] weights, so the backends copy these transposes at each
+            # call: little next to a training batch's products.
+            x, w1, b1, w2, b2 = lower(x, w1.t(), b1, w2.t(), b2)
+            return ops.gelu_ffn(x, w1, b1, w2, b2, approximate="tanh")
+        # Inference, often a decoding step's few rows, where copying the weights would cost
+        # more than the products: they read the Conv1D weights as they are.
+        pre, b1 = lower(F.linear(x, w1.t()), b1)
+        return F.linear(ops.bias_gelu(pre, b1, "tanh"), w2.t(), b2)
 
 
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm(dropout(x) + residual), returning the sum too: the residual add fused in."""
+def _is_plain_conv1d(module: nn.Module) -> bool:
+    """Whether module computes exactly Conv1D's product, so a fused op may read its weights:
+    not a subclass (an adapter) and no hooks (as fusedlm.nn.is_plain_linear)."""
+    return type(module) is Conv1D and not module._forward_hooks and not module._forward_pre_hooks
 
-    def forward(self, x: Tensor, residual: Optional[Tensor], dropout_p: float):
-        x, residual, weight, bias = widen(x, residual, self.weight, self.bias)
-        return ops.add_layer_norm(x, residual, weight, bias, self.eps, dropout_p=dropout_p)
+
+def add_norm(norm: LayerNorm, x: Tensor, residual: Optional[Tensor], dropout_p: float) -> tuple:
+    """(norm(dropout(x) + residual), dropout(x) + residual) in one fused op. With no residual
+    yet (the first block) x is the stream itself."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual, dropout_p=dropout_p)
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int):
+    """A pre-LN block whose residual adds happen in its LayerNorms: it takes the previous
+    sublayer's output x (B, T, C) and the residual stream before it, and returns its own
+    MLP's output and stream, then, when asked, its input hidden state (which ln_1
+    completes) and its attention weights."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
-        # Dropout of what enters the residual stream here: the embeddings' for the first
-        # block, the previous MLP's output for the others.
-        self.dropout_in = config.embd_pdrop if layer == 0 else config.resid_pdrop
         self.dropout = config.resid_pdrop
 
-    def forward(self, x: Tensor, residual: Optional[Tensor], padding: Optional[Tensor] = None,
-                cache: Optional[KVCache] = None, layer: int = 0):
-        # x: the previous sublayer's output (B, T, C), not yet added to the stream.
-        p_in, p = (self.dropout_in, self.dropout) if self.training else (0.0, 0.0)
-        h, residual = self.ln_1(x, residual, p_in)
-        h, residual = self.ln_2(self.attn(h, padding, cache, layer), residual, p)
-        return self.mlp(h), residual
+    def forward(self, x: Tensor, residual: Optional[Tensor], args: BlockArgs) -> tuple:
+        p = self.dropout if self.training else 0.0
+        h, hidden = add_norm(self.ln_1, x, residual, p)
+        a, weights = self.attn(h, args)
+        h, residual = self.ln_2(a, hidden, dropout_p=p)
+        # (Only when asked: the first block's hidden state is its input, which FSDP does
+        # not expect back.)
+        return self.mlp(h), residual, hidden if args.output_hidden_states else None, weights
 
 
-class GPTModel(PreTrainedModel):
-    """The transformer: embeddings, n_layer blocks, the final LayerNorm."""
+def _run_block(block: Block, h: tuple, args: BlockArgs) -> tuple:
+    x, residual = h[:2]
+    return block(x, residual, args)
 
-    config_class = GPTConfig
-    key_map = KeyMap([
-        KeyRule("h.*.attn.c_attn.weight", "h.*.attn.c_attn.weight", transpose=True),
-        KeyRule("h.*.attn.c_proj.weight", "h.*.attn.c_proj.weight", transpose=True),
-        KeyRule("h.*.mlp.c_fc.weight", "h.*.mlp.c_fc.weight", transpose=True),
-        KeyRule("h.*.mlp.c_proj.weight", "h.*.mlp.c_proj.weight", transpose=True),
-    ])
-    # Older GPT-2 checkpoints carry the causal mask as buffers.
-    ignored_keys = (r"h\.\d+\.attn\.(bias|masked_bias)",)
 
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections into the residual stream.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, std=config.initializer_range / (2 * config.n_layer) ** 0.5)
+class GPT2PreTrainedModel(PreTrainedModel):
+    config_class = GPT2Config
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block"]
+    _input_embed_layer = "wte"
+    # Older checkpoints carry each layer's causal mask as a buffer, h.N.attn.bias: skipped,
+    # as transformers' GPT-2 does.
+    _keys_to_ignore_on_load_unexpected = [r"attn\.bias"]
+
+    def __init__(self, config: GPT2Config, *args, **kwargs):
+        check_config(config)
+        super().__init__(config, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=self.config.initializer_range)
-        if isinstance(module, nn.Linear):
-            nn.init.zeros_(module.bias)
+        super()._init_weights(module)  # Linear and Embedding: normal(initializer_range); LayerNorm
+        std = self.config.initializer_range
+        if isinstance(module, Conv1D):
+            init.normal_(module.weight, std=std)
+            init.zeros_(module.bias)
+        if isinstance(module, (CausalSelfAttention, MLP)):
+            # GPT-2 starts the projections into the residual stream smaller: the stream
+            # sums 2 * n_layer of them.
+            init.normal_(module.c_proj.weight, std=std / math.sqrt(2 * self.config.n_layer))
 
-    def gradient_checkpointing_enable(self) -> None:
-        """Recompute each block in the backward instead of keeping its activations. The
-        dropout seeds come from torch's generator, whose state the recomputation replays."""
-        self.gradient_checkpointing = True
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.gradient_checkpointing = False
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                position_ids: Optional[Tensor] = None, *,
-                kv_cache: Optional[KVCache] = None) -> ModelOutput:
-        """input_ids (B, T); attention_mask (B, T), 1 = token, 0 = padding; position_ids
-        (B, T), by default 0 .. T - 1 (after the cache's tokens when decoding with kv_cache,
-        whose lengths the caller advances)."""
-        B, T = _check_ids(input_ids, self.config)
-        padding = _padding(attention_mask, (B, T))
-        if padding is not None and kv_cache is not None:
-            raise ValueError("attention_mask cannot be combined with kv_cache: the cache's leftpad "
-                             "marks the padding")
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-            if kv_cache is not None:
-                position_ids = position_ids + kv_cache.seqlens[:, None]
-        elif tuple(position_ids.shape) != (B, T):
-            raise ValueError(f"position_ids must have input_ids' shape {(B, T)}, "
-                             f"got {tuple(position_ids.shape)}")
-        x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
-        residual = None
-        for layer, block in enumerate(self.h):
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, residual = checkpoint(block, x, residual, padding, use_reentrant=False)
-            else:
-                x, residual = block(x, residual, padding, kv_cache, layer)
-        p = self.config.resid_pdrop if self.training else 0.0
-        hidden, _ = self.ln_f(x, residual, p)
-        return ModelOutput(last_hidden_state=hidden)
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint,
+                                    every_n_layers: int = 1) -> None:
+        # fusedlm.nn.run_layers checkpoints every block with torch's non-reentrant checkpoint
+        # (replaying the dropout seeds): other choices are refused rather than ignored.
+        func = getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func)
+        options = getattr(gradient_checkpointing_func, "keywords", {})
+        if enable and (every_n_layers != 1 or func is not checkpoint
+                       or options not in ({}, {"use_reentrant": False})):
+            raise ValueError("fusedlm's GPT-2 checkpoints every block with torch's non-reentrant "
+                             "checkpoint: every_n_layers, offload and checkpoint arguments are not "
+                             "supported")
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
 
-class GPTLMHeadModel(PreTrainedModel):
-    """GPTModel with the language-model head tied to the token embedding."""
+class GPT2Model(GPT2PreTrainedModel):
+    """The transformer: token and position embeddings, n_layer blocks, the final LayerNorm."""
 
-    config_class = GPTConfig
-    key_map = KeyMap([KeyRule(f"transformer.{r.ours}", f"transformer.{r.theirs}", r.transpose)
-                      for r in GPTModel.key_map.rules])
-    tied_keys = ("lm_head.weight",)
-    ignored_keys = tuple(rf"transformer\.{p}" for p in GPTModel.ignored_keys)
+    def __init__(self, config: GPT2Config):
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False  # transformers' checkpointing_enable sets it
+        self.post_init()
 
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.config = config
-        self.transformer = GPTModel(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        self.lm_head.weight = self.transformer.wte.weight
-
-    def gradient_checkpointing_enable(self) -> None:
-        self.transformer.gradient_checkpointing_enable()
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.transformer.gradient_checkpointing_disable()
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
-                position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
-                return_logits: bool = False, kv_cache: Optional[KVCache] = None) -> CausalLMOutput:
-        """labels (B, T) are input_ids' positions (shifted inside: position t predicts
-        token t + 1), -100 ignored. With labels in training the logits are not built
-        (logits=None) unless return_logits."""
-        hidden = self.transformer(input_ids, attention_mask, position_ids,
-                                  kv_cache=kv_cache).last_hidden_state  # (B, T, C)
-        loss = None
-        if labels is not None:
-            if tuple(labels.shape) != tuple(input_ids.shape):
-                raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, "
-                                 f"got {tuple(labels.shape)}")
-            h, weight = lower(hidden[:, :-1], self.lm_head.weight)
-            loss = ops.masked_lm_loss(h, weight, None, labels[:, 1:])
-        logits = None
-        if labels is None or return_logits or not self.training:
-            logits = self.lm_head(hidden)  # (B, T, V)
-        return CausalLMOutput(loss=loss, logits=logits, last_hidden_state=hidden,
-                              past_key_values=kv_cache)
-
-    @torch.no_grad()
-    def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *,
-                 max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_token_id: Union[int, Sequence[int], None] = None,
-                 pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 use_cache: bool = True) -> Tensor:
-        """Continues input_ids (B, T) by up to max_new_tokens tokens: (B, T + new).
-
-        A batch of prompts of different lengths is left-padded, with attention_mask (B,
-        T) 0 at the padding; positions count from each sequence's first real token. A
-        sequence stops at a token of eos_token_id (an id or several; default the
-        config's) and is filled with pad_token_id (default: the first eos id) after it;
-        generation ends when every sequence has stopped. Greedy unless do_sample, which
-        draws from softmax(logits / temperature) restricted to the top_k tokens and the
-        smallest set of top probability >= top_p, with ``generator``. use_cache=False
-        recomputes the whole prefix at every step (the cache's ground truth).
+    def forward(self, input_ids: Optional[Tensor] = None, cache: Optional[Cache] = None,
+                attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
+                encoder_hidden_states: Optional[Tensor] = None,
+                encoder_attention_mask: Optional[Tensor] = None, use_cache: Optional[bool] = None,
+                *, output_attentions: Optional[bool] = None,
+                output_hidden_states: Union[bool, int, list, None] = None,
+                return_dict: Optional[bool] = None,
+                past_key_values: Optional[Cache] = None) -> BaseModelOutputWithPastAndCrossAttentions:
+        """transformers' GPT2Model.forward. input_ids (B, T), or inputs_embeds (B, T, C);
+        cache: a transformers Cache holding earlier tokens (past_key_values, its name up to
+        transformers 5.17, is accepted too); attention_mask (B, S), 1 = token, 0 = padding; position_ids
+        (B or 1, T), by default counting on from the cache's length. use_cache (default
+        config.use_cache) returns the cache, a new FusedKVCache if none was given.
+        output_attentions computes the weights in plain PyTorch, not the fused kernels.
+        output_hidden_states: True, or the indices of the states to return (others None).
         """
-        B, T = _check_ids(input_ids, self.config)
-        _check_generation(max_new_tokens, temperature, top_k, top_p, T, self.config)
-        stops = _token_ids(self.config.eos_token_id if eos_token_id is None else eos_token_id,
-                           input_ids.device)
-        pad = pad_token_id if pad_token_id is not None else (int(stops[0]) if stops.numel() else 0)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        _padding(attention_mask, (B, T))
-        attention_mask = attention_mask.to(torch.bool)
-        leftpad = (T - attention_mask.sum(1)).to(torch.int32)  # (B,)
-        if bool((leftpad == T).any()):
-            raise ValueError("attention_mask: every sequence needs at least one token")
-        real = torch.arange(T, device=input_ids.device) >= leftpad[:, None]  # (B, T)
-        if not torch.equal(attention_mask, real):
-            raise ValueError("attention_mask must pad on the left only (0s, then 1s): generate "
-                             "appends tokens at the right")
-        positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
-        cache = None
-        if use_cache:
-            cache = KVCache.empty(self.config, B, T + max_new_tokens, self.lm_head.weight,
-                                  leftpad=leftpad)
-        tokens, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        step_ids, step_positions = input_ids, positions
-        for _ in range(max_new_tokens):
-            if use_cache:
-                logits = self(step_ids, position_ids=step_positions, kv_cache=cache).logits
-                cache.seqlens += step_ids.shape[1]
-            else:
-                logits = self(tokens, attention_mask, positions).logits
-            nxt = _next_token(logits[:, -1].float(), do_sample, temperature, top_k, top_p,
-                              generator)  # (B,)
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            done = done | torch.isin(nxt, stops)
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            step_ids, step_positions = nxt[:, None], positions[:, -1:] + 1
-            positions = torch.cat([positions, step_positions], dim=1)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-            if bool(done.all()):
-                break
-        return tokens
+        config = self.config
+        cache = _cache_argument(cache, past_key_values)
+        if encoder_hidden_states is not None or encoder_attention_mask is not None:
+            raise ValueError("encoder_hidden_states/encoder_attention_mask need cross-attention, "
+                             "which fusedlm's GPT-2 does not have")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if checkpointing and (use_cache or cache is not None):
+            raise ValueError("gradient checkpointing recomputes each block in the backward, which "
+                             "would write the cache twice: pass use_cache=False and no cache")
+        use_cache = (config.use_cache and not checkpointing) if use_cache is None else use_cache
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = config.output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
+
+        if inputs_embeds is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+            inputs_embeds = self.wte(input_ids)  # (B, T, C)
+        B, T = inputs_embeds.shape[:2]
+        if use_cache and cache is None:
+            cache = FusedKVCache(config)
+        past = 0 if cache is None else int(cache.get_seq_length())
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None]
+        x = inputs_embeds + self.wpe(position_ids)
+        if token_type_ids is not None:
+            x = x + self.wte(token_type_ids)  # GPT-2 embeds token types as tokens
+        x = self.drop(x)
+
+        args = BlockArgs.of(attention_mask, cache, B, past + T, output_attentions,
+                            output_hidden_states)
+        states = [] if output_hidden_states or output_attentions else None
+        x, residual, _, _ = run_layers(self.h, (x, None, None, None), args, step=_run_block,
+                                       checkpointing=checkpointing, states=states)
+        hidden, _ = add_norm(self.ln_f, x, residual, config.resid_pdrop if self.training else 0.0)
+
+        hidden_states = attentions = None
+        # states[i + 1] is block i's output: its input hidden state and attention weights.
+        if output_hidden_states:
+            hidden_states = _selected(tuple(s[2] for s in states[1:]) + (hidden,),
+                                      output_hidden_states)
+        if output_attentions:
+            attentions = tuple(s[3] for s in states[1:])
+        out = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden, hidden_states=hidden_states, attentions=attentions,
+            **{CACHE: cache if use_cache else None})
+        return out if return_dict else out.to_tuple()
 
 
-def filter_logits(logits: Tensor, top_k: Optional[int] = None,
-                  top_p: Optional[float] = None) -> Tensor:
-    """logits (B, V) with -inf outside each row's top_k tokens and outside the smallest set of
-    most probable tokens whose probability reaches top_p (the most probable one always kept)."""
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already reach top_p.
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
+class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
+    """GPT2Model and the language-model head, tied to the token embedding unless
+    config.tie_word_embeddings is False."""
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: GPT2Config):
+        super().__init__(config)
+        self.transformer = GPT2Model(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids: Optional[Tensor] = None, cache: Optional[Cache] = None,
+                attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None, inputs_embeds: Optional[Tensor] = None,
+                encoder_hidden_states: Optional[Tensor] = None,
+                encoder_attention_mask: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                use_cache: Optional[bool] = None, logits_to_keep: Union[int, Tensor] = 0, *,
+                output_attentions: Optional[bool] = None,
+                output_hidden_states: Union[bool, int, list, None] = None,
+                return_dict: Optional[bool] = None, return_logits: bool = False,
+                past_key_values: Optional[Cache] = None) -> CausalLMOutputWithCrossAttentions:
+        """transformers' GPT2LMHeadModel.forward (see GPT2Model.forward). labels (B, T) are
+        input_ids' positions, shifted inside (position t predicts token t + 1), -100
+        ignored. In training with labels the logits are not built (logits=None) unless
+        return_logits; logits_to_keep keeps the last n positions' logits (0: all)."""
+        out = self.transformer(input_ids, cache, attention_mask, token_type_ids, position_ids,
+                               inputs_embeds, encoder_hidden_states, encoder_attention_mask,
+                               use_cache, output_attentions=output_attentions,
+                               output_hidden_states=output_hidden_states, return_dict=True,
+                               past_key_values=past_key_values)
+        hidden = out.last_hidden_state  # (B, T, C)
+        loss = logits = None
+        if labels is not None:
+            loss = self._lm_loss(hidden, labels)
+        if labels is None or return_logits or not self.training:
+            if isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() != 1:
+                raise ValueError("logits_to_keep must be an int or a 1-D tensor of positions")
+            kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden[:, kept])  # (B, T or as kept, V)
+        result = CausalLMOutputWithCrossAttentions(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
+            **{CACHE: getattr(out, CACHE)})
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
+
+    def _lm_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """The mean cross-entropy of position t's prediction of labels[:, t + 1]; hidden (B, T, C)."""
+        if tuple(labels.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"labels must be (batch, seq) = {tuple(hidden.shape[:2])}, got shape "
+                             f"{tuple(labels.shape)}")
+        if not is_plain_linear(self.lm_head):  # an adapter's or a hook's product must run
+            logits = self.lm_head(hidden[:, :-1])
+            return ops.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(),
+                                     ignore_index=IGNORE_INDEX)
+        h, weight = lower(hidden[:, :-1], self.lm_head.weight)
+        return ops.masked_lm_loss(h, weight, None, labels[:, 1:], ignore_index=IGNORE_INDEX)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
+                                      batch_size: int, max_cache_length: int) -> None:
+        # generate's own default is a DynamicCache; decoding over a FusedKVCache sized for the
+        # whole output makes each step one attention_with_kvcache per layer. A cache passed
+        # in, use_cache=False and other cache_implementations stay transformers' to handle
+        # (their caches then run the unfused attention).
+        if (model_kwargs.get(CACHE) is None and generation_config.use_cache
+                and generation_config.cache_implementation in (None, "dynamic", "static")):
+            model_kwargs[CACHE] = FusedKVCache(self.config, max_cache_len=max_cache_length)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
+                                              batch_size, max_cache_length)
 
 
-def _next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: Optional[int],
-                top_p: Optional[float], generator: Optional[torch.Generator]) -> Tensor:
-    if not do_sample:
-        return logits.argmax(-1)
-    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+def _cache_argument(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
+    if past_key_values is not None:
+        if cache is not None:
+            raise ValueError("pass cache or past_key_values (its name up to transformers 5.17), not both")
+        cache = past_key_values
+    if cache is not None and not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a transformers Cache, got {type(cache).__name__}")
+    return cache
 
 
-def _check_ids(input_ids, config: GPTConfig) -> tuple:
-    if not isinstance(input_ids, Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError("input_ids must be an int64 or int32 tensor")
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be (batch, seq) with seq >= 1, got shape "
-                         f"{tuple(input_ids.shape)}")
-    if input_ids.shape[1] > config.n_positions:
-        raise ValueError(f"input_ids has {input_ids.shape[1]} tokens, more than n_positions = "
-                         f"{config.n_positions}")
-    return tuple(input_ids.shape)
-
-
-def _padding(attention_mask: Optional[Tensor], shape: tuple) -> Optional[Tensor]:
-    """The key padding mask (True = padding) of a transformers-style attention_mask."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != shape:
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask
-        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {shape}, got {got}")
-    return attention_mask == 0
-
-
-def _check_generation(max_new_tokens, temperature, top_k, top_p, prompt: int,
-                      config: GPTConfig) -> None:
-    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 1):
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if prompt + max_new_tokens > config.n_positions:
-        raise ValueError(f"the prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds n_positions = {config.n_positions}")
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
-
-
-def _token_ids(ids, device) -> Tensor:
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return torch.tensor(ids, dtype=torch.long, device=device)
+def _selected(states: tuple, which: Union[bool, int, list]) -> tuple:
+    """transformers' output_hidden_states: True keeps every state; an index or a list of
+    indices keeps those, the others None."""
+    if which is True:
+        return states
+    keep = {i % len(states) for i in ([which] if isinstance(which, int) else which)}
+    return tuple(s if i in keep else None for i, s in enumerate(states))
