@@ -31,3 +31,10 @@ def test_electra_example_runs(tmp_path, monkeypatch):
     exec(compile(_python_block("ELECTRA"), "README.md", "exec"), {})
     transformers.ElectraForPreTraining.from_pretrained(tmp_path / "tiny-electra" / "discriminator")
     transformers.ElectraForMaskedLM.from_pretrained(tmp_path / "tiny-electra" / "generator")
+
+
+def test_gpt2_example_runs(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_python_block("GPT-2"), "README.md", "exec"), {})
+    transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "tiny-gpt2")
