@@ -180,12 +180,12 @@ def electra(bench: Bench) -> Iterator[Case]:
 
 def gpt(bench: Bench) -> Iterator[Case]:
     z = sizes_for(bench)
-    # The default eos id (50256) lies outside this vocabulary, so both sides' greedy decoding
-    # always runs the full new_tokens steps.
+    # No eos id: both sides' greedy decoding runs the full new_tokens steps.
     import transformers
 
     config = transformers.GPT2Config(vocab_size=z.vocab, n_positions=2 * z.seq, n_embd=z.hidden,
-                                     n_layer=z.layers, n_head=z.heads, n_inner=z.ffn)
+                                     n_layer=z.layers, n_head=z.heads, n_inner=z.ffn, bos_token_id=None,
+                                     eos_token_id=None)
     model = models.GPT2LMHeadModel(config).to(bench.device)
     twin, skipped = _transformers_twin(model, "GPT2LMHeadModel", bench.device)
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=bench.device)
@@ -198,8 +198,7 @@ def gpt(bench: Bench) -> Iterator[Case]:
 
     def generate(m):
         out = m.eval().generate(prompt, attention_mask=mask, max_new_tokens=z.new_tokens,
-                                min_new_tokens=z.new_tokens, do_sample=False, use_cache=True,
-                                pad_token_id=0)
+                                do_sample=False, use_cache=True, pad_token_id=0)
         assert out.shape[1] == z.prompt + z.new_tokens
 
     steps = _ours(model, generate) | {name: _step(lambda m=m: generate(m)) for name, m in twin.items()}

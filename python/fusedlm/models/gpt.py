@@ -162,9 +162,10 @@ class MLP(nn.Module):
             x, w1, b1, w2, b2 = lower(x, w1.t(), b1, w2.t(), b2)
             return ops.gelu_ffn(x, w1, b1, w2, b2, approximate="tanh")
         # Inference, often a decoding step's few rows, where copying the weights would cost
-        # more than the products: they read the Conv1D weights as they are.
-        pre, b1 = lower(F.linear(x, w1.t()), b1)
-        return F.linear(ops.bias_gelu(pre, b1, "tanh"), w2.t(), b2)
+        # more than the products: they read the Conv1D weights [in, out] as they are.
+        x, w1, b1, w2, b2 = lower(x, w1, b1, w2, b2)
+        h = ops.bias_gelu(x @ w1, b1, "tanh")
+        return torch.addmm(b2, h.flatten(0, -2), w2).view(*h.shape[:-1], w2.shape[1])
 
 
 def _is_plain_conv1d(module: nn.Module) -> bool:

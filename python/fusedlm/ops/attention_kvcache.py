@@ -13,6 +13,7 @@ from torch import Tensor
 from ..backends import choose, kernel, planner
 from . import _validate as check
 from . import reference
+from ._direct import may_call_kernel
 from .attention import _check_head_dims, _resolve_scale, check_index_data
 
 
@@ -104,9 +105,12 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     if choice.backend == "reference":
         return reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                                 cache_leftpad=cache_leftpad, scale=scale)
+    scale = _resolve_scale(scale, q.shape[-1])
+    if may_call_kernel():
+        return kernel(choice.backend, "attention_with_kvcache").forward(
+            q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale)
     return torch.ops.fusedlm.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad,
-        _resolve_scale(scale, q.shape[-1]), choice.backend)
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale, choice.backend)
 
 
 @torch.library.custom_op("fusedlm::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))

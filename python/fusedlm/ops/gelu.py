@@ -12,6 +12,7 @@ from torch import Tensor
 from ..backends import choose, kernel, planner
 from . import _validate as check
 from . import reference
+from ._direct import may_call_kernel
 from ._dropout import next_seed
 
 APPROXIMATIONS = ("none", "tanh")
@@ -41,6 +42,8 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none
     choice = plan_bias_gelu(x, bias, approximate, backend=backend)
     if choice.backend == "reference":
         return reference.bias_gelu(x, bias, approximate)
+    if may_call_kernel():
+        return kernel(choice.backend, "bias_gelu").forward(x, bias, approximate)
     return torch.ops.fusedlm.bias_gelu(x, bias, approximate, choice.backend)
 
 

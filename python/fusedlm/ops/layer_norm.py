@@ -16,6 +16,7 @@ from torch import Tensor
 from ..backends import choose, kernel, planner
 from . import _validate as check
 from . import reference
+from ._direct import may_call_kernel
 from ._dropout import next_seed
 
 
@@ -61,6 +62,10 @@ def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tenso
     if choice.backend == "reference":
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p)
     seed = next_seed(dropout_p)
+    if may_call_kernel():
+        out, summed, _, _ = kernel(choice.backend, "add_layer_norm").forward(
+            x, residual, weight, bias, float(eps), float(dropout_p), seed)
+        return out, summed
     out, summed, _, _ = torch.ops.fusedlm.add_layer_norm(
         x, residual, weight, bias, float(eps), float(dropout_p), seed, choice.backend)
     return out, summed
