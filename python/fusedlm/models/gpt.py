@@ -154,16 +154,11 @@ class MLP(nn.Module):
         if not (_is_plain_conv1d(self.c_fc) and _is_plain_conv1d(self.c_proj)):
             # an adapter's or a hook's product must run
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-        w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
-        if torch.is_grad_enabled():
-            # One gelu_ffn, whose backward keeps only the pre-activation. It takes
-            # nn.Linear's [out, in] weights, so the backends copy these transposes at each
-            # call: little next to a training batch's products.
-            x, w1, b1, w2, b2 = lower(x, w1.t(), b1, w2.t(), b2)
-            return ops.gelu_ffn(x, w1, b1, w2, b2, approximate="tanh")
-        # Inference, often a decoding step's few rows, where copying the weights would cost
-        # more than the products: they read the Conv1D weights [in, out] as they are.
-        x, w1, b1, w2, b2 = lower(x, w1, b1, w2, b2)
+        # The products read the Conv1D weights [in, out] as they are (gelu_ffn takes
+        # nn.Linear's [out, in] and would copy their transposes at every call, forward and
+        # backward); the bias and GELU between them are one fused op.
+        x, w1, b1, w2, b2 = lower(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                                  self.c_proj.bias)
         h = ops.bias_gelu(x @ w1, b1, "tanh")
         return torch.addmm(b2, h.flatten(0, -2), w2).view(*h.shape[:-1], w2.shape[1])
 
