@@ -459,3 +459,12 @@ def test_bad_inputs_name_the_argument():
         mask_tokens(ids, mask_token_id=VOCAB, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="probability"):
         mask_tokens(ids, mask_token_id=MASK, vocab_size=VOCAB, probability=1.5)
+
+
+def test_a_masked_lm_loss_over_no_labelled_token_is_zero():
+    model = BertForMaskedLM(_config())
+    batch = _batch()
+    labels = torch.full_like(batch["input_ids"], -100)
+    for mode in (model.train(), model.eval()):
+        loss = call(mode, {**batch, "labels": labels}).loss
+        assert loss.item() == 0.0
