@@ -131,13 +131,15 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                           key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-                           dropout_p: float = 0.0) -> tuple:
+                           key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                           scale: Optional[float] = None, dropout_p: float = 0.0) -> tuple:
     """(softmax(q k^T * scale, masked) with dropout @ v, the attention weights), for q/k/v
-    [batch, heads, seq, head_dim] and key_padding_mask bool [batch, seq_k] (True =
-    padding): the plain-PyTorch path for callers that ask to see the weights, which the
-    fused kernels never materialise. Masked scores take the dtype's lowest value, as
-    transformers' eager attention does, so a row with every key masked is uniform."""
+    [batch, heads, seq, head_dim]: the plain-PyTorch path for callers that ask to see the
+    weights, which the fused kernels never materialise. key_padding_mask is bool [batch,
+    seq_k], True = padding; attn_mask, broadcastable to the scores [batch, heads, seq_q,
+    seq_k], is bool (True = may attend, as SDPA's) or added to the scores. Masked scores
+    take the dtype's lowest value, as transformers' eager attention does, so a row with
+    every key masked is uniform."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, heads, seq_q, seq_k]
     lowest = torch.finfo(scores.dtype).min
@@ -147,5 +149,9 @@ def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = Fa
         scores = scores.masked_fill(future, lowest)
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], lowest)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, lowest)
+    elif attn_mask is not None:
+        scores = scores + attn_mask.to(scores.dtype)
     weights = torch.softmax(scores, dim=-1)
     return torch.matmul(F.dropout(weights, dropout_p), v), weights

@@ -16,10 +16,10 @@ them: fused attention never does.
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import ops
+from ...nn.attention import attention_with_weights
 
 try:  # imported here, not where it is used: torch 2.11's compiler cannot trace the import
     from transformers import masking_utils
@@ -69,21 +69,10 @@ def _weights_wanted(kwargs) -> bool:
 
 def _eager(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], causal: bool,
            scaling: Optional[float], dropout: float):
-    """transformers' eager attention on either mask: masked scores take the dtype's lowest
-    value (a row with every key masked is then uniform, as there)."""
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # [batch, heads, seq_q, seq_k]
-    lowest = torch.finfo(scores.dtype).min
-    if causal and (mask is None or _is_compact(mask)):  # SDPA's full masks hold causality
-        seq_q, seq_k = scores.shape[-2:]
-        future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).triu(seq_k - seq_q + 1)
-        scores = scores.masked_fill(future, lowest)
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, lowest)
-    elif mask is not None:
-        scores = scores + mask.to(scores.dtype)
-    weights = torch.softmax(scores, dim=-1)
-    out = torch.matmul(F.dropout(weights, dropout), value)
+    """transformers' eager attention on either mask (SDPA's full masks hold causality)."""
+    out, weights = attention_with_weights(query, key, value, attn_mask=mask, scale=scaling,
+                                          causal=causal and (mask is None or _is_compact(mask)),
+                                          dropout_p=dropout)
     return out.transpose(1, 2), weights
 
 
