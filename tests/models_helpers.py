@@ -225,3 +225,29 @@ def assert_matches_transformers(cls, hf_cls, hf_config, batch: dict, loss_of, pe
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     with torch.no_grad():
         _compare_outputs(evaluated, call(again.eval(), batch), batch, per_token, per_sequence)
+
+
+def assert_attentions_and_outputs_match(ours, theirs, batch: dict, layers: int) -> None:
+    """With output_attentions and output_hidden_states, ours (the reference attention path)
+    gives theirs' weights and hidden states at real tokens and the fused path's logits;
+    the output indexes as transformers' (index, key, attribute, return_dict=False)."""
+    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        a = ours(**args, output_attentions=True, output_hidden_states=True)
+        b = theirs(**args, output_attentions=True, output_hidden_states=True)
+        plain = ours(**args)
+    assert type(a) is type(b)
+    assert len(a.attentions) == len(b.attentions) == layers
+    assert len(a.hidden_states) == len(b.hidden_states) == layers + 1
+    real = batch["attention_mask"].bool()
+    for x, y in zip(a.attentions, b.attentions):
+        assert x.shape == y.shape
+        # rows of real queries (a padding query's row differs in how the mask is added)
+        assert_rel(x.transpose(1, 2)[real], y.transpose(1, 2)[real], "attentions")
+    for x, y in zip(a.hidden_states, b.hidden_states):
+        assert_rel(x[real], y[real], "hidden_states")
+    at = (lambda t: t[real]) if a.logits.shape[:2] == real.shape else (lambda t: t)  # per token?
+    assert_rel(at(a.logits), at(plain.logits), "logits with and without attentions")
+    assert a[0] is a["logits"] is a.logits
+    tupled = ours(**args, return_dict=False)
+    assert isinstance(tupled, tuple) and torch.equal(tupled[0], plain.logits)

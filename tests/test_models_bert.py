@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_matches_transformers, assert_rel,
+from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_attentions_and_outputs_match,
+                            assert_matches_transformers, assert_rel,
                             assert_trains, call, masked, parity_batch, perturb, qa_reference_loss)
 from fusedlm.models import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
@@ -126,27 +127,7 @@ def test_inputs_embeds_position_ids_and_token_types_match_transformers():
 
 def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
     ours, theirs = _pair(BertForSequenceClassification)
-    batch = _batch()
-    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-    with torch.no_grad():
-        a = ours(**args, output_attentions=True, output_hidden_states=True)
-        b = theirs(**args, output_attentions=True, output_hidden_states=True)
-        plain = ours(**args)
-    assert type(a) is type(b)
-    assert len(a.attentions) == len(b.attentions) == TINY["num_hidden_layers"]
-    real = batch["attention_mask"].bool()
-    for x, y in zip(a.attentions, b.attentions):
-        assert x.shape == y.shape
-        # rows of real queries (a padding query's row differs in how the mask is added)
-        assert_rel(x.transpose(1, 2)[real], y.transpose(1, 2)[real], "attentions")
-    for x, y in zip(a.hidden_states, b.hidden_states):
-        assert_rel(x[real], y[real], "hidden_states")
-    # the reference path and the fused one agree
-    assert_rel(a.logits, plain.logits, "logits with and without attentions")
-    # transformers' output: index, key, attribute, and return_dict=False
-    assert a[0] is a["logits"] is a.logits
-    tupled = ours(**args, return_dict=False)
-    assert isinstance(tupled, tuple) and torch.equal(tupled[0], plain.logits)
+    assert_attentions_and_outputs_match(ours, theirs, _batch(), TINY["num_hidden_layers"])
 
 
 def test_config_output_flags_are_defaults():

@@ -5,7 +5,8 @@ checkpoints, its sampling, its training), and errors."""
 import pytest
 import torch
 
-from models_helpers import (Corpus, assert_matches_transformers, assert_rel, assert_trains, call, masked,
+from models_helpers import (Corpus, assert_attentions_and_outputs_match, assert_matches_transformers,
+                            assert_rel, assert_trains, call, masked,
                             parity_batch, perturb, qa_reference_loss)
 from fusedlm.models import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraForPreTraining,
                             ElectraForQuestionAnswering, ElectraForSequenceClassification,
@@ -135,26 +136,7 @@ def test_inputs_embeds_position_ids_and_token_types_match_transformers():
 
 def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
     ours, theirs = _pair(ElectraForPreTraining)
-    batch = _batch()
-    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-    with torch.no_grad():
-        a = ours(**args, output_attentions=True, output_hidden_states=True)
-        b = theirs(**args, output_attentions=True, output_hidden_states=True)
-        plain = ours(**args)
-    assert type(a) is type(b)
-    assert len(a.attentions) == len(b.attentions) == TINY["num_hidden_layers"]
-    real = batch["attention_mask"].bool()
-    for x, y in zip(a.attentions, b.attentions):
-        assert x.shape == y.shape
-        assert_rel(x.transpose(1, 2)[real], y.transpose(1, 2)[real], "attentions")
-    # the first is the projected embeddings [B, T, H], as transformers records it
-    assert len(a.hidden_states) == len(b.hidden_states) == TINY["num_hidden_layers"] + 1
-    for x, y in zip(a.hidden_states, b.hidden_states):
-        assert_rel(x[real], y[real], "hidden_states")
-    assert_rel(a.logits[real], plain.logits[real], "logits with and without attentions")
-    assert a[0] is a["logits"] is a.logits
-    tupled = ours(**args, return_dict=False)
-    assert isinstance(tupled, tuple) and torch.equal(tupled[0], plain.logits)
+    assert_attentions_and_outputs_match(ours, theirs, _batch(), TINY["num_hidden_layers"])
 
 
 # --- checkpoints -------------------------------------------------------------------------------
