@@ -4,7 +4,6 @@ import copy
 import inspect
 import re
 
-import pytest
 import torch
 import torch.nn.functional as F
 
