@@ -10,8 +10,8 @@ transformers' output classes, and transformers' GenerationMixin generates. Insid
   residual) and that sum, the residual stream, in one pass.
 - Causal attention is ops.attention; over a FusedKVCache (what generate decodes with)
   ops.attention_with_kvcache writes the new keys and values into the cache in place.
-- The MLP is ops.gelu_ffn (GELU's tanh form) when autograd records, and two plain
-  products around a fused bias + GELU otherwise.
+- The MLP is two products on the Conv1D weights as they are, with the bias and GELU's
+  tanh form between them one fused ops.bias_gelu.
 - The LM loss is ops.masked_lm_loss: it projects only the labelled positions, never
   building the [tokens, vocab] logits.
 
