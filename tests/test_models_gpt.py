@@ -380,6 +380,9 @@ def test_the_cache_grows_crops_and_selects_rows():
         assert {layer.keys.shape[1] for layer in cache.layers} == {16}  # 1, 2, 4, 8, 16
         cache.crop(-3)
         assert_rel(ours(ids[:, 7:11], cache).logits, full[:, 7:11], "after crop")
+        cache.crop(7)  # as transformers': a positive count is the length kept
+        assert cache.get_seq_length() == 7
+        assert_rel(ours(ids[:, 7:11], cache).logits, full[:, 7:11], "after crop to a length")
         cache.batch_select_indices(torch.tensor([2, 0]))
         assert_rel(ours(ids[[2, 0], 11:12], cache).logits, full[[2, 0], 11:12], "selected rows")
         cache.crop(-1)

@@ -83,11 +83,12 @@ class FusedKVLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        # transformers' convention: a negative count of tokens to drop from the end.
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
-        self.length = max(0, self.length + tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        """transformers' crop: keep the first max_length tokens; a negative max_length drops
+        that many from the end."""
+        if max_length < 0:
+            max_length = self.length + max_length
+        self.length = max(0, min(self.length, max_length))
 
     def reset(self) -> None:
         self.length = 0
