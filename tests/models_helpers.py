@@ -12,7 +12,7 @@ from fusedlm.models import mask_tokens
 
 PAD, CLS, SEP, MASK, UNK = range(5)
 SPECIALS = (PAD, CLS, SEP, MASK, UNK)
-RELATIVE_ERROR = 1e-4  # float32 against float32, norm-wise
+RELATIVE_ERROR = 1e-5  # float32 against float32, norm-wise
 
 
 class Corpus:
