@@ -285,7 +285,7 @@ class ElmoLstm(nn.Module):
     def __init__(self, config: ElmoConfig):
         super().__init__()
         self.skip = config.use_skip_connections
-        # transformers' activation_checkpointing_enable sets it and _gradient_checkpointing_func
+        # transformers' gradient_checkpointing_enable sets it and _gradient_checkpointing_func
         # (as does a model built from a config with gradient_checkpointing=True).
         self.gradient_checkpointing = False
         size = config.projection_dim
