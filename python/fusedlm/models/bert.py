@@ -296,18 +296,15 @@ def check_inputs(input_ids: Optional[Tensor], inputs_embeds: Optional[Tensor], a
                              f"takes 2-D padding masks only)")
 
 
-def output_flags(config, output_attentions, output_hidden_states, return_dict) -> tuple:
-    """Each flag as given, else the config's (transformers' rule)."""
-    def pick(value, name, default):
-        return bool(getattr(config, name, default) if value is None else value)
-    return (pick(output_attentions, "output_attentions", False),
-            pick(output_hidden_states, "output_hidden_states", False),
-            pick(return_dict, "return_dict", True))
+def config_flag(config, name: str, value: Optional[bool], default: bool) -> bool:
+    """A flag as given, else the config's (transformers' rule)."""
+    return bool(getattr(config, name, default) if value is None else value)
 
 
-def finish(output, return_dict: bool):
-    """transformers' output object, or its tuple of the fields that are set."""
-    return output if return_dict else output.to_tuple()
+def finish(output, config, return_dict: Optional[bool]):
+    """transformers' output object, or (return_dict False, as given or by the config) its
+    tuple of the fields that are set."""
+    return output if config_flag(config, "return_dict", return_dict, True) else output.to_tuple()
 
 
 class BertPreTrainedModel(PreTrainedModel):
@@ -356,14 +353,14 @@ class BertModel(BertPreTrainedModel):
                 output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None):
         check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids,
                      self.config.max_position_embeddings)
-        attend, states, return_dict = output_flags(self.config, output_attentions, output_hidden_states,
-                                                   return_dict)
+        attend = config_flag(self.config, "output_attentions", output_attentions, False)
+        states = config_flag(self.config, "output_hidden_states", output_hidden_states, False)
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, H]
         hidden, hidden_states, attentions = self.encoder(x, attention_mask, states, attend)
         pooled = None if self.pooler is None else self.pooler(hidden)
         return finish(BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden, pooler_output=pooled, hidden_states=hidden_states,
-            attentions=attentions), return_dict)
+            attentions=attentions), self.config, return_dict)
 
 
 # --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
@@ -446,8 +443,7 @@ class SequenceClassificationMixin(EncoderTaskModel):
         logits = self.classify(out)
         loss = None if labels is None else classification_loss(logits, labels, self.config)
         return finish(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                               attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                               attentions=out.attentions), self.config, return_dict)
 
 
 class TokenClassificationMixin(EncoderTaskModel):
@@ -467,8 +463,7 @@ class TokenClassificationMixin(EncoderTaskModel):
         logits = self.classifier(self.dropout(out.last_hidden_state))
         loss = None if labels is None else token_loss(logits, labels, attention_mask)
         return finish(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                            attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                            attentions=out.attentions), self.config, return_dict)
 
 
 class QuestionAnsweringMixin(EncoderTaskModel):
@@ -494,8 +489,7 @@ class QuestionAnsweringMixin(EncoderTaskModel):
             loss = span_loss(start, end, start_positions, end_positions)
         return finish(QuestionAnsweringModelOutput(loss=loss, start_logits=start, end_logits=end,
                                                    hidden_states=out.hidden_states,
-                                                   attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                                   attentions=out.attentions), self.config, return_dict)
 
 
 # --- the models --------------------------------------------------------------------------------
@@ -537,8 +531,7 @@ class BertForPreTraining(EncoderTaskModel, BertPreTrainedModel):
             loss = mlm_loss + ops.cross_entropy(nsp_logits, next_sentence_label.view(-1))
         return finish(BertForPreTrainingOutput(loss=loss, prediction_logits=logits,
                                                seq_relationship_logits=nsp_logits,
-                                               hidden_states=out.hidden_states, attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                               hidden_states=out.hidden_states, attentions=out.attentions), self.config, return_dict)
 
 
 class BertForMaskedLM(EncoderTaskModel, BertPreTrainedModel):
@@ -564,8 +557,7 @@ class BertForMaskedLM(EncoderTaskModel, BertPreTrainedModel):
                           output_attentions, output_hidden_states)
         loss, logits = self.cls.predictions(out.last_hidden_state, labels, return_logits)
         return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                     attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                     attentions=out.attentions), self.config, return_dict)
 
 
 class BertForSequenceClassification(SequenceClassificationMixin, BertPreTrainedModel):

@@ -34,7 +34,7 @@ from ..nn import LinearCrossEntropyLoss, is_plain_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertEncoder,
                    BertPredictionHeadTransform, BertPreTrainedModel, EncoderTaskModel,
                    QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
-                   check_inputs, classifier_dropout, dense_gelu, finish, masked_lm, output_flags)
+                   check_inputs, classifier_dropout, config_flag, dense_gelu, finish, masked_lm)
 
 GENERATOR_SIZE = 0.25  # the paper's generator: 1/4 of the discriminator's width
 DISCRIMINATOR_WEIGHT = 50.0  # the paper's weight of the discriminator's loss
@@ -72,14 +72,14 @@ class ElectraModel(ElectraPreTrainedModel):
                 output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None):
         check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids,
                      self.config.max_position_embeddings)
-        attend, states, return_dict = output_flags(self.config, output_attentions, output_hidden_states,
-                                                   return_dict)
+        attend = config_flag(self.config, "output_attentions", output_attentions, False)
+        states = config_flag(self.config, "output_hidden_states", output_hidden_states, False)
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, E]
         if hasattr(self, "embeddings_project"):
             x = self.embeddings_project(x)  # [B, T, H]
         hidden, hidden_states, attentions = self.encoder(x, attention_mask, states, attend)
         return finish(BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden, hidden_states=hidden_states, attentions=attentions), return_dict)
+            last_hidden_state=hidden, hidden_states=hidden_states, attentions=attentions), self.config, return_dict)
 
 
 class ElectraTaskModel(ElectraPreTrainedModel):
@@ -158,8 +158,7 @@ class ElectraForPreTraining(EncoderTaskModel, ElectraTaskModel):
         logits = self.discriminator_predictions(out.last_hidden_state)
         loss = None if labels is None else replaced_token_loss(logits, labels, attention_mask)
         return finish(ElectraForPreTrainingOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                                  attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                                  attentions=out.attentions), self.config, return_dict)
 
 
 class ElectraForMaskedLM(EncoderTaskModel, ElectraTaskModel):
@@ -192,8 +191,7 @@ class ElectraForMaskedLM(EncoderTaskModel, ElectraTaskModel):
         loss, logits = masked_lm(self.generator_predictions, self.generator_lm_head, out.last_hidden_state,
                                  labels, self.masked_lm_loss, return_logits)
         return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                     attentions=out.attentions),
-                      output_flags(self.config, None, None, return_dict)[2])
+                                     attentions=out.attentions), self.config, return_dict)
 
 
 class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):

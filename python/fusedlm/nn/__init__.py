@@ -13,5 +13,4 @@ from .transformer import TransformerEncoder, TransformerEncoderLayer
 
 __all__ = ["CrossEntropyLoss", "GeluFFN", "LayerNorm", "LinearCrossEntropyLoss",
            "MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer", "is_plain_linear",
-           "linear_gelu_linear",
-           "padding_of", "run_layers", "run_stack"]
+           "linear_gelu_linear", "padding_of", "run_layers", "run_stack"]

@@ -5,11 +5,11 @@ With padding, every layer of an encoder would spend work on tokens no one reads.
 runs every layer on the packed [tokens, width] rows with varlen attention, and pads
 once after the last. Outputs at padding positions are then zeros.
 
-Each layer is called as ``step(layer, h, packing)``: ``h`` is [batch, seq, width], or
-[tokens, width] when ``packing`` = (cu_seqlens, max_seqlen) is not None. With
-``checkpointing`` (in training, with grad enabled) each call is recomputed in the
-backward instead of keeping its activations; the recomputation restores torch's RNG
-state, and with it the dropout seeds fusedlm drew in the forward.
+Each layer is called as ``step(layer, h, packing)`` (default ``layer(h, packing)``): ``h``
+is [batch, seq, width], or [tokens, width] when ``packing`` = (cu_seqlens, max_seqlen) is
+not None. With ``checkpointing`` (in training, with grad enabled) each call is
+recomputed in the backward instead of keeping its activations; the recomputation
+restores torch's RNG state, and with it the dropout seeds fusedlm drew in the forward.
 """
 from typing import Callable, Optional, Sequence
 
@@ -18,10 +18,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ops
-
-
-def call_layer(layer: nn.Module, h: Tensor, packing: Optional[tuple]) -> Tensor:
-    return layer(h, packing)
 
 
 def run_layers(layers: Sequence[nn.Module], h, *args, checkpointing: bool = False,
@@ -57,7 +53,7 @@ def padding_of(attention_mask: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def run_stack(layers: Sequence[nn.Module], x: Tensor, padding_mask: Optional[Tensor] = None, *,
-              step: Callable = call_layer, checkpointing: bool = False,
+              step: Optional[Callable] = None, checkpointing: bool = False,
               output_hidden_states: bool = False, backend: Optional[str] = None) -> tuple:
     """x [batch, seq, width]; padding_mask bool [batch, seq], True = padding: the layers
     run on the packed tokens (or on x as it is when None). Returns (last hidden state
