@@ -26,9 +26,9 @@ def _layers(dtype=torch.float64, **kwargs):
 
 
 def _padding():
-    """Mixed lengths in [2, SEQ]: True = padding."""
+    """Mixed lengths in [2, SEQ], one row whole and one padded: True = padding."""
     lengths = torch.randint(2, SEQ + 1, (BATCH,))
-    lengths[0] = SEQ
+    lengths[0], lengths[-1] = SEQ, int(torch.randint(2, SEQ, ()))
     return torch.arange(SEQ)[None, :] >= lengths[:, None]
 
 
