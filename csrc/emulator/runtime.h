@@ -1,0 +1,62 @@
+// The host side of the CUDA emulator: what csrc/cuda/runtime.h calls in the emulation
+// build (FUSEDLM_CUDA=emulate) instead of the CUDA runtime.
+//
+// A launch runs the whole grid before it returns: block after block, the threads of a
+// block as fibers that switch at every barrier and warp-wide instruction (device.h).
+// Kernels may touch only their own stack, their block's shared memory, their launch's
+// parameters and the memory the op has exposed (the tensors it passed, see expose).
+// Anything else, a shared-memory race, or an asynchronous copy or product used before it
+// was waited for, stops the launch with a std::runtime_error naming the kernel, the
+// block, the thread and the address.
+#pragma once
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "emulator/types.h"
+
+namespace fusedlm::emu {
+
+// The GPU the emulator acts as: sm_90a (wgmma) or sm_80, from FUSEDLM_EMULATE_ARCH
+// (default sm_80), read at every call so that tests can switch it.
+const char* arch_name();
+int compute_capability_major();
+int multiprocessors();
+size_t max_shared_memory();  // per block, as cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+// [base, base + bytes) is global memory the kernels of the current op may access (a
+// tensor's storage); end_exposure() ends the op, and with it every exposure.
+void expose(const void* base, size_t bytes);
+void end_exposure();
+
+struct Launch {
+  const void* kernel;  // for the name in reports
+  dim3 grid, block;
+  size_t shared_bytes;    // dynamic shared memory of each block
+  void (*entry)(void*);   // runs the kernel on one thread, with
+  void* call;             // its parameters: read-only to the kernel
+  size_t call_bytes;
+};
+
+// Runs every block of the grid; throws std::runtime_error on a hazard or a bad launch.
+void run(const Launch& launch);
+
+// kernel<<<grid, block, shared_bytes>>>(args...), run to completion.
+template <typename... P, typename... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, A&&... args) {
+  struct Call {
+    void (*kernel)(P...);
+    std::tuple<std::decay_t<P>...> params;
+  };
+  Call call{kernel, std::tuple<std::decay_t<P>...>(
+                        static_cast<std::decay_t<P>>(std::forward<A>(args))...)};
+  auto entry = [](void* c) {
+    auto* self = static_cast<Call*>(c);
+    std::apply(self->kernel, self->params);
+  };
+  run({reinterpret_cast<const void*>(kernel), grid, block, shared_bytes, entry, &call,
+       sizeof(call)});
+}
+
+}  // namespace fusedlm::emu
