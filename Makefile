@@ -4,6 +4,9 @@
 # make bench  set up, build fusedlm, and print the CPU benchmark table (fusedlm bench)
 # make test-oldest  the test suite against the oldest torch, triton and transformers fusedlm supports,
 #             built from a copy of the sources in build/oldest (CI runs it after `make test`)
+# make test-emulated  the CUDA kernels on the CPU: the emulator's own tests, then every test of
+#             the cuda backend against a build of it on the CUDA emulator (FUSEDLM_CUDA=emulate,
+#             from a copy of the sources in build/emulated), as sm_80 and as sm_90a
 #
 # Each creates .venv, installs what fusedlm needs into it, and compiles fusedlm.
 # A PyTorch that the Python running make already sees (e.g. a CUDA build) is
@@ -16,7 +19,7 @@ SOURCES := $(shell find csrc pyext python kernels -type f \( -name '*.cpp' -o -n
 RESULTS := build/benchmarks
 DEMO := build/demo/bert-tiny
 
-.PHONY: demo test test-oldest bench clean
+.PHONY: demo test test-oldest test-emulated bench clean
 
 $(VENV)/.deps: requirements-dev.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -50,6 +53,27 @@ $(OLDEST_VENV)/.fusedlm: requirements-dev.txt $(SOURCES)
 
 test-oldest: $(OLDEST_VENV)/.fusedlm
 	$(OLDEST_VENV)/bin/python -m pytest -q
+
+# The emulation build, in place in its own copy of the sources: its fusedlm (PYTHONPATH)
+# shadows the one installed in .venv for the tests below.
+EMULATED := build/emulated
+EMULATED_RUN := PYTHONPATH=$(EMULATED)/python $(PY) -m pytest -q -p no:cacheprovider
+
+$(EMULATED)/.built: $(VENV)/.deps $(SOURCES)
+	rm -rf $(EMULATED) && mkdir -p $(EMULATED)
+	git ls-files -co --exclude-standard csrc kernels pyext python setup.py sources.txt \
+	  | tar -cT - | tar -x -C $(EMULATED)
+	cd $(EMULATED) && FUSEDLM_CUDA=emulate MAX_JOBS=$${MAX_JOBS:-2} \
+	  $(CURDIR)/$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+# As sm_80 (mma.sync everywhere; the attention tests take the resident and the streamed
+# path), then as sm_90a (the wgmma attention forward, which the streamed path takes there,
+# and the wgmma FFN product).
+test-emulated: $(VENV)/.deps $(EMULATED)/.built
+	$(PY) -m pytest -q -m emulator
+	$(EMULATED_RUN) -m cuda
+	FUSEDLM_EMULATE_ARCH=sm_90a $(EMULATED_RUN) -m cuda tests/test_attention.py tests/test_gelu.py
 
 bench: $(VENV)/.fusedlm
 	mkdir -p $(RESULTS)

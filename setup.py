@@ -7,7 +7,11 @@ Sources come from sources.txt (shared with CMakeLists.txt). The CPU kernels
 picked at run time; host code and bindings are compiled once with ninja.
 
 Environment:
-    FUSEDLM_CUDA=auto|0|1   build the CUDA kernels (auto: when torch has CUDA and nvcc is found)
+    FUSEDLM_CUDA=auto|0|1|emulate
+                            build the CUDA kernels (auto: when torch has CUDA and nvcc is found);
+                            emulate: compile them as C++ against the CUDA emulator
+                            (csrc/emulator), so that the cuda backend runs, and is checked,
+                            on CPU tensors: a test build, slow by design
     TORCH_CUDA_ARCH_LIST    CUDA targets, default "8.0;9.0a"
     MAX_JOBS                parallel compile jobs (ninja)
 """
@@ -58,11 +62,16 @@ def read_sources():
     return groups
 
 
-def want_cuda():
+def cuda_setting():
     setting = os.environ.get("FUSEDLM_CUDA", "auto").lower()
-    if setting not in ("auto", "0", "1"):
-        raise SystemExit(f"FUSEDLM_CUDA must be auto, 0 or 1, got {setting!r}")
-    if setting == "0":
+    if setting not in ("auto", "0", "1", "emulate"):
+        raise SystemExit(f"FUSEDLM_CUDA must be auto, 0, 1 or emulate, got {setting!r}")
+    return setting
+
+
+def want_cuda():
+    setting = cuda_setting()
+    if setting in ("0", "emulate"):
         return False
     has_toolchain = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if setting == "1" and not has_toolchain:
@@ -90,13 +99,14 @@ def isa_libraries(sources):
     ]
 
 
-def write_build_info(with_cuda):
-    arches = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
+def write_build_info(with_cuda, emulated):
+    arches = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else "sm_80;sm_90a" if emulated else ""
     (ROOT / "python/fusedlm/_build_info.py").write_text(
         '"""Written by setup.py: what the extension was compiled against."""\n'
         f"torch_version = {torch.__version__!r}\n"
         f"cuda_version = {torch.version.cuda if with_cuda else None!r}\n"
         f"cuda_arches = {arches!r}\n"
+        f"cuda_emulated = {emulated!r}\n"
     )
 
 
@@ -110,15 +120,51 @@ def sm90a_flags():
     return ["-DFUSEDLM_SM90A"] if sm90a and not sm90 else []
 
 
-def extension(sources, with_cuda):
+# The CUDA sources see csrc/ (host code, the emulator) and kernels/cuda/ (device code).
+CUDA_INCLUDE_DIRS = [str(ROOT / "csrc"), str(ROOT / "kernels/cuda")]
+# What the emulation build defines everywhere: the cuda backend is compiled (emulated), with
+# its sm_90a paths, which run when the emulator acts as sm_90a.
+EMULATE_MACROS = [("FUSEDLM_WITH_CUDA", None), ("FUSEDLM_EMULATE", None), ("FUSEDLM_SM90A", None)]
+
+
+def emulated_cuda_libraries(sources):
+    """The emulation build's static libraries, in link order: csrc/cuda/*.cu compiled as C++
+    with ThreadSanitizer's instrumentation (whose hooks the emulator implements, to check
+    every load and store of the kernels), then the emulator itself, uninstrumented."""
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    torch_flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-std=c++20", "-fPIC", "-O2",
+                   "-fvisibility=hidden"]
+    include_dirs = CUDA_INCLUDE_DIRS + cpp_extension.include_paths()
+    return [
+        ("fusedlm_cuda_emulated", {
+            "sources": sources["cuda"],
+            "macros": EMULATE_MACROS,
+            "cflags": [*torch_flags, "-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"],
+            "preargs": ["-x", "c++"],
+            "include_dirs": include_dirs,
+            "depends": sorted(glob.glob("kernels/cuda/*.cuh", root_dir=ROOT))
+            + sorted(glob.glob("csrc/**/*.h", root_dir=ROOT, recursive=True)),
+        }),
+        ("fusedlm_emulator", {
+            "sources": sorted(glob.glob("csrc/emulator/*.cpp", root_dir=ROOT)),
+            "macros": [],
+            "cflags": ["-std=c++17", "-fPIC", "-O2", "-fvisibility=hidden"],
+            "include_dirs": [str(ROOT / "csrc")],
+            "depends": sorted(glob.glob("csrc/emulator/*.h", root_dir=ROOT)),
+        }),
+    ]
+
+
+def extension(sources, with_cuda, emulated):
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", *(sm90a_flags() if with_cuda else [])]
+    macros = [("FUSEDLM_WITH_CUDA", None)] if with_cuda else EMULATE_MACROS if emulated else []
     kwargs = dict(
         name="fusedlm._C",
         sources=sources["host"] + (sources.get("cuda", []) if with_cuda else []),
-        include_dirs=[str(ROOT / "csrc")],
+        include_dirs=CUDA_INCLUDE_DIRS,
         extra_compile_args={"cxx": HOST_FLAGS, "nvcc": nvcc_flags},
-        define_macros=[("FUSEDLM_WITH_CUDA", None)] if with_cuda else [],
-        extra_link_args=OPENMP_FLAGS,
+        define_macros=macros,
+        extra_link_args=OPENMP_FLAGS + (["-ldl"] if emulated else []),
     )
     if with_cuda:
         return cpp_extension.CUDAExtension(**kwargs)
@@ -131,11 +177,15 @@ class BuildIsaLibraries(build_clib):
     (the same sources are compiled once per instruction set)."""
 
     def build_libraries(self, libraries):
+        if ".cu" not in self.compiler.src_extensions:  # the emulation build's CUDA sources
+            self.compiler.src_extensions.append(".cu")
         for name, info in libraries:
             objects = self.compiler.compile(
                 info["sources"],
                 output_dir=os.path.join(self.build_temp, name),
                 macros=info["macros"],
+                include_dirs=info.get("include_dirs"),
+                extra_preargs=info.get("preargs"),
                 extra_postargs=info["cflags"],
                 depends=info["depends"],
             )
@@ -153,9 +203,10 @@ class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
 
 sources = read_sources()
 with_cuda = want_cuda()
+emulated = cuda_setting() == "emulate"
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHES)
-write_build_info(with_cuda)
+write_build_info(with_cuda, emulated)
 
 TRANSFORMERS = "transformers>=5.17,<6"
 
@@ -166,8 +217,8 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "python", "fusedlm.triton_kernels": "kernels/triton"},
     packages=find_packages("python") + ["fusedlm.triton_kernels"],
-    libraries=isa_libraries(sources["isa"]),
-    ext_modules=[extension(sources, with_cuda)],
+    libraries=isa_libraries(sources["isa"]) + (emulated_cuda_libraries(sources) if emulated else []),
+    ext_modules=[extension(sources, with_cuda, emulated)],
     cmdclass={"build_clib": BuildIsaLibraries, "build_ext": BuildExtension},
     install_requires=["torch>=2.11", "numpy"],
     entry_points={"console_scripts": ["fusedlm = fusedlm.cli:main"]},

@@ -1,5 +1,5 @@
 // The argument checks of the op entry points, shared by the CPU backend (csrc/) and the
-// CUDA one (kernels/cuda/): shapes, dtypes and values, and the flattening of the inputs
+// CUDA one (csrc/cuda/): shapes, dtypes and values, and the flattening of the inputs
 // into the contiguous rows the kernels read (and the one host step both run alike, the
 // FFN's second product). The two differ only in their device check,
 // which each passes in; every other tensor must also lie on the first one's device.
@@ -12,7 +12,8 @@
 
 namespace fusedlm {
 
-// check_cpu or check_cuda: raises, naming the argument, unless t is on the backend's device.
+// check_cpu or check_device_tensor (csrc/cuda/runtime.h): raises, naming the argument,
+// unless t is on the backend's device.
 using DeviceCheck = void (*)(const at::Tensor& t, const char* name);
 
 inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }

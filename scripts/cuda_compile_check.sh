@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Compiles every kernels/cuda/*.cu for sm_80 and sm_90a against the installed
-# PyTorch's headers (a CPU-only PyTorch is enough): a compile error fails.
+# Compiles every csrc/cuda/*.cu (the cuda backend's host code, with the kernels of
+# kernels/cuda/*.cuh) for sm_80 and sm_90a against the installed PyTorch's headers (a
+# CPU-only PyTorch is enough): a compile error fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -1,5 +1,5 @@
-// The cuda backend's op entry points (kernels/cuda/*.cu), bound to Python as fusedlm._C.cuda
-// in pyext/module.cpp when the extension is built with CUDA.
+// The cuda backend's op entry points (csrc/cuda/*.cu, their kernels in kernels/cuda/*.cuh),
+// bound to Python as fusedlm._C.cuda in pyext/module.cpp when the extension is built with CUDA.
 //
 // Each takes and returns exactly what the CPU entry point of the same name in csrc/ops.h
 // does (see there), for CUDA tensors of float32, bfloat16 or float16; the statistics and

@@ -1,25 +1,18 @@
-// What the CUDA kernels share: element types and 16-byte vectors, block reductions,
-// the dropout stream, the second stage of the parameter-gradient reductions, and the
-// host-side checks and dispatch of their entry points.
+// What the CUDA kernels share on the device side: element types and 16-byte vectors,
+// block reductions, the dropout stream, the block's dynamic shared memory, and the
+// second stage of the parameter-gradient reductions. Their host side (checks, dispatch,
+// launch configuration) is csrc/cuda/common.h.
 //
 // Kernels take float32, bfloat16 or float16 and compute in float32. Each is compiled
 // twice per type: with N = 16 / sizeof(T) elements per load and store (rows whose
 // length and base addresses allow it), and with N = 1 (any shape).
 #pragma once
-// c10's CUDA headers, not ATen/cuda/CUDAContext.h: that one needs cuBLAS and cuSPARSE
-// headers, which the compile check (CUDA toolkit only, CPU PyTorch) does not have.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
-#include "checks.h"
-#include "common.h"
+#include "platform.cuh"
 
 namespace fusedlm::cuda {
 
@@ -54,6 +47,14 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
 template <typename T>
 __device__ __forceinline__ float rounded(float in) {
   return static_cast<float>(static_cast<T>(in));
+}
+
+// --- shared memory ------------------------------------------------------------------------
+
+// The block's dynamic shared memory (the byte count its launch passed), 16-byte aligned:
+// every kernel takes its shared memory from here, none declares its own.
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+  return ptx::dynamic_shared_memory();
 }
 
 // --- block reductions ---------------------------------------------------------------------
@@ -146,17 +147,6 @@ struct Dropout {
   }
 };
 
-// The dropout stream (seed, p); inactive for p == 0.
-inline Dropout dropout_stream(const at::Tensor& seed, double p) {
-  Dropout d;
-  if (p <= 0.0) return d;
-  d.seed = seed_value(seed);
-  d.threshold = static_cast<uint32_t>(p * 16777216.0);
-  d.scale = static_cast<float>(1.0 / (1.0 - p));
-  d.active = true;
-  return d;
-}
-
 // --- the second stage of a deterministic column sum ---------------------------------------
 
 // out[c] = sum over b of partial[b, c], in block order (one thread per column).
@@ -170,103 +160,10 @@ __global__ void sum_partials_kernel(const float* __restrict__ partial, int64_t b
   out[c] = static_cast<T>(s);
 }
 
-// --- host side ----------------------------------------------------------------------------
-
-inline void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
-}
-
-// Runs f(T{}) for the element type T of `dtype`: float, at::Half or at::BFloat16.
-template <typename F>
-void dispatch(at::ScalarType dtype, const char* name, F&& f) {
-  switch (dtype) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    default:
-      TORCH_CHECK_TYPE(false, "fusedlm's CUDA kernels take float32, bfloat16 or float16; ",
-                       name, " is ", dtype);
-  }
-}
-
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Whether every pointer is null or 16-byte aligned.
-template <typename... P>
-bool all_aligned16(const P*... p) {
-  return ((p == nullptr || aligned16(p)) && ...);
-}
-
-template <typename T>
-T* ptr(const at::Tensor& t) {
-  return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
-}
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline int multiprocessors() {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount,
-                                        c10::cuda::current_device()));
-  return count;
-}
-
-// The most shared memory one block of the current device may ask for.
-inline size_t max_shared_memory() {
-  int bytes = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        c10::cuda::current_device()));
-  return static_cast<size_t>(bytes);
-}
-
-// Whether a kernel path with a switch may run: unless the environment variable `setting`
-// is "0" (which turns it off, to compare it with the path it replaces at the same shapes).
-inline bool path_enabled(const char* setting) {
-  const char* value = std::getenv(setting);
-  return value == nullptr || std::string_view(value) != "0";
-}
-
-// Whether a kernel's Hopper variant (wgmma.cuh) runs: on an sm_90 device, in a build
-// with sm_90a code, when path_enabled(setting) (else the mma.sync kernel it replaces).
-inline bool hopper_path(const char* setting) {
-#if defined(FUSEDLM_SM90A)
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                        c10::cuda::current_device()));
-  return major == 9 && path_enabled(setting);
-#else
-  (void)setting;
-  return false;
-#endif
-}
-
-inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+// --- launch shapes both sides need --------------------------------------------------------
 
 // Threads per block of the row kernels; with __launch_bounds__(kRowThreads) each thread
 // may use 128 registers, room for its cached vectors without spilling.
 constexpr int kRowThreads = 512;
-
-// Threads per block for one row of `vecs` vectors, each thread holding up to `cached` of
-// them: at least one warp, one vector a thread up to 128 threads, at most kRowThreads.
-inline int row_threads(int64_t vecs, int cached) {
-  const int64_t one_each = std::min<int64_t>(ceil_div(vecs, 32) * 32, 128);
-  const int64_t spread = ceil_div(ceil_div(vecs, cached), 32) * 32;
-  return static_cast<int>(
-      std::max<int64_t>(32, std::min<int64_t>(kRowThreads, std::max(one_each, spread))));
-}
-
-// The column sums of partial [blocks, cols] (float32), as a new [cols] tensor of dtype:
-// the second stage of a parameter gradient. Zeros when there are no blocks.
-template <typename T>
-at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
-  const int64_t blocks = partial.size(0), cols = partial.size(1);
-  auto out = at::empty({cols}, partial.options().dtype(dtype));
-  if (cols == 0) return out;
-  const int threads = 256;
-  sum_partials_kernel<T><<<ceil_div(cols, threads), threads, 0, current_stream()>>>(
-      partial.data_ptr<float>(), blocks, cols, ptr<T>(out));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
 
 }  // namespace fusedlm::cuda

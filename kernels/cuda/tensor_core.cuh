@@ -1,7 +1,7 @@
-// Tensor-core building blocks of the attention kernels (attention.cu) and the FFN's
-// matrix product (gelu_ffn.cu): cp.async tile loads, ldmatrix fragment loads, the
-// m16n8k16 matrix product, and the fragment layouts that tie them together. Everything
-// here needs sm_80 or newer.
+// Tensor-core building blocks of the attention kernels (attention.cuh) and the FFN's
+// matrix product (gelu_ffn.cuh): cp.async tile loads, ldmatrix fragment loads, the
+// m16n8k16 matrix product (the instructions themselves are in ptx.cuh), and the fragment
+// layouts that tie them together. Everything here needs sm_80 or newer.
 //
 // Fragment layouts of mma.sync.aligned.m16n8k16 (bf16/fp16 in, fp32 accumulate), PTX
 // ISA "Matrix Fragments for mma.m16n8k16". With g = lane / 4 and t = lane % 4:
@@ -17,35 +17,22 @@
 // that is a multiple of 32): the eight 16-byte rows of one ldmatrix matrix then start
 // 16 bytes apart modulo 128 and fall in different banks.
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace fusedlm::cuda::tc {
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The instructions (ptx.cuh), by the names the kernels use.
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldmatrix_x4;
+using ptx::ldmatrix_x4_trans;
+using ptx::smem_address;
 
 // --- global -> shared ---------------------------------------------------------------------
-
-// 16 bytes from global src to shared dst without passing through registers; when !valid
-// the bytes are zeros and src is not read (it must still be a valid address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most `pending` of this thread's committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
-}
 
 // cp_async_wait with a count known only at run time (the same in every thread of the
 // block). A count past kMax waits for more groups than asked, which is only slower.
@@ -91,18 +78,6 @@ __device__ __forceinline__ void load_tile_2d(T* tile, const T* src, int64_t row_
 
 // --- shared -> registers ------------------------------------------------------------------
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
 // The A fragment of rows row0 .. row0+15, columns col0 .. col0+15 of a row-major tile
 // (pitch P). Lane l addresses row row0 + l % 16 at column col0 + (l / 16) * 8, so
 // matrices 0..3 are (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
@@ -143,19 +118,7 @@ __device__ __forceinline__ void load_b_cols(uint32_t (&b)[4], const T* tile, int
 template <typename T>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  ptx::mma_m16n8k16<T>(c, a, b0, b1);
 }
 
 // Two floats rounded to T in one register, lo in the low half (the lower column).

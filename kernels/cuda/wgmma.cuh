@@ -1,8 +1,8 @@
 // Hopper (sm_90a) building blocks of the wgmma paths of the attention forward
-// (attention.cu) and the FFN product (gelu_ffn.cu): shared tiles in the 128-byte-swizzled
+// (attention.cuh) and the FFN product (gelu_ffn.cuh): shared tiles in the 128-byte-swizzled
 // layout that wgmma reads, their matrix descriptors, and the warpgroup products with
-// their fences. Only code compiled for an sm_90a target (__CUDA_ARCH_FEAT_SM90_ALL) may
-// call these.
+// their fences (the instructions themselves are in ptx.cuh). Only code compiled for an
+// sm_90a target (__CUDA_ARCH_FEAT_SM90_ALL) may call these.
 //
 // A warpgroup is 4 consecutive warps. wgmma.mma_async m64nNk16 multiplies a 64 x 16 A
 // (the warpgroup's 64 rows, warp w holding rows 16w .. 16w + 15) by a 16 x N B and adds
@@ -27,8 +27,8 @@
 
 namespace fusedlm::cuda::wg {
 
-using tc::cp_async16;
-using tc::smem_address;
+using ptx::cp_async16;
+using ptx::smem_address;
 
 // Element offset of chunk `chunk` (8 elements) of row r in a swizzled tile of kRows rows.
 template <int kRows>
@@ -79,125 +79,52 @@ __device__ __forceinline__ uint64_t mn_major(const T* tile, int kt) {
   return descriptor(tile + kt * 16 * 64, kRows * 128, 1024);
 }
 
-// Orders this thread's register accesses before the warpgroup products that follow.
-__device__ __forceinline__ void fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
+// The warpgroup products and their fences (ptx.cuh), by the names the kernels use.
 
-__device__ __forceinline__ void commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
+// Orders this thread's register accesses before the warpgroup products that follow.
+__device__ __forceinline__ void fence() { ptx::wgmma_fence(); }
+
+__device__ __forceinline__ void commit() { ptx::wgmma_commit(); }
 
 template <int pending>
 __device__ __forceinline__ void wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
+  ptx::wgmma_wait<pending>();
 }
 
 // Makes this thread's generic-proxy writes to shared memory (cp.async, plain stores)
 // visible to wgmma, which reads through the async proxy.
-__device__ __forceinline__ void fence_shared_for_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
+__device__ __forceinline__ void fence_shared_for_async() { ptx::fence_proxy_async(); }
 
 // Keeps the compiler from moving reads or writes of a product's registers (accumulators,
-// A fragments) across the fences and waits around it: this empty asm, volatile like
-// them, stays in order with them, and every later access depends on its outputs.
+// A fragments) across the fences and waits around it.
 template <int kTiles>
 __device__ __forceinline__ void pin(float (&d)[kTiles][4]) {
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+  ptx::wgmma_pin(d);
 }
 
 template <int kTiles>
 __device__ __forceinline__ void pin(uint32_t (&a)[kTiles][4]) {
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+  ptx::wgmma_pin(a);
 }
-
-// The products' operand lists, spelled out once: the accumulator registers of an m64n64
-// (32 floats) and an m64n128 (64 floats) product, and this thread's share of them.
-#define FUSEDLM_WG_R0_31 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, " \
-  "%30, %31"
-#define FUSEDLM_WG_R32_63 \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
-  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, " \
-  "%60, %61, %62, %63"
-#define FUSEDLM_WG_TILE(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define FUSEDLM_WG_D32(d)                                                                \
-  FUSEDLM_WG_TILE(d, 0), FUSEDLM_WG_TILE(d, 1), FUSEDLM_WG_TILE(d, 2), FUSEDLM_WG_TILE(d, 3), \
-      FUSEDLM_WG_TILE(d, 4), FUSEDLM_WG_TILE(d, 5), FUSEDLM_WG_TILE(d, 6), FUSEDLM_WG_TILE(d, 7)
-#define FUSEDLM_WG_D64(d)                                                                   \
-  FUSEDLM_WG_D32(d), FUSEDLM_WG_TILE(d, 8), FUSEDLM_WG_TILE(d, 9), FUSEDLM_WG_TILE(d, 10),  \
-      FUSEDLM_WG_TILE(d, 11), FUSEDLM_WG_TILE(d, 12), FUSEDLM_WG_TILE(d, 13),               \
-      FUSEDLM_WG_TILE(d, 14), FUSEDLM_WG_TILE(d, 15)
-
-// d (+)= A B with A and B from shared memory (descriptors a, b), m64n64k16: A K-major,
-// B K-major (TRANS_B "0") or MN-major ("1").
-#define FUSEDLM_WG_SS_N64(TYPE, TRANS_B)                                             \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                          \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "        \
-               "{" FUSEDLM_WG_R0_31 "}, %32, %33, p, 1, 1, 0, " TRANS_B ";\n}\n"     \
-               : FUSEDLM_WG_D32(d)                                                    \
-               : "l"(a), "l"(b), "r"(scale_d))
-
-// d (+)= A B with A from registers (this warp's fragment a) and B from shared memory
-// read MN-major (trans-b = 1), m64 N k16; REGS, OUTS: d's registers, A, B, P: the operand
-// numbers of a, b and scale_d.
-#define FUSEDLM_WG_RS(TYPE, N, REGS, OUTS, A, B, P)                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                         \
-               "wgmma.mma_async.sync.aligned.m64" N "k16.f32." TYPE "." TYPE " "      \
-               "{" REGS "}, {" A "}, " B ", p, 1, 1, 1;\n}\n"                        \
-               : OUTS                                                                 \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 
 // d (+)= A B, m64nNk16: A and B from shared memory (B read MN-major when kMnMajorB),
 // or A from registers and B from shared memory read MN-major. scale_d = 0 overwrites d
 // instead of adding to it.
 template <typename T, bool kMnMajorB = false>
 __device__ __forceinline__ void mma_ss(float (&d)[8][4], uint64_t a, uint64_t b, int scale_d) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if constexpr (kMnMajorB) FUSEDLM_WG_SS_N64("bf16", "1");
-    else FUSEDLM_WG_SS_N64("bf16", "0");
-  } else {
-    if constexpr (kMnMajorB) FUSEDLM_WG_SS_N64("f16", "1");
-    else FUSEDLM_WG_SS_N64("f16", "0");
-  }
+  ptx::wgmma_ss<T, kMnMajorB>(d, a, b, scale_d);
 }
 
 template <typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b,
                                        int scale_d) {
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    FUSEDLM_WG_RS("bf16", "n64", FUSEDLM_WG_R0_31, FUSEDLM_WG_D32(d), "%32, %33, %34, %35",
-                  "%36", "%37");
-  else
-    FUSEDLM_WG_RS("f16", "n64", FUSEDLM_WG_R0_31, FUSEDLM_WG_D32(d), "%32, %33, %34, %35",
-                  "%36", "%37");
+  ptx::wgmma_rs<T>(d, a, b, scale_d);
 }
 
 template <typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b,
                                        int scale_d) {
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    FUSEDLM_WG_RS("bf16", "n128", FUSEDLM_WG_R0_31 ", " FUSEDLM_WG_R32_63, FUSEDLM_WG_D64(d),
-                  "%64, %65, %66, %67", "%68", "%69");
-  else
-    FUSEDLM_WG_RS("f16", "n128", FUSEDLM_WG_R0_31 ", " FUSEDLM_WG_R32_63, FUSEDLM_WG_D64(d),
-                  "%64, %65, %66, %67", "%68", "%69");
+  ptx::wgmma_rs<T>(d, a, b, scale_d);
 }
-
-#undef FUSEDLM_WG_RS
-#undef FUSEDLM_WG_SS_N64
-#undef FUSEDLM_WG_D64
-#undef FUSEDLM_WG_D32
-#undef FUSEDLM_WG_TILE
-#undef FUSEDLM_WG_R32_63
-#undef FUSEDLM_WG_R0_31
 
 }  // namespace fusedlm::cuda::wg

@@ -26,14 +26,16 @@
 //
 // Takes bf16 and fp16 with d_in, d_ff and d_out multiples of 8 (16-byte rows for
 // cp.async); the Python limits route other calls to the triton backend.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
 #include "common.cuh"
-#include "cuda/ops.h"
 #include "gelu.cuh"
 #include "tensor_core.cuh"
 #include "wgmma.cuh"
 
-namespace fusedlm::cuda {
-namespace {
+namespace fusedlm::cuda::kernels::gelu_ffn {
 
 using namespace tc;
 
@@ -194,7 +196,7 @@ __device__ __forceinline__ void store_column_sums(const Params<T>& p, const floa
 // and act. Backward: C = dy w2, writes dpre and act, and dbias_part.
 template <typename T, bool kBackward, bool kTanh>
 __global__ void __launch_bounds__(kThreads, 2) ffn_product_kernel(const Params<T> p) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* smem = dynamic_shared_memory();
   T* tiles_a = reinterpret_cast<T*>(smem);
   T* tiles_b = tiles_a + kStages * kTileA;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -253,7 +255,7 @@ constexpr size_t sm90_shared_bytes(size_t element) {
 template <typename T, bool kBackward, bool kTanh>
 __global__ void __launch_bounds__(kThreads, 2) ffn_product_sm90_kernel(const Params<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ unsigned char sm90_smem[];
+  unsigned char* sm90_smem = dynamic_shared_memory();
   const uint32_t align = (1024 - smem_address(sm90_smem) % 1024) % 1024;
   T* tiles_a = reinterpret_cast<T*>(sm90_smem + align);  // [stages][kBlockM][64], swizzled
   T* tiles_b = tiles_a + kSm90Stages * kSm90Tile;       // [stages][kBlockN][64] or [64][kBlockN]
@@ -349,110 +351,4 @@ __global__ void __launch_bounds__(kThreads, 2) ffn_product_sm90_kernel(const Par
 #endif
 }
 
-template <typename T, bool kBackward>
-void launch(const Params<T>& p, bool approx_tanh) {
-  if (p.m == 0 || p.n == 0) return;
-  const bool hopper = hopper_path("FUSEDLM_FFN_WGMMA");
-  auto kernel = hopper ? (approx_tanh ? ffn_product_sm90_kernel<T, kBackward, true>
-                                      : ffn_product_sm90_kernel<T, kBackward, false>)
-                       : (approx_tanh ? ffn_product_kernel<T, kBackward, true>
-                                      : ffn_product_kernel<T, kBackward, false>);
-  // Past 48 KiB: asked for.
-  const size_t smem = hopper ? sm90_shared_bytes(sizeof(T)) : shared_bytes<kBackward>(sizeof(T));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.n, kBlockN)),
-                  static_cast<unsigned>(ceil_div(p.m, kBlockM)));
-  kernel<<<grid, kThreads, smem, current_stream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Runs f(T{}) for bf16 or fp16, the tensor cores' input types.
-template <typename F>
-void dispatch_half(at::ScalarType dtype, F&& f) {
-  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "the cuda gelu_ffn takes bfloat16 or float16, got ", dtype);
-  if (dtype == at::kBFloat16) f(at::BFloat16{});
-  else f(at::Half{});
-}
-
-// t (contiguous) 16-byte aligned for cp.async: itself, or an aligned copy. Undefined stays so.
-at::Tensor aligned(const at::Tensor& t) {
-  return !t.defined() || aligned16(t.data_ptr()) ? t : t.clone();
-}
-
-void check_sizes(int64_t d_in, int64_t d_ff, int64_t d_out) {
-  TORCH_CHECK_VALUE(d_in % 8 == 0 && d_ff % 8 == 0 && d_out % 8 == 0,
-                    "the cuda gelu_ffn takes d_in, d_ff and d_out that are multiples of 8, got ",
-                    d_in, ", ", d_ff, ", ", d_out);
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
-    const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
-    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const std::string& approximate,
-    double dropout_p, const at::Tensor& seed) {
-  const auto in = gelu_ffn_inputs(x, w1, b1, w2, b2, approximate, check_cuda);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const auto x2 = aligned(in.x), w1c = aligned(in.w1), b1c = aligned(in.b1);
-  const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = in.w2.size(0);
-  check_sizes(d_in, d_ff, d_out);
-  auto pre = at::empty({rows, d_ff}, x2.options());
-  auto act = at::empty_like(pre);
-  dispatch_half(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    Params<T> p;
-    p.a = ptr<T>(x2);
-    p.b = ptr<T>(w1c);
-    p.m = rows, p.n = d_ff, p.k = d_in;
-    p.bias = ptr<T>(b1c);
-    p.pre = ptr<T>(pre);
-    p.act = ptr<T>(act);
-    p.dropout = dropout_stream(seed, dropout_p);
-    launch<T, false>(p, in.tanh);
-  });
-  return {ffn_output(x, act, in.w2, in.b2), pre};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
-    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pre_activation,
-    const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-    const std::optional<at::Tensor>& b2, const std::string& approximate, double dropout_p,
-    const at::Tensor& seed) {
-  const auto in = gelu_ffn_grad_inputs(grad, x, pre_activation, w1, b1, w2, b2, approximate,
-                                       check_cuda);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const auto g2 = aligned(in.grad), w2c = aligned(in.w2), pre = aligned(in.pre_activation);
-  const int64_t rows = in.x.size(0), d_in = in.x.size(1), d_ff = in.w1.size(0), d_out = w2c.size(0);
-  check_sizes(d_in, d_ff, d_out);
-  const bool has_b1 = in.b1.defined();
-  auto dpre = at::empty_like(pre);
-  auto act = at::empty_like(pre);
-  at::Tensor db1;
-  dispatch_half(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    auto part = at::empty({has_b1 ? ceil_div(rows, kBlockM) : 0, d_ff},
-                          pre.options().dtype(at::kFloat));
-    Params<T> p;
-    p.a = ptr<T>(g2);
-    p.b = ptr<T>(w2c);
-    p.m = rows, p.n = d_ff, p.k = d_out;
-    p.pre = ptr<T>(pre);
-    p.act = ptr<T>(act);
-    p.dpre = ptr<T>(dpre);
-    p.dbias_part = has_b1 ? ptr<float>(part) : nullptr;
-    p.dropout = dropout_stream(seed, dropout_p);
-    launch<T, true>(p, in.tanh);
-    if (has_b1) db1 = sum_partials<T>(part, x.scalar_type());
-  });
-  auto dw2 = at::mm(g2.t(), act);
-  auto db2 = in.b2.defined() ? g2.sum(0, false, at::kFloat).to(x.scalar_type()) : at::Tensor();
-  auto dx = at::empty(x.sizes(), pre.options());
-  auto dx2 = dx.view({rows, d_in});
-  at::mm_out(dx2, dpre, in.w1);
-  auto dw1 = at::mm(dpre.t(), in.x);
-  return {dx, dw1, db1, dw2, db2};
-}
-
-}  // namespace fusedlm::cuda
+}  // namespace fusedlm::cuda::kernels::gelu_ffn

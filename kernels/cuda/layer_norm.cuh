@@ -23,14 +23,20 @@
 // only on the shape and the device: no atomics, and the parameter gradients repeat bit
 // for bit. Traffic: 2 or 3 reads (grad_out, summed, grad_summed) and 1 or 2 writes per
 // element.
-#include "common.cuh"
-#include "cuda/ops.h"
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 
-namespace fusedlm::cuda {
-namespace {
+#include "common.cuh"
+
+namespace fusedlm::cuda::kernels::layer_norm {
 
 constexpr int kForwardCache = 4;   // vectors of the row a thread keeps in the forward
 constexpr int kBackwardCache = 2;  // and in the backward (4 values per element there)
+
+// Dynamic shared memory of both kernels: block_sum's 2 * 32 floats.
+constexpr size_t kSharedBytes = 2 * 32 * sizeof(float);
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kRowThreads)
@@ -39,7 +45,7 @@ __global__ void __launch_bounds__(kRowThreads)
                                   T* __restrict__ out, T* __restrict__ summed,
                                   float* __restrict__ mean_out, float* __restrict__ rstd_out,
                                   int64_t cols, float eps, Dropout dropout) {
-  __shared__ float shared[2 * 32];
+  float* shared = reinterpret_cast<float*>(dynamic_shared_memory());  // kSharedBytes
   const int64_t base = int64_t(blockIdx.x) * cols;
   const int64_t vecs = cols / N;
   const int stride = blockDim.x;
@@ -149,7 +155,7 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
     T* __restrict__ dsummed, T* __restrict__ dx, float* __restrict__ dw_part,
     float* __restrict__ db_part, int64_t rows, int64_t cols, int64_t rows_per_block,
     Dropout dropout) {
-  __shared__ float shared[2 * 32];
+  float* shared = reinterpret_cast<float*>(dynamic_shared_memory());  // kSharedBytes
   const int64_t vecs = cols / N;
   const int stride = blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * rows_per_block;
@@ -263,100 +269,4 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
   }
 }
 
-// The stored statistics' dtype and layout (add_layer_norm_grad_inputs checks their device).
-void check_stat(const at::Tensor& t, int64_t rows, const char* name) {
-  TORCH_CHECK_VALUE(t.numel() == rows && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
-                    " must be a contiguous [", rows, "] float32 tensor");
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    double dropout_p, const at::Tensor& seed) {
-  const auto in = add_layer_norm_inputs(x, residual, weight, bias, check_cuda);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const Dropout dropout = dropout_stream(seed, dropout_p);
-
-  const int64_t rows = in.x.size(0), cols = in.x.size(1);
-  // Outputs in x's shape (contiguous, so the kernels see [rows, cols]): an op's output
-  // must not be a view.
-  auto out = at::empty(x.sizes(), in.x.options()), summed = at::empty(x.sizes(), in.x.options());
-  auto mean = at::empty({rows}, in.x.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
-  dispatch(x.scalar_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    if (rows == 0) return;
-    const T *xp = ptr<T>(in.x), *rp = ptr<T>(in.residual), *wp = ptr<T>(in.weight);
-    const T* bp = ptr<T>(in.bias);
-    T *op = ptr<T>(out), *sp = ptr<T>(summed);
-    const auto stream = current_stream();
-    constexpr int V = kVec<T>;
-    if (cols % V == 0 && all_aligned16(xp, rp, wp, bp, op, sp)) {
-      add_layer_norm_forward_kernel<T, V><<<rows, row_threads(cols / V, kForwardCache), 0, stream>>>(
-          xp, rp, wp, bp, op, sp, ptr<float>(mean), ptr<float>(rstd), cols, float(eps), dropout);
-    } else {
-      add_layer_norm_forward_kernel<T, 1><<<rows, row_threads(cols, kForwardCache), 0, stream>>>(
-          xp, rp, wp, bp, op, sp, ptr<float>(mean), ptr<float>(rstd), cols, float(eps), dropout);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return {out, summed, mean, rstd};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_summed,
-    const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
-    const at::Tensor& seed) {
-  const auto in = add_layer_norm_grad_inputs(grad_out, grad_summed, summed, mean, rstd, weight,
-                                             check_cuda);
-  const c10::cuda::CUDAGuard guard(summed.device());
-  const Dropout dropout = dropout_stream(seed, dropout_p);
-
-  const int64_t rows = in.summed.size(0), cols = in.summed.size(1);
-  check_stat(mean, rows, "mean");
-  check_stat(rstd, rows, "rstd");
-  // Without dropout dx is dsummed itself (the caller hands one tensor to both x and
-  // residual); with it, dsummed is written only for a residual.
-  const auto options = in.summed.options();
-  auto dsummed = !dropout.active || has_residual ? at::empty(summed.sizes(), options) : at::Tensor();
-  auto dx = dropout.active ? at::empty(summed.sizes(), options) : at::Tensor();
-  at::Tensor dweight, dbias;
-  dispatch(summed.scalar_type(), "summed", [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int V = kVec<T>;
-    const T *gp = ptr<T>(in.grad_out), *gsp = ptr<T>(in.grad_summed), *sp = ptr<T>(in.summed);
-    const T* wp = ptr<T>(in.weight);
-    T *dsp = ptr<T>(dsummed), *dxp = ptr<T>(dx);
-    const bool vector = cols % V == 0 && all_aligned16(gp, gsp, sp, wp, dsp, dxp);
-    const int threads = row_threads(vector ? cols / V : cols, kBackwardCache);
-    // Enough blocks to fill the device, but at least 8 rows each, so the partial sums
-    // stay small next to the rows themselves. Fixed per shape and device.
-    const int64_t resident = int64_t(multiprocessors()) * std::max(1, std::min(16, 2048 / threads));
-    const int64_t rows_per_block = std::max<int64_t>(8, ceil_div(rows, resident));
-    const int64_t blocks = ceil_div(rows, rows_per_block);
-    auto partial = options.dtype(at::kFloat);
-    auto dw_part = at::empty({in.weight.defined() ? blocks : 0, cols}, partial);
-    auto db_part = at::empty({has_bias ? blocks : 0, cols}, partial);
-    if (rows > 0) {
-      float *dwp = in.weight.defined() ? ptr<float>(dw_part) : nullptr;
-      float *dbp = has_bias ? ptr<float>(db_part) : nullptr;
-      const auto stream = current_stream();
-      if (vector)
-        add_layer_norm_backward_kernel<T, V><<<blocks, threads, 0, stream>>>(
-            gp, gsp, sp, ptr<float>(mean), ptr<float>(rstd), wp, dsp, dxp, dwp, dbp, rows, cols,
-            rows_per_block, dropout);
-      else
-        add_layer_norm_backward_kernel<T, 1><<<blocks, threads, 0, stream>>>(
-            gp, gsp, sp, ptr<float>(mean), ptr<float>(rstd), wp, dsp, dxp, dwp, dbp, rows, cols,
-            rows_per_block, dropout);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    if (in.weight.defined()) dweight = sum_partials<T>(dw_part, summed.scalar_type());
-    if (has_bias) dbias = sum_partials<T>(db_part, summed.scalar_type());
-  });
-  return {dsummed, dx, dweight, dbias};
-}
-
-}  // namespace fusedlm::cuda
+}  // namespace fusedlm::cuda::kernels::layer_norm

@@ -1,0 +1,384 @@
+// attention and attention_varlen on CUDA, the host side: the problem's checks and
+// layout, the choice of path and the launches of the kernels in
+// kernels/cuda/attention.cuh (which describes them).
+#include <type_traits>
+#include <utility>
+
+#include "attention.cuh"
+#include "cuda/common.h"
+#include "cuda/ops.h"
+#include "cuda/runtime.h"
+
+namespace fusedlm::cuda {
+namespace {
+
+using namespace kernels::attention;
+
+// One call's inputs, checked, with the kernels' layout (see kernel_layout).
+struct Problem {
+  at::Tensor q, k, v, key_padding, cu_q, cu_k;
+  bool varlen = false;
+  int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
+  bool causal = false;
+  double dropout_p = 0.0, scale = 1.0;
+  at::Tensor seed;
+};
+
+// Whether the kernels can read or write t in place: head_dim contiguous and every row
+// 16-byte aligned (cp.async and the paired stores).
+bool kernel_layout(const at::Tensor& t) {
+  if (t.stride(-1) != 1 || !aligned16(t.data_ptr())) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
+  return true;
+}
+
+at::Tensor with_kernel_layout(const at::Tensor& t) {
+  if (kernel_layout(t)) return t;
+  auto copy = at::empty(t.sizes(), t.options());
+  return copy.copy_(t);
+}
+
+// Output `like`-laid-out tensors the kernels write into: the tensor itself, or a buffer
+// whose contents `finish` copies back.
+struct Output {
+  at::Tensor tensor, buffer;
+  explicit Output(at::Tensor t)
+      : tensor(t), buffer(kernel_layout(t) ? t : at::empty(t.sizes(), t.options())) {}
+  at::Tensor finish() {
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+    return tensor;
+  }
+};
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ndim) {
+  check_device_tensor(q, "q");
+  check_device_tensor(k, "k");
+  check_device_tensor(v, "v");
+  check_same_device(k, q, "k", "q");
+  check_same_device(v, q, "v", "q");
+  TORCH_CHECK_VALUE(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim, "q, k and v must have ",
+                    ndim, " dimensions, got ", q.dim(), ", ", k.dim(), " and ", v.dim());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                   "the cuda attention takes bfloat16 or float16; q is ", q.scalar_type());
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "k and v must have q's dtype (", q.scalar_type(), "), got ", k.scalar_type(),
+                   " and ", v.scalar_type());
+  const int64_t d = q.size(-1);
+  TORCH_CHECK_VALUE(d == 64 || d == 128, "the cuda attention takes a head_dim of 64 or 128; q has ",
+                    d);
+  TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "k and v must have q's head_dim (", d,
+                    "), got ", k.size(-1), " and ", v.size(-1));
+}
+
+void check_grid(const Problem& pb) {
+  TORCH_CHECK_VALUE(pb.batch <= 65535 && pb.heads <= 65535,
+                    "the cuda attention takes at most 65535 sequences and heads, got ", pb.batch,
+                    " and ", pb.heads);
+  TORCH_CHECK_VALUE(pb.seq_q < (int64_t(1) << 31) && pb.seq_k < (int64_t(1) << 31),
+                    "sequences must be shorter than 2^31 tokens");
+}
+
+Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& key_padding_mask,
+                       const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
+                       double scale, const at::Tensor& seed) {
+  check_qkv(q, k, v, 4);
+  TORCH_CHECK_VALUE(!(attn_bias && attn_bias->defined()),
+                    "the cuda attention takes no attn_bias (the triton and cpu backends do)");
+  Problem pb;
+  pb.batch = q.size(0);
+  pb.heads = q.size(1);
+  pb.seq_q = q.size(2);
+  pb.seq_k = k.size(2);
+  pb.head_dim = q.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == pb.batch && k.size(1) == pb.heads,
+                    "k must have q's batch and heads, got shape ", k.sizes());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
+                    v.sizes());
+  if (key_padding_mask && key_padding_mask->defined()) {
+    const auto& mask = *key_padding_mask;
+    check_device_tensor(mask, "key_padding_mask");
+    check_same_device(mask, q, "key_padding_mask", "q");
+    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "key_padding_mask must be bool, got ",
+                     mask.scalar_type());
+    TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == pb.batch && mask.size(1) == pb.seq_k,
+                      "key_padding_mask must have shape [batch, seq_k] = [", pb.batch, ", ",
+                      pb.seq_k, "], got ", mask.sizes());
+    pb.key_padding = mask.contiguous();
+  }
+  pb.q = with_kernel_layout(q);
+  pb.k = with_kernel_layout(k);
+  pb.v = with_kernel_layout(v);
+  pb.causal = causal;
+  pb.dropout_p = dropout_p;
+  pb.scale = scale;
+  pb.seed = seed;
+  check_grid(pb);
+  return pb;
+}
+
+Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
+                       double scale, const at::Tensor& seed) {
+  check_qkv(q, k, v, 3);
+  Problem pb;
+  pb.varlen = true;
+  pb.heads = q.size(1);
+  pb.head_dim = q.size(2);
+  TORCH_CHECK_VALUE(k.size(1) == pb.heads, "k must have q's heads (", pb.heads, "), got ",
+                    k.size(1));
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
+                    v.sizes());
+  for (const auto* cu : {&cu_seqlens_q, &cu_seqlens_k}) {
+    const char* name = cu == &cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
+    check_device_tensor(*cu, name);
+    check_same_device(*cu, q, name, "q");
+    TORCH_CHECK_TYPE(cu->scalar_type() == at::kInt, name, " must be int32, got ",
+                     cu->scalar_type());
+    TORCH_CHECK_VALUE(cu->dim() == 1 && cu->size(0) >= 1, name,
+                      " must be a 1-d tensor of batch + 1 offsets, got shape ", cu->sizes());
+  }
+  TORCH_CHECK_VALUE(cu_seqlens_k.size(0) == cu_seqlens_q.size(0),
+                    "cu_seqlens_k must have as many entries as cu_seqlens_q (",
+                    cu_seqlens_q.size(0), "), got ", cu_seqlens_k.size(0));
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0,
+                    "max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
+                    max_seqlen_k);
+  // The offsets are not checked against the tensors here: that would copy them to the
+  // host. A sequence longer than max_seqlen gets rows no block covers.
+  pb.cu_q = cu_seqlens_q.contiguous();
+  pb.cu_k = cu_seqlens_k.contiguous();
+  pb.batch = cu_seqlens_q.size(0) - 1;
+  pb.seq_q = max_seqlen_q;
+  pb.seq_k = max_seqlen_k;
+  pb.q = with_kernel_layout(q);
+  pb.k = with_kernel_layout(k);
+  pb.v = with_kernel_layout(v);
+  pb.causal = causal;
+  pb.dropout_p = dropout_p;
+  pb.scale = scale;
+  pb.seed = seed;
+  check_grid(pb);
+  return pb;
+}
+
+// Rows of a [batch, heads, seq, d] tensor, or of a packed [tokens, heads, d] one.
+template <typename T>
+Rows<T> rows_of(const at::Tensor& t, bool varlen) {
+  T* p = ptr<T>(t);
+  if (varlen) return {p, 0, t.stride(1), t.stride(0)};
+  return {p, t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Rows of the float32 statistics: [batch, heads, seq_q], or [heads, tokens] (varlen).
+Rows<float> stat_rows(const at::Tensor& t, bool varlen) {
+  float* p = ptr<float>(t);
+  if (varlen) return {p, 0, t.stride(0), t.stride(1)};
+  return {p, t.stride(0), t.stride(1), t.stride(2)};
+}
+
+template <typename T>
+Params<T> params(const Problem& pb) {
+  Params<T> p;
+  p.q = rows_of<const T>(pb.q, pb.varlen);
+  p.k = rows_of<const T>(pb.k, pb.varlen);
+  p.v = rows_of<const T>(pb.v, pb.varlen);
+  p.key_padding = ptr<bool>(pb.key_padding);
+  p.cu_q = pb.varlen ? ptr<int>(pb.cu_q) : nullptr;
+  p.cu_k = pb.varlen ? ptr<int>(pb.cu_k) : nullptr;
+  p.heads = static_cast<int>(pb.heads);
+  p.seq_q = static_cast<int>(pb.seq_q);
+  p.seq_k = static_cast<int>(pb.seq_k);
+  p.causal = pb.causal;
+  p.scale = static_cast<float>(pb.scale);
+  p.dropout = dropout_stream(pb.seed, pb.dropout_p);
+  return p;
+}
+
+// Runs f(T{}, std::integral_constant<int, D>{}) for the problem's dtype and head dim.
+template <typename F>
+void dispatch_attention(const Problem& pb, F&& f) {
+  auto with_dim = [&](auto tag) {
+    if (pb.head_dim == 64) f(tag, std::integral_constant<int, 64>{});
+    else f(tag, std::integral_constant<int, 128>{});
+  };
+  if (pb.q.scalar_type() == at::kBFloat16) with_dim(at::BFloat16{});
+  else with_dim(at::Half{});
+}
+
+// Launches kernel over (blocks, heads, sequences).
+template <typename T>
+void launch_blocks(void (*kernel)(Params<T>), int64_t blocks, int threads, size_t smem,
+                   const Problem& pb, const Params<T>& p) {
+  if (blocks == 0 || pb.heads == 0 || pb.batch == 0) return;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(pb.heads),
+                  static_cast<unsigned>(pb.batch));
+  launch(kernel, grid, threads, smem, p);
+}
+
+// Whether a kernel takes the resident path: when the rows it walks (keys, or queries for
+// dK/dV) number at most kResidentMax and their tiles fit in shared memory, unless
+// FUSEDLM_ATTENTION_RESIDENT=0 sends every sequence down the streamed path.
+bool takes_resident_path(int64_t walked, size_t resident_smem) {
+  return path_enabled("FUSEDLM_ATTENTION_RESIDENT") && walked <= kResidentMax &&
+         resident_smem <= max_shared_memory();
+}
+
+// Launches kernel_of(path) over `own` rows a sequence (the queries of the forward and dQ
+// kernels, the keys of dK/dV) on the path the sequence it walks takes. smem_of(path) is
+// a block's shared memory on that path.
+template <typename T, typename KernelOf, typename SmemOf>
+void launch_path(KernelOf kernel_of, SmemOf smem_of, int64_t own, int64_t walked,
+                 const Problem& pb, const Params<T>& p) {
+  constexpr std::true_type resident;
+  constexpr std::false_type streamed;
+  if (takes_resident_path(walked, smem_of(resident)))
+    launch_blocks<T>(kernel_of(resident), ceil_div(own, Shape<true>::rows),
+                     Shape<true>::threads, smem_of(resident), pb, p);
+  else
+    launch_blocks<T>(kernel_of(streamed), ceil_div(own, Shape<false>::rows),
+                     Shape<false>::threads, smem_of(streamed), pb, p);
+}
+
+void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
+  dispatch_attention(pb, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    Params<T> p = params<T>(pb);
+    p.out = rows_of<T>(out, pb.varlen);
+    p.lse = stat_rows(lse, pb.varlen);
+#if defined(FUSEDLM_SM90A)
+    if (!takes_resident_path(pb.seq_k, forward_smem<D, true>(pb.seq_k)) &&
+        hopper_path("FUSEDLM_ATTENTION_WGMMA")) {
+      launch_blocks<T>(attention_forward_sm90_kernel<T, D>, ceil_div(pb.seq_q, kSm90Rows),
+                       kSm90Threads, sm90_forward_smem<D>(), pb, p);
+      return;
+    }
+#endif
+    launch_path<T>(
+        [](auto path) { return attention_forward_kernel<T, D, decltype(path)::value>; },
+        [&](auto path) { return forward_smem<D, decltype(path)::value>(pb.seq_k); }, pb.seq_q,
+        pb.seq_k, pb, p);
+  });
+}
+
+void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
+              const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+              const at::Tensor& dv) {
+  auto delta = at::empty(lse.sizes(), lse.options());
+  dispatch_attention(pb, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    Params<T> p = params<T>(pb);
+    p.out = rows_of<T>(out, pb.varlen);
+    p.dout = rows_of<const T>(grad, pb.varlen);
+    p.lse = stat_rows(lse, pb.varlen);
+    p.delta = stat_rows(delta, pb.varlen);
+    p.dq = rows_of<T>(dq, pb.varlen);
+    p.dk = rows_of<T>(dk, pb.varlen);
+    p.dv = rows_of<T>(dv, pb.varlen);
+    p.own_delta = pb.seq_k <= kBlockN;
+    if (!p.own_delta)
+      launch_blocks<T>(attention_delta_kernel<T, D>,
+                       ceil_div(pb.seq_q, kDeltaThreads / (D / 8)), kDeltaThreads, 0, pb, p);
+    // With own_delta the dQ kernel stores the delta the dK/dV kernel reads.
+    launch_path<T>(
+        [](auto path) { return attention_dq_kernel<T, D, decltype(path)::value>; },
+        [&](auto path) { return dq_smem<D, decltype(path)::value>(pb.seq_k); }, pb.seq_q,
+        pb.seq_k, pb, p);
+    launch_path<T>(
+        [](auto path) { return attention_dkdv_kernel<T, D, decltype(path)::value>; },
+        [&](auto path) { return dkdv_smem<D, decltype(path)::value>(pb.seq_q); }, pb.seq_k,
+        pb.seq_q, pb, p);
+  });
+}
+
+// The saved output and log-sum-exp, and the incoming gradient, checked against the
+// problem; out and grad in the kernels' layout.
+std::pair<at::Tensor, at::Tensor> saved(const Problem& pb, const at::Tensor& grad,
+                                        const at::Tensor& out, const at::Tensor& lse,
+                                        at::IntArrayRef lse_shape) {
+  check_device_tensor(grad, "grad");
+  check_device_tensor(out, "out");
+  check_device_tensor(lse, "lse");
+  check_same_device(grad, pb.q, "grad", "q");
+  check_same_device(out, pb.q, "out", "q");
+  check_same_device(lse, pb.q, "lse", "q");
+  TORCH_CHECK_VALUE(out.sizes() == pb.q.sizes() && out.scalar_type() == pb.q.scalar_type(),
+                    "out must be the forward's output, of q's shape and dtype");
+  TORCH_CHECK_VALUE(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(),
+                    "grad must match the attention output in shape and dtype");
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == lse_shape,
+                    "lse must be the forward's float32 log-sum-exp of shape ", lse_shape,
+                    ", got ", lse.scalar_type(), " ", lse.sizes());
+  return {with_kernel_layout(grad), with_kernel_layout(out)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
+    bool causal, double dropout_p, double scale, const at::Tensor& seed) {
+  check_device_tensor(q, "q");
+  const DeviceGuard guard(q);
+  const Problem pb =
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+  Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  auto lse = at::empty({pb.batch, pb.heads, pb.seq_q}, q.options().dtype(at::kFloat));
+  forward(pb, out.buffer, lse);
+  return {out.finish(), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
+    const at::Tensor& seed, bool bias_grad) {
+  check_device_tensor(q, "q");
+  const DeviceGuard guard(q);
+  TORCH_CHECK_VALUE(!bias_grad, "the cuda attention takes no attn_bias, so no bias gradient");
+  const Problem pb =
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+  const auto [g, o] = saved(pb, grad, out, lse, {pb.batch, pb.heads, pb.seq_q});
+  Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
+  Output dv(empty_like_layout(v, v.sizes(), v.scalar_type()));
+  backward(pb, g, o, lse, dq.buffer, dk.buffer, dv.buffer);
+  return {dq.finish(), dk.finish(), dv.finish(), at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed) {
+  check_device_tensor(q, "q");
+  const DeviceGuard guard(q);
+  const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, dropout_p, scale, seed);
+  Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  auto lse = at::empty({pb.heads, q.size(0)}, q.options().dtype(at::kFloat));
+  forward(pb, out.buffer, lse);
+  return {out.finish(), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed) {
+  check_device_tensor(q, "q");
+  const DeviceGuard guard(q);
+  const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, dropout_p, scale, seed);
+  const auto [g, o] = saved(pb, grad, out, lse, {pb.heads, q.size(0)});
+  Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
+  Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
+  Output dv(empty_like_layout(v, v.sizes(), v.scalar_type()));
+  backward(pb, g, o, lse, dq.buffer, dk.buffer, dv.buffer);
+  return {dq.finish(), dk.finish(), dv.finish()};
+}
+
+}  // namespace fusedlm::cuda

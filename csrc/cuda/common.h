@@ -1,0 +1,94 @@
+// What the cuda backend's host code shares: the element-type dispatch, alignment
+// checks, the switches between kernel paths, the launch shapes of the row kernels, the
+// dropout stream, and the second stage of the parameter-gradient reductions. Their device
+// side is kernels/cuda/common.cuh; the CUDA runtime is reached through runtime.h alone.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include "../common.h"  // csrc/common.h
+#include "checks.h"
+#include "common.cuh"
+#include "cuda/runtime.h"
+
+namespace fusedlm::cuda {
+
+// Runs f(T{}) for the element type T of `dtype`: float, at::Half or at::BFloat16.
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default:
+      TORCH_CHECK_TYPE(false, "fusedlm's CUDA kernels take float32, bfloat16 or float16; ",
+                       name, " is ", dtype);
+  }
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether every pointer is null or 16-byte aligned.
+template <typename... P>
+bool all_aligned16(const P*... p) {
+  return ((p == nullptr || aligned16(p)) && ...);
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether a kernel path with a switch may run: unless the environment variable `setting`
+// is "0" (which turns it off, to compare it with the path it replaces at the same shapes).
+inline bool path_enabled(const char* setting) {
+  const char* value = std::getenv(setting);
+  return value == nullptr || std::string_view(value) != "0";
+}
+
+// Whether a kernel's Hopper variant (wgmma.cuh) runs: on an sm_90 device, in a build
+// with sm_90a code, when path_enabled(setting) (else the mma.sync kernel it replaces).
+inline bool hopper_path(const char* setting) {
+#if defined(FUSEDLM_SM90A)
+  return compute_capability_major() == 9 && path_enabled(setting);
+#else
+  (void)setting;
+  return false;
+#endif
+}
+
+// Threads per block for one row of `vecs` vectors, each thread holding up to `cached` of
+// them: at least one warp, one vector a thread up to 128 threads, at most kRowThreads.
+inline int row_threads(int64_t vecs, int cached) {
+  const int64_t one_each = std::min<int64_t>(ceil_div(vecs, 32) * 32, 128);
+  const int64_t spread = ceil_div(ceil_div(vecs, cached), 32) * 32;
+  return static_cast<int>(
+      std::max<int64_t>(32, std::min<int64_t>(kRowThreads, std::max(one_each, spread))));
+}
+
+// The dropout stream (seed, p); inactive for p == 0.
+inline Dropout dropout_stream(const at::Tensor& seed, double p) {
+  Dropout d;
+  if (p <= 0.0) return d;
+  d.seed = seed_value(seed);
+  d.threshold = static_cast<uint32_t>(p * 16777216.0);
+  d.scale = static_cast<float>(1.0 / (1.0 - p));
+  d.active = true;
+  return d;
+}
+
+// The column sums of partial [blocks, cols] (float32), as a new [cols] tensor of dtype:
+// the second stage of a parameter gradient. Zeros when there are no blocks.
+template <typename T>
+at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
+  const int64_t blocks = partial.size(0), cols = partial.size(1);
+  auto out = at::empty({cols}, partial.options().dtype(dtype));
+  if (cols == 0) return out;
+  const int threads = 256;
+  launch(sum_partials_kernel<T>, ceil_div(cols, threads), threads, 0, ptr<float>(partial),
+         blocks, cols, ptr<T>(out));
+  return out;
+}
+
+}  // namespace fusedlm::cuda

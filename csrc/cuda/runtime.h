@@ -1,0 +1,161 @@
+// Everything the cuda backend's host code (csrc/cuda/*.cu) needs from the CUDA runtime
+// and c10::cuda, and the one place on the host side that knows two builds exist:
+//   nvcc (the normal build): c10::cuda's device guard, the device's attributes, and
+//     kernel launches on PyTorch's current stream;
+//   FUSEDLM_EMULATE (the same sources compiled as C++ against the CPU emulator of CUDA,
+//     csrc/emulator): the emulator's launches and attributes, on CPU tensors. A kernel
+//     may read or write only the memory of the tensors its op exposed: every pointer a
+//     kernel receives comes from ptr(), which exposes the tensor's storage, and the op's
+//     DeviceGuard ends those exposures when the op returns.
+// Every entry point of csrc/cuda/ops.h holds a DeviceGuard while it runs.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#if defined(FUSEDLM_EMULATE)
+#include <c10/util/Flags.h>
+
+#include "emulator/runtime.h"
+
+C10_DECLARE_bool(caffe2_cpu_allocator_do_junk_fill);
+#else
+// c10's CUDA headers, not ATen/cuda/CUDAContext.h: that one needs cuBLAS and cuSPARSE
+// headers, which the compile check (CUDA toolkit only, CPU PyTorch) does not have.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace fusedlm::cuda {
+
+#if defined(FUSEDLM_EMULATE)
+
+// --- the emulation build ------------------------------------------------------------------
+
+// Held by an op for as long as it runs. Meanwhile new CPU tensors are filled with junk
+// (c10's allocator's pattern, NaN in floats): like a CUDA allocation they hold no zeros,
+// so a kernel that reads memory nothing wrote gives a visibly wrong answer. When it goes,
+// so do the op's exposures of memory.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const at::Tensor&) : junk_(FLAGS_caffe2_cpu_allocator_do_junk_fill) {
+    FLAGS_caffe2_cpu_allocator_do_junk_fill = true;
+  }
+  explicit DeviceGuard(at::Device) : DeviceGuard(at::Tensor()) {}
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  ~DeviceGuard() {
+    FLAGS_caffe2_cpu_allocator_do_junk_fill = junk_;
+    emu::end_exposure();
+  }
+
+ private:
+  bool junk_;
+};
+
+// The device the kernels run on that PyTorch numbers `index`: the CPU, whatever the index.
+inline at::Device kernel_device(int64_t) { return at::Device(at::kCPU); }
+
+inline void check_device_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name,
+                    " must be a CPU tensor: this build's cuda backend is emulated on the CPU");
+}
+
+inline int multiprocessors() { return emu::multiprocessors(); }
+inline size_t max_shared_memory() { return emu::max_shared_memory(); }
+inline int compute_capability_major() { return emu::compute_capability_major(); }
+
+// t's data as T*, and t's storage exposed to the op's kernels; nullptr when undefined.
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  if (!t.defined()) return nullptr;
+  // The pointer first: taking it may give a copy-on-write tensor a storage of its own.
+  T* p = static_cast<T*>(t.data_ptr());
+  emu::expose(t.storage().data(), t.storage().nbytes());
+  return p;
+}
+
+// kernel(args...) over grid blocks of block threads, each with dynamic_smem bytes of
+// dynamic shared memory, run to completion on the emulator.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem,
+            Args&&... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  emu::launch(kernel, grid, block, dynamic_smem, std::forward<Args>(args)...);
+}
+
+#else
+
+// --- the nvcc build -----------------------------------------------------------------------
+
+// The device of the op's tensors made current for as long as the op runs.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const at::Tensor& t) : guard_(t.device()) {}
+  explicit DeviceGuard(at::Device device) : guard_(device) {}
+
+ private:
+  c10::cuda::CUDAGuard guard_;
+};
+
+// The device the kernels run on that PyTorch numbers `index`: cuda:index.
+inline at::Device kernel_device(int64_t index) {
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+inline void check_device_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+}
+
+inline int multiprocessors() {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount,
+                                        c10::cuda::current_device()));
+  return count;
+}
+
+// The most shared memory one block of the current device may ask for.
+inline size_t max_shared_memory() {
+  int bytes = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        c10::cuda::current_device()));
+  return static_cast<size_t>(bytes);
+}
+
+inline int compute_capability_major() {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                        c10::cuda::current_device()));
+  return major;
+}
+
+// t's data as T*; nullptr when undefined.
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
+}
+
+// kernel<<<grid, block, dynamic_smem>>>(args...) on PyTorch's current stream, checked.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem,
+            Args&&... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  // Past 48 KiB a block's dynamic shared memory has to be allowed. The allowance is the
+  // device's whole, the same for every call: a per-call amount could be lowered by
+  // another thread's launch between this one's setting and launching.
+  if (dynamic_smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(max_shared_memory())));
+  kernel<<<grid, block, dynamic_smem, c10::cuda::getCurrentCUDAStream().stream()>>>(
+      std::forward<Args>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#endif
+
+}  // namespace fusedlm::cuda

@@ -1,0 +1,204 @@
+// cross_entropy and masked_lm_loss on CUDA.
+//
+// The fused classifier: one block per row of logits. A first sweep over the row keeps,
+// per thread, an online log-sum-exp (a running max and the sum of exponentials rescaled
+// to it, rescaled once per 16-byte vector) and, under label smoothing, the sum of the
+// logits; the block combines the threads' pairs. A second sweep writes
+// (softmax - target) * scale over the row, where the logits were when asked to (in
+// place): the gradient comes out of the forward pass and the backward only rescales it.
+// Rows are rarely 16-byte aligned (vocabularies of 30522 or 50257 classes), so each
+// sweep takes the row's unaligned head and tail one element at a time and the rest in
+// vectors. Traffic: two reads of the logits (the second mostly from L2: a block's row is
+// 60-100 KiB in bf16) and one write of the gradient. llm.c's fused classifier is the
+// reference point.
+//
+// Rows labelled ignore_index get a zero loss and gradient; a label outside [0, classes)
+// (not checked on the GPU, as that would synchronise) gets a NaN loss, not a stray read.
+//
+// masked_lm_loss gathers the labelled rows and projects them chunk_rows at a time with
+// ATen's matrix products into one reused logits buffer; the kernel overwrites each
+// chunk's logits with their gradient, which the products fold into d_hidden and d_weight
+// before the next chunk (csrc/cross_entropy.cpp does the same on the CPU).
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "common.cuh"
+
+namespace fusedlm::cuda::kernels::cross_entropy {
+
+constexpr int kThreads = 512;
+
+// Dynamic shared memory of cross_entropy_kernel: block_lse's 3 * 32 floats.
+constexpr size_t kSharedBytes = 3 * 32 * sizeof(float);
+
+// Calls scalar(j) for the unaligned head and tail of a row of n elements that starts at
+// element `start` of a 16-byte aligned buffer, and vector(j) for the N-element vectors
+// between (N = 1: vector(j) for every element). Elements are spread over the block.
+template <int N, typename Scalar, typename Vector>
+__device__ __forceinline__ void walk_row(int64_t start, int64_t n, Scalar&& scalar,
+                                         Vector&& vector) {
+  const int64_t head = N > 1 ? std::min<int64_t>(n, (N - start % N) % N) : 0;
+  const int64_t vecs = (n - head) / N;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) scalar(j);
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) vector(head + v * N);
+  for (int64_t j = head + vecs * N + threadIdx.x; j < n; j += blockDim.x) scalar(j);
+}
+
+// An online log-sum-exp: the sum of exp(x - max) over the values seen, and their max.
+struct Lse {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.0f;
+
+  // Adds N values, rescaling the sum once. While every value is -inf the sum stays 0
+  // (exp(-inf - -inf) would be NaN where the terms are 0).
+  template <int N>
+  __device__ __forceinline__ void add(const float (&x)[N]) {
+    float m = x[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) m = fmaxf(m, x[i]);
+    if (m > max) {
+      sum *= __expf(max - m);
+      max = m;
+    }
+    if (max == -std::numeric_limits<float>::infinity()) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i) sum += __expf(x[i] - max);
+  }
+
+  __device__ __forceinline__ void merge(float other_max, float other_sum) {
+    const float m = fmaxf(max, other_max);
+    if (m == -std::numeric_limits<float>::infinity()) return;
+    sum = sum * __expf(max - m) + other_sum * __expf(other_max - m);
+    max = m;
+  }
+};
+
+// Combines every thread's Lse and smoothing sum; every thread receives the results.
+__device__ __forceinline__ void block_lse(Lse& lse, float& sum_x, float* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float m = __shfl_xor_sync(0xffffffffu, lse.max, offset);
+    const float s = __shfl_xor_sync(0xffffffffu, lse.sum, offset);
+    lse.merge(m, s);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    shared[warp] = lse.max;
+    shared[32 + warp] = lse.sum;
+    shared[64 + warp] = sum_x;
+  }
+  __syncthreads();
+  lse = Lse();
+  sum_x = 0.0f;
+  if (lane < warps) {
+    lse.max = shared[lane];
+    lse.sum = shared[32 + lane];
+    sum_x = shared[64 + lane];
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float m = __shfl_xor_sync(0xffffffffu, lse.max, offset);
+    const float s = __shfl_xor_sync(0xffffffffu, lse.sum, offset);
+    lse.merge(m, s);
+    sum_x += __shfl_xor_sync(0xffffffffu, sum_x, offset);
+  }
+}
+
+// Row r of logits [rows, classes]: loss[r], and with grad (possibly logits itself)
+// grad[r, j] = scale * row_scale[r] * (softmax_j - smoothing / classes - (1 - smoothing) [j == y]).
+// scale is one float on the device (1 / labelled rows for "mean": no synchronisation).
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    cross_entropy_kernel(const T* logits, const int64_t* __restrict__ labels,
+                         float* __restrict__ loss, T* grad, const float* __restrict__ scale,
+                         const float* __restrict__ row_scale, int64_t classes,
+                         int64_t ignore_index, float smoothing) {
+  float* shared = reinterpret_cast<float*>(dynamic_shared_memory());  // kSharedBytes
+  const int64_t row = blockIdx.x, start = row * classes;
+  const T* x = logits + start;
+  const int64_t label = labels[row];
+  const bool ignored = label == ignore_index;
+  const bool valid = 0 <= label && label < classes;
+
+  if (ignored) {
+    if (threadIdx.x == 0) loss[row] = 0.0f;
+    if (!grad) return;
+    T* g = grad + start;
+    walk_row<N>(start, classes, [&](int64_t j) { g[j] = static_cast<T>(0.0f); },
+                [&](int64_t j) {
+                  const float zero[N] = {};
+                  store<N>(g + j, zero);
+                });
+    return;
+  }
+  // Read before the block's first barrier: after it, the gradient may overwrite the logits.
+  const float target = threadIdx.x == 0 && valid ? static_cast<float>(x[label]) : 0.0f;
+
+  Lse lse;
+  float sum_x = 0.0f;
+  walk_row<N>(
+      start, classes,
+      [&](int64_t j) {
+        const float v[1] = {static_cast<float>(x[j])};
+        lse.add<1>(v);
+        if (smoothing != 0.0f) sum_x += v[0];
+      },
+      [&](int64_t j) {
+        float v[N];
+        load<N>(x + j, v);
+        lse.add<N>(v);
+        if (smoothing != 0.0f) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) sum_x += v[i];
+        }
+      });
+  block_lse(lse, sum_x, shared);
+  const float log_z = lse.max + __logf(lse.sum);
+
+  if (threadIdx.x == 0) {
+    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j).
+    float l = (1.0f - smoothing) * (log_z - target);
+    if (smoothing != 0.0f) l += smoothing * (log_z - sum_x / classes);
+    loss[row] = valid ? l : std::numeric_limits<float>::quiet_NaN();
+  }
+  // block_lse's barrier came after every read of the first sweep: the gradient may now
+  // overwrite the logits (each thread then reads an element just before writing it).
+  if (!grad) return;
+  const float s = scale[0] * (row_scale ? row_scale[row] : 1.0f);
+  const float off = s * smoothing / classes, hit = s * (1.0f - smoothing);
+  T* g = grad + start;
+  auto grad_of = [&](float v, int64_t j) {
+    return s * __expf(v - log_z) - off - (j == label ? hit : 0.0f);
+  };
+  walk_row<N>(
+      start, classes,
+      [&](int64_t j) { g[j] = static_cast<T>(grad_of(static_cast<float>(x[j]), j)); },
+      [&](int64_t j) {
+        float v[N];
+        load<N>(x + j, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = grad_of(v[i], j + i);
+        store<N>(g + j, v);
+      });
+}
+
+// out = in * scale[row] (per_row, rows of `cols` elements) or in * scale[0]; N-element
+// vectors never straddle two rows (cols % N == 0).
+template <typename T, int N>
+__global__ void scale_kernel(const T* __restrict__ in, T* __restrict__ out,
+                             const float* __restrict__ scale, int64_t vecs, int64_t cols,
+                             bool per_row) {
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
+       v += int64_t(gridDim.x) * blockDim.x) {
+    const float s = scale[per_row ? v * N / cols : 0];
+    float x[N];
+    load<N>(in + v * N, x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] *= s;
+    store<N>(out + v * N, x);
+  }
+}
+
+}  // namespace fusedlm::cuda::kernels::cross_entropy
