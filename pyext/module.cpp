@@ -7,6 +7,9 @@
 #ifdef FUSEDLM_WITH_CUDA
 #include "../csrc/cuda/ops.h"
 #endif
+#if defined(FUSEDLM_EMULATE)
+#include "emulator/runtime.h"
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedlm's compiled kernels (CPU, and CUDA when built with it)";
@@ -14,6 +17,13 @@ PYBIND11_MODULE(_C, m) {
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;
+#endif
+  // FUSEDLM_CUDA=emulate: the CUDA kernels compiled as C++ against the CPU emulator of
+  // CUDA; the cuda backend then runs on CPU tensors.
+#if defined(FUSEDLM_EMULATE)
+  m.attr("cuda_emulated") = true;
+#else
+  m.attr("cuda_emulated") = false;
 #endif
 
   m.def("cpu_capability", &fusedlm::cpu_capability);
@@ -63,5 +73,9 @@ PYBIND11_MODULE(_C, m) {
   cuda.def("attention_backward", &fusedlm::cuda::attention_backward);
   cuda.def("attention_varlen_forward", &fusedlm::cuda::attention_varlen_forward);
   cuda.def("attention_varlen_backward", &fusedlm::cuda::attention_varlen_backward);
+#if defined(FUSEDLM_EMULATE)
+  // The GPU the emulator acts as: "sm_80" or "sm_90a" (FUSEDLM_EMULATE_ARCH).
+  cuda.def("emulated_arch", &fusedlm::emu::arch_name);
+#endif
 #endif
 }

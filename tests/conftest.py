@@ -45,16 +45,21 @@ TOLERANCES = {
 
 
 def backend_device(backend: str) -> torch.device:
-    """The device whose tensors a backend is tested on here."""
-    if backend == "cpu" or (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+    """The device whose tensors a backend is tested on here: the CPU for the cpu backend and
+    for the slow backends (which imitate a GPU there), else the GPU."""
+    if backend == "cpu" or slow_backend(backend):
         return torch.device("cpu")
     return torch.device("cuda")
 
 
-def interpreted(backend: str) -> bool:
-    """Whether `backend` runs in Triton's interpreter, where every program costs milliseconds:
-    its cases take fewer rows than the compiled backends'."""
-    return backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+def slow_backend(backend: str) -> bool:
+    """Whether `backend` imitates its GPU on the CPU: triton in Triton's interpreter
+    (TRITON_INTERPRET=1), one program at a time, or cuda on the CUDA emulator (a
+    FUSEDLM_CUDA=emulate build), one CPU thread per CUDA thread. Every launch then costs
+    milliseconds: its cases take fewer rows than the compiled backends'."""
+    if backend == "triton":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return backend == "cuda" and cuda_backend.emulated()
 
 
 def backends_for(op: str):
@@ -126,12 +131,15 @@ def _fresh_seed():
 
 
 def pytest_collection_modifyitems(items):
-    """Marks every test that runs the triton backend, so that `TRITON_INTERPRET=1 pytest -m
-    triton` runs just those, in the interpreter, on CPU tensors."""
+    """Marks every test that runs the triton or the cuda backend with its name, so that
+    `TRITON_INTERPRET=1 pytest -m triton` runs just the triton ones, in the interpreter,
+    and `pytest -m cuda` against a FUSEDLM_CUDA=emulate build the cuda ones, on the
+    emulator (FUSEDLM_EMULATE_ARCH=sm_90a for Hopper's paths); both on CPU tensors."""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("backend") == "triton":
-            item.add_marker(pytest.mark.triton)
+        backend = callspec.params.get("backend") if callspec is not None else None
+        if backend in ("triton", "cuda"):
+            item.add_marker(getattr(pytest.mark, backend))
 
 
 @pytest.fixture

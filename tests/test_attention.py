@@ -6,11 +6,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
-from fusedlm.backends import _REGISTRY
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
-                      keep_mask, skip_if_refused)
+from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
+                      skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -23,6 +22,27 @@ def _padding_mask(batch, seq, device, *, empty_row=False):
     if empty_row:
         mask[0] = True
     return mask
+
+
+def backends_with_paths(op):
+    """pytest params (backend, path): backends_for(op), with the cuda backend once per way
+    its kernels walk the key (or query) tiles: "resident", the default, which holds every
+    tile of a sequence of up to 512 rows in shared memory at once (longer ones stream),
+    and "streamed" (FUSEDLM_ATTENTION_RESIDENT=0), one tile at a time at any length, the
+    path of long sequences and, on sm_90a, of the wgmma forward."""
+    params = []
+    for param in backends_for(op):
+        (name,) = param.values
+        for path in ("resident", "streamed") if name == "cuda" else ("",):
+            params.append(pytest.param(name, path, id=f"{name}-{path}" if path else name,
+                                       marks=param.marks))
+    return params
+
+
+def _take(path, monkeypatch):
+    """Sends the cuda kernels down `path` (they read the setting on every call)."""
+    if path == "streamed":
+        monkeypatch.setenv("FUSEDLM_ATTENTION_RESIDENT", "0")
 
 
 def _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, device, *, layout="bhsd", head_dim_v=None,
@@ -103,26 +123,35 @@ CASES = {
     "many_blocks": (1, 2, 300, 530, 16, {"bias": (1, 2, 1, 530)}),
     "many_blocks_padding": (2, 1, 140, 600, 16, {"mask": True, "causal": True}),
     "scale": (2, 2, 12, 12, 16, {"scale": 0.37}),
-    # The head dims of the cuda kernels, over several query and key blocks of 64.
+    # The head dims of the cuda kernels, over several query and key blocks of 64, the last
+    # ones partial. Up to 64 keys the cuda backward takes delta from P and dP themselves.
     "head_dim_64": (2, 3, 37, 45, 64, {"mask": True}),
     "head_dim_64_blocks": (1, 2, 150, 200, 64, {"causal": True, "mask": True, "layout": "bshd"}),
     "head_dim_128": (2, 2, 70, 70, 128, {"causal": True}),
     "head_dim_128_more_queries": (1, 2, 130, 67, 128, {"causal": True, "mask": True}),
+    "head_dim_128_short": (2, 2, 45, 37, 128, {"causal": True, "mask": True}),
+    # Past 512 keys: the cuda forward and dQ stream their key tiles whatever the path.
+    "head_dim_64_long": (1, 2, 20, 530, 64, {"mask": True}),
 }
-# In Triton's interpreter (64 queries and 32 keys per block) the many-block cases shrink
-# and still span several query and key blocks.
-INTERPRETED_CASES = {
+# On the slow backends (Triton's interpreter, 64 queries and 32 keys per block; the CUDA
+# emulator, 64 or 128 rows a block) the many-block cases shrink and still span several
+# query and key blocks.
+SLOW_CASES = {
     "many_blocks": (1, 2, 150, 230, 16, {"bias": (1, 2, 1, 230)}),
     "many_blocks_padding": (2, 1, 100, 230, 16, {"mask": True, "causal": True}),
+    "head_dim_64_blocks": (1, 1, 130, 150, 64, {"causal": True, "mask": True, "layout": "bshd"}),
+    "head_dim_128": (1, 2, 70, 70, 128, {"causal": True}),
+    "head_dim_128_more_queries": (1, 1, 130, 67, 128, {"causal": True, "mask": True}),
 }
 
 
-@pytest.mark.parametrize("backend", backends_for("attention"))
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_reference(backend, dtype, case):
+def test_attention_matches_reference(backend, path, dtype, case, monkeypatch):
+    _take(path, monkeypatch)
     device = backend_device(backend)
-    cases = INTERPRETED_CASES if interpreted(backend) and case in INTERPRETED_CASES else CASES
+    cases = SLOW_CASES if slow_backend(backend) and case in SLOW_CASES else CASES
     batch, heads, seq_q, seq_k, head_dim, opts = cases[case]
     opts = dict(opts)
     layout = opts.pop("layout", "bhsd")
@@ -140,9 +169,10 @@ def test_attention_matches_reference(backend, dtype, case):
     _check_against_reference(backend, leaves, layout, bias=bias, grad_scale=grad_scale, **opts)
 
 
-@pytest.mark.parametrize("backend", backends_for("attention"))
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
-def test_attention_rows_with_every_key_masked_are_zero(backend, dtype, head_dim):
+def test_attention_rows_with_every_key_masked_are_zero(backend, path, dtype, head_dim, monkeypatch):
+    _take(path, monkeypatch)
     device = backend_device(backend)
     leaves, (q, k, v) = _inputs(3, 2, 9, 6, head_dim, dtype, device)
     mask = _padding_mask(3, 6, device, empty_row=True)
@@ -162,14 +192,16 @@ def test_attention_rows_with_every_key_masked_are_zero(backend, dtype, head_dim)
     assert (dv[mask[:, None, :, None].expand_as(dv)] == 0).all()
 
 
-@pytest.mark.parametrize("backend", backends_for("attention"))
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seq_k", [24, 300])
-def test_attention_large_logits_do_not_overflow(backend, dtype, seq_k):
+def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, monkeypatch):
     # Scores in the hundreds: exp would overflow even float32 without subtracting the row max.
+    _take(path, monkeypatch)
     device = backend_device(backend)
-    q = fresh((2, 2, 24, 64), dtype, device, 12.0)
-    k, v = (fresh((2, 2, seq_k, 64), dtype, device, 12.0) for _ in range(2))
+    batch = 1 if slow_backend(backend) else 2
+    q = fresh((batch, 2, 24, 64), dtype, device, 12.0)
+    k, v = (fresh((batch, 2, seq_k, 64), dtype, device, 12.0) for _ in range(2))
     skip_if_refused(backend, "attention", q, k, v, causal=True)
     out = fusedlm.ops.attention(q, k, v, causal=True, backend=backend)
     grad = torch.randn_like(out)
@@ -281,37 +313,37 @@ def test_attention_empty_batch():
     assert torch.equal(fusedlm.ops.attention(q, k, v, backend="cpu"), torch.zeros(1, 2, 3, 8))
 
 
-_cuda = _REGISTRY["cuda"]
-needs_cuda_attention = pytest.mark.skipif(
-    _cuda.unavailable() is not None or "attention" not in _cuda.kernels,
-    reason=f"cuda: {_cuda.unavailable() or 'no attention kernel'}")
-
-
-@needs_cuda_attention
-def test_cuda_attention_backward_repeats_bit_for_bit():
+@pytest.mark.parametrize("backend, path",
+                         [p for p in backends_with_paths("attention") if p.values[0] == "cuda"])
+def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, monkeypatch):
     # No atomics: dK/dV per key block and dQ per query block, each element written once.
-    leaves, (q, k, v) = _inputs(2, 3, 200, 260, 64, torch.bfloat16, "cuda", layout="bshd")
-    mask = _padding_mask(2, 260, "cuda")
-    grad = torch.randn(2, 3, 200, 64, dtype=torch.bfloat16, device="cuda")
+    _take(path, monkeypatch)
+    batch, heads, seq_q, seq_k = (1, 1, 70, 130) if slow_backend(backend) else (2, 3, 200, 260)
+    device = backend_device(backend)
+    leaves, (q, k, v) = _inputs(batch, heads, seq_q, seq_k, 64, torch.bfloat16, device,
+                                layout="bshd")
+    mask = _padding_mask(batch, seq_k, device)
+    grad = torch.randn(batch, heads, seq_q, 64, dtype=torch.bfloat16, device=device)
     results = []
     for _ in range(2):
-        out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, backend="cuda")
+        out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, backend=backend)
         results.append(torch.autograd.grad(out, leaves, grad))
     for first, second in zip(*results):
         assert torch.equal(first, second)
 
 
-@needs_cuda_attention
-def test_cuda_attention_empty_inputs():
-    leaves, (q, k, v) = _inputs(0, 2, 5, 7, 64, torch.float16, "cuda")
-    out = fusedlm.ops.attention(q, k, v, causal=True, backend="cuda")
+@pytest.mark.parametrize("backend", [b for b in backends_for("attention") if b.id == "cuda"])
+def test_cuda_attention_empty_inputs(backend):
+    device = backend_device(backend)
+    leaves, (q, k, v) = _inputs(0, 2, 5, 7, 64, torch.float16, device)
+    out = fusedlm.ops.attention(q, k, v, causal=True, backend=backend)
     assert out.shape == (0, 2, 5, 64)
     out.sum().backward()
     assert all(t.grad.shape == t.shape for t in leaves)
     # No keys at all: every row is empty, so zeros, and so are the gradients.
-    q, k, v = (torch.randn(1, 2, s, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    q, k, v = (torch.randn(1, 2, s, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
                for s in (3, 0, 0))
-    out = fusedlm.ops.attention(q, k, v, backend="cuda")
+    out = fusedlm.ops.attention(q, k, v, backend=backend)
     assert torch.equal(out, torch.zeros_like(out))
     (dq,) = torch.autograd.grad(out.sum(), q)
     assert torch.equal(dq, torch.zeros_like(dq))
@@ -377,9 +409,11 @@ def test_attention_dropout_replays_its_mask(backend):
     bias = fresh((heads, 1, seq_k), dtype, device)
     # Padding not only at the end: kept keys are gathered, and must meet their own stream elements.
     mask = _padding_mask(batch, seq_k, device)
+    q, k, v = _views(leaves, "bshd")
+    skip_if_refused(backend, "attention", q, k, v, key_padding_mask=mask, attn_bias=bias,
+                    causal=True, dropout_p=p)
     seed = _replay_seed(p)
     keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), p)
-    q, k, v = _views(leaves, "bshd")
     out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
                                 dropout_p=p, backend=backend)
     grad = torch.randn_like(out)
@@ -405,10 +439,13 @@ def test_attention_dropout_replays_its_mask(backend):
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_attention_dropout_keeps_one_minus_p_and_scales_by_its_inverse(backend, p):
     # With v = identity over the keys the output is the probability matrix itself, so each
-    # entry is either dropped (0) or the undropped probability times 1 / (1 - p).
-    batch, heads, seq = (2, 2, 64) if interpreted(backend) else (4, 4, 64)
-    device, dtype = backend_device(backend), _dropout_dtype(backend)
-    q, k = (fresh((batch, heads, seq, 16), dtype, device, requires_grad=False) for _ in range(2))
+    # entry is either dropped (0) or the undropped probability times 1 / (1 - p). The cuda
+    # kernels take bfloat16 and q's head_dim for v's (64 keys).
+    batch, heads, seq = (2, 2, 64) if slow_backend(backend) else (4, 4, 64)
+    device = backend_device(backend)
+    dtype, head_dim = (torch.bfloat16, 64) if backend == "cuda" else (_dropout_dtype(backend), 16)
+    q, k = (fresh((batch, heads, seq, head_dim), dtype, device, requires_grad=False)
+            for _ in range(2))
     v = torch.eye(seq, dtype=dtype, device=device).expand(batch, heads, seq, seq)
     probs = fusedlm.ops.attention(q, k, v, backend=backend)
     out = fusedlm.ops.attention(q, k, v, dropout_p=p, backend=backend)
@@ -418,10 +455,11 @@ def test_attention_dropout_keeps_one_minus_p_and_scales_by_its_inverse(backend, 
     assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
 
 
-@pytest.mark.parametrize("backend", backends_for("attention"))
-def test_attention_dropout_is_the_backends_stream(backend):
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
+def test_attention_dropout_is_the_backends_stream(backend, path, monkeypatch):
     # Each backend's own stream, element (b, h, i, j) of [batch, heads, seq_q, seq_k], over
     # several query and key blocks, with padding and the causal diagonal.
+    _take(path, monkeypatch)
     p = 0.2
     batch, heads, seq_q, seq_k = 2, 2, 70, 90
     device = backend_device(backend)
@@ -438,8 +476,9 @@ def test_attention_dropout_is_the_backends_stream(backend):
         out_scale=2, grad_scale=4)
 
 
-@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
-def test_attention_varlen_dropout_is_the_backends_stream(backend):
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
+def test_attention_varlen_dropout_is_the_backends_stream(backend, path, monkeypatch):
+    _take(path, monkeypatch)
     p = 0.25
     lengths_q, lengths_k = [5, 0, 80], [70, 3, 9]
     max_q, max_k = 81, 75  # larger than the longest: the stream's pitch follows these
@@ -465,6 +504,8 @@ def test_attention_varlen_dropout_replays_its_mask(backend):
     heads = 2
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, 8, _dropout_dtype(backend),
                                   backend_device(backend))
+    skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                    dropout_p=p)
     seed = _replay_seed(p)
     keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
@@ -492,15 +533,17 @@ VARLEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
-def test_attention_varlen_matches_reference(backend, dtype, causal, case):
+def test_attention_varlen_matches_reference(backend, path, dtype, causal, case, monkeypatch):
     # Sequences of their own lengths for q and k, one with no queries, one with no keys.
+    _take(path, monkeypatch)
     lengths_q, lengths_k, head_dim, head_dim_v = VARLEN_CASES[case]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 3, head_dim, dtype, backend_device(backend),
-                                  head_dim_v=head_dim_v)
+    heads = 2 if slow_backend(backend) else 3
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, head_dim, dtype,
+                                  backend_device(backend), head_dim_v=head_dim_v)
     skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max(lengths_q),
                      max(lengths_k), causal=causal)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),

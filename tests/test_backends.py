@@ -7,8 +7,16 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import BACKEND_NAMES, _REGISTRY, kernel
+from fusedlm.backends import BACKEND_NAMES, _REGISTRY, Emulated, choose, kernel
 from fusedlm.backends import cuda as cuda_backend
+from cli_helpers import run_cli
+
+# Tests of the cuda backend on CUDA tensors need it to run on a GPU: not emulated.
+needs_native_cuda = pytest.mark.skipif(fusedlm.backends()["cuda"] is not True,
+                                       reason="the cuda backend does not run on a GPU here")
+# A FUSEDLM_CUDA=emulate build: the cuda backend runs on CPU tensors, on the emulator.
+needs_emulated_cuda = pytest.mark.skipif(not cuda_backend.emulated(),
+                                         reason="not a FUSEDLM_CUDA=emulate build")
 
 
 def test_backends_reports_every_backend():
@@ -40,8 +48,9 @@ def test_set_backend_and_environment_override(monkeypatch):
 
 def test_named_backend_that_cannot_run_raises():
     x = torch.randn(4, 8)
+    # float64, which the cuda kernels refuse even where they run on CPU tensors (emulated).
     with pytest.raises(RuntimeError, match="cuda"):
-        fusedlm.ops.bias_gelu(x, None, backend="cuda")
+        fusedlm.ops.bias_gelu(x.double(), None, backend="cuda")
     with pytest.raises(ValueError, match="backend"):
         fusedlm.ops.bias_gelu(x, None, backend="fast")
     with pytest.raises(ValueError, match="backend"):
@@ -78,7 +87,7 @@ def test_cuda_attention_limits_give_their_reason():
     assert "attn_bias" in limits(dtype=torch.float16, head_dim=64, head_dim_v=64, bias=True)
 
 
-@pytest.mark.skipif(_REGISTRY["cuda"].unavailable() is not None, reason="the cuda backend cannot run here")
+@needs_native_cuda
 def test_cuda_attention_refusal_falls_through_with_its_reason():
     q = torch.randn(1, 2, 5, 40, dtype=torch.bfloat16, device="cuda")
     why = fusedlm.explain("attention", q, q, q)
@@ -94,7 +103,7 @@ def test_cuda_gelu_ffn_limits_give_their_reason():
     assert "multiples of 8" in limits(dtype=torch.bfloat16, dropout=False, sizes=(768, 3001, 768))
 
 
-@pytest.mark.skipif(_REGISTRY["cuda"].unavailable() is not None, reason="the cuda backend cannot run here")
+@needs_native_cuda
 def test_cuda_gelu_ffn_refusal_falls_through_to_triton():
     x = torch.randn(4, 48, device="cuda")
     w1, w2 = torch.randn(136, 48, device="cuda"), torch.randn(40, 136, device="cuda")
@@ -102,6 +111,69 @@ def test_cuda_gelu_ffn_refusal_falls_through_to_triton():
     assert why.startswith("gelu_ffn -> triton") and "bfloat16 or float16, not float32" in why
     assert fusedlm.explain("gelu_ffn", x.bfloat16(), w1.bfloat16(), None, w2.bfloat16(),
                            None).startswith("gelu_ffn -> cuda")
+
+
+def test_an_emulated_backend_runs_only_when_named(monkeypatch):
+    # The cpu backend posing as an emulation: reported as one, never chosen automatically,
+    # and still run when named.
+    monkeypatch.setattr(_REGISTRY["cpu"], "emulated", lambda: "emulated on the CPU as a test")
+    status = fusedlm.backends()["cpu"]
+    assert isinstance(status, Emulated) and status == "emulated on the CPU as a test"
+    x = torch.randn(4, 8)
+    why = fusedlm.explain("bias_gelu", x, None)
+    assert why.startswith("bias_gelu -> reference")
+    assert "skipped cpu: emulated on the CPU as a test, so only when asked for by name" in why
+    assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
+
+
+@pytest.mark.cuda
+@needs_emulated_cuda
+def test_emulated_cuda_is_reported_as_emulated(capsys):
+    arch = os.environ.get("FUSEDLM_EMULATE_ARCH", "sm_80")
+    assert cuda_backend.emulated_arch() == arch
+    status = fusedlm.backends()["cuda"]
+    assert isinstance(status, Emulated) and status == f"emulated on the CPU as {arch}"
+    assert _REGISTRY["cuda"].devices() == ("cpu",)
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0
+    assert f"available, emulated on the CPU as {arch}" in out
+    assert f"{arch}, emulated" in out
+
+
+@pytest.mark.cuda
+@needs_emulated_cuda
+def test_emulated_cuda_is_never_chosen_automatically(monkeypatch):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    w1, w2 = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    # Calls the cuda kernels take, on CPU tensors: the cpu backend's.
+    for why in (fusedlm.explain("bias_gelu", x, None), fusedlm.explain("attention", q, q, q),
+                fusedlm.explain("gelu_ffn", x, w1, None, w2, None),
+                fusedlm.explain("add_layer_norm", x, None, None, None)):
+        assert why.split(" -> ")[1].startswith("cpu:"), why
+    # Nor on CUDA tensors, which the emulated backend does not take.
+    choice = choose("bias_gelu", torch.device("cuda"), dtype=torch.bfloat16)
+    assert choice.backend != "cuda" and "skipped cuda: runs on cpu tensors (emulated" in choice.why
+    # With the cpu backend out of the running, still not: reference.
+    monkeypatch.setattr(_REGISTRY["cpu"], "unavailable", lambda: "switched off")
+    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
+
+
+@pytest.mark.cuda
+@needs_emulated_cuda
+def test_emulated_cuda_runs_when_named():
+    x, bias = torch.randn(5, 40), torch.randn(40)
+    assert fusedlm.explain("bias_gelu", x, bias, backend="cuda").startswith("bias_gelu -> cuda")
+    torch.testing.assert_close(fusedlm.ops.bias_gelu(x, bias, backend="cuda"),
+                               torch.nn.functional.gelu(x + bias))
+    # The dropout stream's mask, on the CPU by default, the same for the same seed.
+    seed = torch.tensor(1234, dtype=torch.int64)
+    keep = cuda_backend.keep_mask(seed, (6, 70), 0.3)
+    assert keep.device.type == "cpu" and keep.dtype == torch.bool and keep.shape == (6, 70)
+    assert torch.equal(keep, cuda_backend.keep_mask(seed, (6, 70), 0.3, "cpu"))
+    assert 0 < keep.sum() < keep.numel()
+    with pytest.raises(ValueError, match="CPU"):
+        cuda_backend.keep_mask(seed, (6, 70), 0.3, "cuda")
 
 
 def test_reference_backend_runs_everywhere():

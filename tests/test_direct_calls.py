@@ -33,8 +33,12 @@ def _calls():
     }
 
 
-@pytest.mark.parametrize("op", ["add_layer_norm", "bias_gelu", "attention_with_kvcache"])
-@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
+OPS = ["add_layer_norm", "bias_gelu", "attention_with_kvcache"]
+
+
+@pytest.mark.parametrize("op, backend", [
+    pytest.param(op, *param.values, marks=param.marks, id=f"{param.id}-{op}")
+    for op in OPS for param in backends_for(op)])
 def test_a_direct_call_gives_the_registered_ops_result(op, backend):
     call = _calls()[op]
     with torch.no_grad():
@@ -44,7 +48,7 @@ def test_a_direct_call_gives_the_registered_ops_result(op, backend):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("op", ["add_layer_norm", "bias_gelu", "attention_with_kvcache"])
+@pytest.mark.parametrize("op", OPS)
 def test_a_dispatch_mode_still_sees_the_op(op):
     with torch.no_grad(), Recorder() as recorder:
         _calls()[op]("cpu")

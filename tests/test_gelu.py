@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import cpu_keep_mask, next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
-                      keep_mask, skip_if_refused)
+from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
+                      skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -16,10 +16,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_bias_gelu_matches_reference(backend, dtype, approximate, with_bias):
+@pytest.mark.parametrize("cols", [128, 130])  # the cuda kernels' 16-byte vectors; one at a time
+def test_bias_gelu_matches_reference(backend, dtype, approximate, with_bias, cols):
     device = backend_device(backend)
-    x = fresh((3, 37, 130), dtype, device, scale=3.0)
-    bias = fresh((130,), dtype, device) if with_bias else None
+    x = fresh((3, 37, cols), dtype, device, scale=3.0)
+    bias = fresh((cols,), dtype, device) if with_bias else None
     out = fusedlm.ops.bias_gelu(x, bias, approximate, backend=backend)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -139,27 +140,45 @@ def _ffn_inputs(dtype, device, d_in=48, d_ff=136, d_out=40, with_bias=True, shap
     return x, w1, b1, w2, b2
 
 
+def _check_ffn(backend, inputs, **kwargs):
+    """gelu_ffn and every gradient on `backend` against the float64 reference."""
+    skip_if_refused(backend, "gelu_ffn", *inputs, **kwargs)
+    out = fusedlm.ops.gelu_ffn(*inputs, **kwargs, backend=backend)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref_inputs = as_reference(*inputs)
+    expected = reference.gelu_ffn(*ref_inputs, **kwargs)
+    expected.backward(grad.double())
+    # Matrix products in bf16/fp16 round their inputs and outputs: scale the tolerance.
+    scale = 1 if inputs[0].dtype == torch.float32 else 3
+    assert_close(out, expected, scale=scale, name="out")
+    for name, t, r in zip(("x", "w1", "b1", "w2", "b2"), inputs, ref_inputs):
+        if t is not None:
+            assert_close(t.grad, r.grad, scale=10 * scale, name=f"d{name}")
+
+
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_gelu_ffn_matches_reference(backend, dtype, approximate, with_bias):
     # 130 rows: two row tiles of the triton product (128 rows each).
-    shape = (2, 65) if backend == "triton" and not interpreted(backend) else (2, 13)
+    shape = (2, 65) if backend == "triton" and not slow_backend(backend) else (2, 13)
     inputs = _ffn_inputs(dtype, backend_device(backend), with_bias=with_bias, shape=shape)
-    skip_if_refused(backend, "gelu_ffn", *inputs)
-    out = fusedlm.ops.gelu_ffn(*inputs, approximate=approximate, backend=backend)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    ref_inputs = as_reference(*inputs)
-    expected = reference.gelu_ffn(*ref_inputs, approximate=approximate)
-    expected.backward(grad.double())
-    # Matrix products in bf16/fp16 round their inputs and outputs: scale the tolerance.
-    scale = 1 if dtype == torch.float32 else 3
-    assert_close(out, expected, scale=scale, name="out")
-    for name, t, r in zip(("x", "w1", "b1", "w2", "b2"), inputs, ref_inputs):
-        if t is not None:
-            assert_close(t.grad, r.grad, scale=10 * scale, name=f"d{name}")
+    _check_ffn(backend, inputs, approximate=approximate)
+
+
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gelu_ffn_partial_tiles(backend, dtype, with_bias):
+    # The cuda product's tiles (128 x 128, K 32 at a time through a ring of 3 stages, 64 on
+    # sm_90a) left partial along every dimension: 130 rows (two row tiles, the bias
+    # gradient summed over both), d_ff 136 (two column tiles), and K past the stage ring,
+    # d_in 200 for the forward's product and d_out 232 for the backward's.
+    inputs = _ffn_inputs(dtype, backend_device(backend), d_in=200, d_ff=136, d_out=232,
+                         with_bias=with_bias, shape=(2, 65))
+    _check_ffn(backend, inputs, approximate="tanh")
 
 
 def test_gelu_ffn_gradcheck():
@@ -252,7 +271,8 @@ def test_gelu_ffn_empty_batch(backend):
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_gelu_ffn_outputs_are_not_views(backend, dropout_p):
-    x, w1, b1, w2, b2 = _ffn_inputs(torch.float32, backend_device(backend))
+    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    x, w1, b1, w2, b2 = _ffn_inputs(dtype, backend_device(backend))
     seed = next_seed(dropout_p)
     with torch.no_grad():
         out, pre = torch.ops.fusedlm.gelu_ffn(x, w1, b1, w2, b2, "none", dropout_p, seed, backend)

@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, interpreted,
-                      keep_mask)
+from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
+                      slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRAD_NAMES = ("dx", "dresidual", "dweight", "dbias")
@@ -68,11 +68,44 @@ def _compare(inputs, backend="cpu", *, eps=1e-5, which="both", out_scale=1.0, gr
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("absent", ["", "residual", "weight", "bias", "weight+bias"])
-def test_add_layer_norm_matches_reference(backend, dtype, absent):
-    shape = (2, 5, 130) if interpreted(backend) else (3, 37, 130)
+@pytest.mark.parametrize("hidden", [128, 130])  # the cuda kernels' 16-byte vectors; one at a time
+def test_add_layer_norm_matches_reference(backend, dtype, absent, hidden):
+    shape = (2, 5, hidden) if slow_backend(backend) else (3, 37, hidden)
     inputs = _inputs(shape, dtype, backend_device(backend), residual="residual" not in absent,
                      weight="weight" not in absent, bias="bias" not in absent)
     _compare(inputs, backend)
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [2053, 8200, 16400])
+def test_add_layer_norm_long_rows(backend, dtype, hidden):
+    # Rows longer than the cuda kernels hold in registers, whose remaining elements are
+    # read back from memory: 2053 one element at a time (past 2048 in the forward, 1024 in
+    # the backward), 8200 in 16-byte vectors (past 8192 float32 elements in the forward,
+    # and 4096 float32 or 8192 half-precision ones in the backward), 16400 (past 16384
+    # half-precision ones in the forward).
+    inputs = _inputs((2, hidden), dtype, backend_device(backend))
+    _compare(inputs, backend)
+
+
+def _misaligned(t):
+    """A contiguous copy of `t` that starts one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    copy = flat[1:].view(t.shape)
+    with torch.no_grad():
+        copy.copy_(t)
+    return copy.requires_grad_(t.requires_grad)
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_layer_norm_misaligned_inputs(backend, dtype):
+    # Rows of 64 elements, a whole number of 16-byte vectors, in tensors that start off a
+    # 16-byte boundary: the cuda kernels take them one element at a time, forward and
+    # backward (the weight's alignment counts in both).
+    x, r, w, b = (_misaligned(t) for t in _inputs((3, 7, 64), dtype, backend_device(backend)))
+    _compare((x, r, w, b), backend)
 
 
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
@@ -80,7 +113,7 @@ def test_add_layer_norm_matches_reference(backend, dtype, absent):
 def test_add_layer_norm_one_output_used(backend, which):
     # Post-LN stacks use only out, pre-LN ones sometimes only summed (the last
     # block's norm output unused): the other output has no upstream gradient.
-    inputs = _inputs((2, 5 if interpreted(backend) else 19, 96), torch.float32,
+    inputs = _inputs((2, 5 if slow_backend(backend) else 19, 96), torch.float32,
                      backend_device(backend))
     _compare(inputs, backend, which=which)
 
@@ -192,8 +225,9 @@ def _dropout_dtype(backend):
 
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("absent", ["", "residual"])
-def test_add_layer_norm_dropout_replays_its_mask(backend, absent):
-    inputs = _inputs((2, 13, 48), _dropout_dtype(backend), backend_device(backend),
+@pytest.mark.parametrize("hidden", [48, 45])  # the cuda kernels' 16-byte vectors; one at a time
+def test_add_layer_norm_dropout_replays_its_mask(backend, absent, hidden):
+    inputs = _inputs((2, 13, hidden), _dropout_dtype(backend), backend_device(backend),
                      residual=absent != "residual")
     p = 0.3
     torch.manual_seed(1234)
@@ -215,7 +249,7 @@ def test_add_layer_norm_dropout_replays_its_mask(backend, absent):
 def test_add_layer_norm_dropout_keeps_and_scales(backend, p):
     # Without a residual summed is the dropped x: zeros, or exactly x / (1 - p),
     # and x's gradient from summed is the upstream gradient through the same mask.
-    x = fresh((32 if interpreted(backend) else 512, 64), _dropout_dtype(backend),
+    x = fresh((32 if slow_backend(backend) else 512, 64), _dropout_dtype(backend),
               backend_device(backend))
     out, summed = fusedlm.ops.add_layer_norm(x, None, None, None, dropout_p=p, backend=backend)
     grad = torch.randn_like(summed)
@@ -304,7 +338,7 @@ def test_add_layer_norm_constant_rows(backend, dtype):
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_add_layer_norm_is_deterministic(backend, dropout_p):
     # Several reduction blocks. Bit-identical across runs and thread counts.
-    rows = 20 if interpreted(backend) else 300
+    rows = 20 if slow_backend(backend) else 300
     device = backend_device(backend)
     inputs = _inputs((rows, 96), torch.float32, device)
     upstream = (torch.randn(rows, 96, device=device), torch.randn(rows, 96, device=device))

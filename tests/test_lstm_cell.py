@@ -4,7 +4,7 @@ import torch
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, interpreted
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -35,7 +35,7 @@ def _check(gates, c_prev, cell_clip, backend, scale=1.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell_clip", [None, 1.0])
 def test_lstm_cell_matches_reference(backend, dtype, cell_clip):
-    shape, cell = ((3,), 24) if interpreted(backend) else ((37,), 67)
+    shape, cell = ((3,), 24) if slow_backend(backend) else ((37,), 67)
     gates, c_prev = _inputs(shape, cell, dtype, backend_device(backend))
     ec = _check(gates, c_prev, cell_clip, backend)
     if cell_clip is not None:  # the clip was exercised on both sides, and left units inside

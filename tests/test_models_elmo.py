@@ -14,7 +14,7 @@ import fusedlm
 from fusedlm.models.elmo import ELMo, ElmoBiLM, ElmoConfig, batch_to_ids, word_to_char_ids
 from fusedlm.ops import reference
 from fusedlm.ops.lstm import lstm_cell_stepper
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, interpreted
+from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
 
 h5py = pytest.importorskip("h5py")
 
@@ -246,7 +246,7 @@ def _step_and_reference(step, gates, c_prev, cell_clip):
 def test_the_loops_planned_lstm_step_matches_the_reference(backend, cell_clip):
     """The step the LSTM loop plans once runs each new step's tensors like lstm_cell."""
     device = backend_device(backend)
-    rows, cell = (3, 24) if interpreted(backend) else (16, 67)
+    rows, cell = (3, 24) if slow_backend(backend) else (16, 67)
 
     def inputs():  # scale 2: the new cells spread across the clip
         return (fresh((rows, 4 * cell), torch.float32, device, scale=2.0),

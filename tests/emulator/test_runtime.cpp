@@ -98,6 +98,36 @@ EMU_TEST(runtime_out_of_bounds_shared_store) {
                    "out-of-bounds shared-memory write");
 }
 
+struct alignas(16) Four {
+  float v[4];
+};
+
+void load_four(const float* in, float* out, int offset) {
+  const Four f = *reinterpret_cast<const Four*>(in + offset);
+  out[threadIdx.x] = f.v[threadIdx.x % 4];
+}
+
+EMU_TEST(runtime_misaligned_vector_load) {
+  std::vector<float> in(16, 1.0f), out(32);
+  on("sm_80", [&] { emu::launch(load_four, dim3(1), dim3(32), 0, exposed(in), exposed(out), 4); });
+  EMU_CHECK_THROWS(on("sm_80", [&] {
+                     emu::launch(load_four, dim3(1), dim3(32), 0, exposed(in), exposed(out), 1);
+                   }),
+                   "misaligned");
+}
+
+// Each block adds its index into out[0] (a race between blocks), or writes its own slot.
+void accumulate(float* out, bool own_slot) {
+  if (threadIdx.x == 0) out[own_slot ? blockIdx.x : 0] += float(blockIdx.x);
+}
+
+EMU_TEST(runtime_global_race_between_blocks) {
+  std::vector<float> out(4);
+  on("sm_80", [&] { emu::launch(accumulate, dim3(4), dim3(32), 0, exposed(out), true); });
+  EMU_CHECK_THROWS(on("sm_80", [&] { emu::launch(accumulate, dim3(4), dim3(32), 0, exposed(out), false); }),
+                   "global-memory race");
+}
+
 void too_much_shared() {}
 
 EMU_TEST(runtime_launch_limits) {

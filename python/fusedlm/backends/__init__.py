@@ -7,6 +7,11 @@ named by its ``backend=`` argument, else by :func:`set_backend`, else by the
 run it on the tensors' device. A backend named explicitly that cannot run the
 call raises; it never falls back silently. :func:`explain` tells which backend a
 call would use and why.
+
+Two backends can also run on CPU tensors, slowly, to test their kernels without a
+GPU: ``triton`` under ``TRITON_INTERPRET=1`` (Triton's interpreter) and ``cuda`` in a
+``FUSEDLM_CUDA=emulate`` build (the CUDA kernels compiled against a CPU emulator of
+CUDA). Either runs only when named, never by automatic choice.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ import torch
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
 # Automatic choice, fastest first, by device type. CPU tensors never go to
-# interpreted Triton: `triton` on CPU tensors runs only when asked for by name.
+# interpreted Triton or emulated CUDA: `triton` and `cuda` on CPU tensors run only when
+# asked for by name.
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 
 
@@ -35,19 +41,29 @@ class Kernel:
     limits: Optional[Callable[..., Optional[str]]] = None
 
 
+def _native() -> Optional[str]:
+    """A backend that runs on its device itself: no emulation."""
+    return None
+
+
 @dataclass
 class Backend:
     name: str
     devices: Callable[[], tuple]  # the device types whose tensors it runs on
     unavailable: Callable[[], Optional[str]]  # why it cannot run at all, or None
     kernels: dict = field(default_factory=dict)  # op name -> Kernel
+    # How it runs where it only emulates its device on the CPU (then never chosen
+    # automatically), e.g. "emulated on the CPU as sm_80"; None where it runs natively.
+    emulated: Callable[[], Optional[str]] = _native
 
     def cannot_run(self, op: str, device: torch.device, features: dict) -> Optional[str]:
         reason = self.unavailable()
         if reason:
             return reason
         if device.type not in self.devices():
-            return f"runs on {'/'.join(self.devices())} tensors, not {device.type}"
+            how = self.emulated()
+            return (f"runs on {'/'.join(self.devices())} tensors{f' ({how})' if how else ''}, "
+                    f"not {device.type}")
         kernel = self.kernels.get(op)
         if kernel is None:
             return f"has no {op} kernel"
@@ -88,9 +104,27 @@ def _env_backend() -> Optional[str]:
     return name
 
 
+class Emulated(str):
+    """A backend's entry in :func:`backends` where it runs, but only on an emulation of its
+    device on the CPU, and only when asked for by name: how it runs
+    ("emulated on the CPU as sm_80")."""
+
+    __slots__ = ()
+
+
 def backends() -> dict:
-    """{backend name: True, or the reason it is unavailable on this machine}."""
-    return {name: (_REGISTRY[name].unavailable() or True) for name in BACKEND_NAMES}
+    """{backend name: True where it runs on this machine; an :class:`Emulated` string
+    where it runs only emulated on the CPU (the cuda backend of a FUSEDLM_CUDA=emulate
+    build); else the reason it is unavailable}."""
+    return {name: _status(_REGISTRY[name]) for name in BACKEND_NAMES}
+
+
+def _status(backend: Backend):
+    reason = backend.unavailable()
+    if reason:
+        return reason
+    how = backend.emulated()
+    return Emulated(how) if how else True
 
 
 @dataclass(frozen=True)
@@ -119,7 +153,10 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
 
     skipped = []
     for name in _AUTO_ORDER.get(device.type, ("reference",)):
-        reason = _REGISTRY[name].cannot_run(op, device, features)
+        candidate = _REGISTRY[name]
+        reason = candidate.cannot_run(op, device, features)
+        if reason is None and candidate.emulated():
+            reason = f"{candidate.emulated()}, so only when asked for by name"
         if reason is None:
             why = f"fastest backend for {device.type} tensors that can run this call"
             if skipped:

@@ -9,7 +9,15 @@ attention and attention_varlen (FlashAttention-2 on the tensor cores) take bfloa
 float16 with a head_dim of 64 or 128 and no attn_bias; other calls fall through to
 triton. Their backward is deterministic: no atomics, each gradient element is written
 once, so equal inputs give equal gradients bit for bit.
+
+A FUSEDLM_CUDA=emulate build compiles the same kernels as C++ against a CPU emulator
+of CUDA, which acts as the GPU FUSEDLM_EMULATE_ARCH names (sm_80, the default, or
+sm_90a) and runs one CPU thread per CUDA thread. There the backend needs no GPU and
+runs on CPU tensors (not on CUDA ones: that build has no CUDA), slowly, to test the
+kernels; it runs only when asked for by name, never by automatic choice.
 """
+from typing import Optional
+
 import torch
 
 from .._extension import _C, _build_info
@@ -18,12 +26,32 @@ from . import Backend, Kernel, register
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def emulated() -> bool:
+    """Whether the kernels run on the CPU emulator of CUDA (a FUSEDLM_CUDA=emulate build).
+    An extension compiled before it had the `cuda_emulated` attribute is not."""
+    return bool(getattr(_C, "cuda_emulated", False))
+
+
+def emulated_arch() -> Optional[str]:
+    """The GPU the emulator acts as ("sm_80" or "sm_90a", from FUSEDLM_EMULATE_ARCH), or
+    None outside an emulated build."""
+    return _C.cuda.emulated_arch() if emulated() else None
+
+
+def _emulation() -> Optional[str]:
+    return f"emulated on the CPU as {emulated_arch()}" if emulated() else None
+
+
 def _unavailable():
     if not _C.with_cuda:
         return "fusedlm was built without CUDA (rebuild with FUSEDLM_CUDA=1 and a CUDA PyTorch)"
-    if not torch.cuda.is_available():
+    if not emulated() and not torch.cuda.is_available():
         return "no CUDA device"
     return None
+
+
+def _devices():
+    return ("cpu",) if emulated() else ("cuda",)
 
 
 def arches() -> str:
@@ -57,10 +85,17 @@ def _ffn_limits(dtype=None, sizes=(), **_features):
     return None
 
 
-def keep_mask(seed, shape, p: float, device="cuda") -> torch.Tensor:
+def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
     """The dropout keep mask (bool, True = keep) the CUDA kernels draw for stream ``seed``,
-    element order row-major over ``shape``, on CUDA device ``device``."""
-    device = torch.device(device)
+    element order row-major over ``shape``, on CUDA device ``device`` (default: the
+    current one). In an emulated build it is drawn by the emulator, on the CPU (the
+    default there, and the only device it takes)."""
+    if emulated():
+        device = torch.device("cpu" if device is None else device)
+        if device.type != "cpu":
+            raise ValueError(f"the emulated cuda backend draws its masks on the CPU, not {device}")
+        return _C.cuda.dropout_mask(seed, 0, list(shape), p, 0)
+    device = torch.device("cuda" if device is None else device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _C.cuda.dropout_mask(seed, 0, list(shape), p, index)
 
@@ -77,4 +112,4 @@ def _kernels() -> dict:
                          "masked_lm_loss", "attention", "attention_varlen")}
 
 
-BACKEND = register(Backend("cuda", lambda: ("cuda",), _unavailable, _kernels()))
+BACKEND = register(Backend("cuda", _devices, _unavailable, _kernels(), emulated=_emulation))

@@ -60,7 +60,10 @@ class Bench:
         impls, skipped = {}, {}
         for name in KERNEL_BACKENDS:
             backend = _REGISTRY[name]
-            if backend.unavailable() or self.device.type not in backend.devices():
+            # An emulated backend (the cuda one of a FUSEDLM_CUDA=emulate build) times the
+            # emulator, not its kernels.
+            if (backend.unavailable() or backend.emulated()
+                    or self.device.type not in backend.devices()):
                 continue
             try:
                 explain(op, *inputs, backend=name, **kwargs)

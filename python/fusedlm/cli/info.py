@@ -8,8 +8,9 @@ import platform
 def add_parser(commands) -> None:
     p = commands.add_parser("info", help="versions, backends and devices",
                             description="Prints fusedlm's version, which backends can run and "
-                                        "why not, the CUDA architectures compiled in, the torch "
-                                        "and triton versions and the devices found.")
+                                        "why not, the CUDA architectures compiled in (or "
+                                        "emulated), the torch and triton versions and the "
+                                        "devices found.")
     p.set_defaults(run=run)
 
 
@@ -18,22 +19,39 @@ def run(args: argparse.Namespace) -> int:
 
     import fusedlm
     from fusedlm import _build_info
+    from fusedlm.backends import cuda as cuda_backend
 
+    # A FUSEDLM_CUDA=emulate build compiles the CUDA kernels against a CPU emulator of CUDA.
+    emulated = getattr(_build_info, "cuda_emulated", False)
+    arch = cuda_backend.emulated_arch()
     lines = [("fusedlm", fusedlm.__version__),
              ("python", platform.python_version()),
              ("torch", torch.__version__ + (f" (CUDA {torch.version.cuda})" if torch.version.cuda
                                             else "")),
              ("triton", _version("triton")),
              ("compiled against", f"torch {_build_info.torch_version}, CUDA "
-                                  f"{_build_info.cuda_version or 'none'}"),
-             ("CUDA arches", _build_info.cuda_arches or "none")]
+                                  + ("emulated on the CPU" if emulated
+                                     else _build_info.cuda_version or "none")),
+             ("CUDA arches", f"{arch}, emulated (FUSEDLM_EMULATE_ARCH=sm_80 or sm_90a)" if arch
+              else _build_info.cuda_arches or "none")]
     for name, ok in fusedlm.backends().items():
-        lines.append((f"backend {name}", "available" if ok is True else f"unavailable: {ok}"))
+        lines.append((f"backend {name}", _status(ok)))
     lines.append(("device", _devices(torch)))
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def _status(ok) -> str:
+    """A backend's line: fusedlm.backends()'s True, Emulated string or reason."""
+    from fusedlm.backends import Emulated
+
+    if ok is True:
+        return "available"
+    if isinstance(ok, Emulated):
+        return f"available, {ok} (on CPU tensors, only when named)"
+    return f"unavailable: {ok}"
 
 
 def _version(module: str) -> str:
