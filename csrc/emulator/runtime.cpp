@@ -280,6 +280,10 @@ void run(const Launch& launch) {
     refuse("asks for " + std::to_string(launch.shared_bytes) + " bytes of shared memory, more than the " +
            std::to_string(arch.shared_memory) + " a block may have");
   if (uint64_t(g.x) * g.y * g.z == 0) return;
+  if (std::getenv("FUSEDLM_EMULATE_TRACE"))  // which kernels run, for coverage
+    std::fprintf(stderr, "CUDA emulator (%s): %s grid %s block %s shared %zu\n", arch.name,
+                 kernel_name(launch.kernel).c_str(), dims(g).c_str(), dims(bd).c_str(),
+                 launch.shared_bytes);
 
   Block block;
   block.window_bytes = kSharedOrigin + static_cast<uint32_t>((launch.shared_bytes + 15) / 16 * 16);
@@ -298,6 +302,7 @@ void run(const Launch& launch) {
     for (unsigned y = 0; y < g.y && !state.failed; ++y)
       for (unsigned x = 0; x < g.x && !state.failed; ++x) {
         block.index = dim3(x, y, z);
+        state.block_number = x + g.x * (y + g.y * z);
         run_block(state, block, launch);
       }
   grid = nullptr;
@@ -403,6 +408,37 @@ void meet(bool warpgroup, const char* what, const void* in, void* out, void (*co
 
 // --- ThreadSanitizer's hooks: every load and store of the instrumented kernels ----------------
 
+namespace {
+
+void check_global_race(const Thread& t, uintptr_t address, size_t bytes, bool write) {
+  Grid& g = *grid;
+  if (!write && g.global_writes.empty()) return;
+  const GlobalWrite me{g.block_number, grid->block->epoch, static_cast<uint16_t>(t.linear + 1)};
+  for (uintptr_t a = address; a < address + bytes; ++a) {
+    auto [at, first] = g.global_writes.try_emplace(a, me);
+    if (first) {
+      if (!write) g.global_writes.erase(at);
+      continue;
+    }
+    const GlobalWrite& w = at->second;
+    const bool same_thread = w.block == me.block && w.thread == me.thread;
+    if (!same_thread && (w.block != me.block || w.epoch == me.epoch)) {
+      const Launch& launch = *g.launch;
+      const dim3 gd = launch.grid, bd = launch.block;
+      const dim3 block(w.block % gd.x, w.block / gd.x % gd.y, w.block / (gd.x * gd.y));
+      const dim3 thread((w.thread - 1) % bd.x, (w.thread - 1) / bd.x % bd.y,
+                        (w.thread - 1) / (bd.x * bd.y));
+      fail(std::string("global-memory race at ") + hex(a) + ": thread " + dims(thread) +
+           " of block " + dims(block) + " wrote it and this thread " + (write ? "writes" : "reads") +
+           " it in the same launch" +
+           (w.block != me.block ? " (blocks run in no particular order)" : " with no __syncthreads between"));
+    }
+    if (write) at->second = me;
+  }
+}
+
+}  // namespace
+
 void check_memory(const void* p, size_t bytes, bool write) {
   Thread* t = current;
   if (!t || bytes == 0) return;  // host code
@@ -425,7 +461,10 @@ void check_memory(const void* p, size_t bytes, bool write) {
     return;
   }
   for (const Exposure& e : exposures)
-    if (a >= e.lo && a + bytes <= e.hi) return;
+    if (a >= e.lo && a + bytes <= e.hi) {
+      check_global_race(*t, a, bytes, write);
+      return;
+    }
   // Out of bounds: say which tensor it missed, and by how much.
   std::string nearest;
   uintptr_t best = UINTPTR_MAX;
@@ -453,6 +492,21 @@ void check_access(const void* p, size_t bytes, bool write) {
   const fusedlm::emu::Thread* t = fusedlm::emu::current;
   if (t && !t->in_emulator) fusedlm::emu::check_memory(p, bytes, write);
 }
+
+// An access the compiler takes as naturally aligned, as the GPU requires (it faults on a
+// misaligned one: "misaligned address").
+void check_aligned_access(const void* p, size_t bytes, bool write) {
+  const fusedlm::emu::Thread* t = fusedlm::emu::current;
+  if (!t || t->in_emulator) return;
+  if (uintptr_t(p) % bytes) {
+    const fusedlm::emu::InEmulator in_emulator;
+    char at[32];
+    std::snprintf(at, sizeof(at), "%#lx", static_cast<unsigned long>(uintptr_t(p)));
+    fusedlm::emu::fail("misaligned " + std::to_string(bytes) + "-byte " + (write ? "write" : "read") +
+                       " at " + at + " (the GPU faults: misaligned address)");
+  }
+  fusedlm::emu::check_memory(p, bytes, write);
+}
 }  // namespace
 
 extern "C" {
@@ -466,8 +520,8 @@ void __tsan_read_range(void* p, unsigned long n) { check_access(p, n, false); }
 void __tsan_write_range(void* p, unsigned long n) { check_access(p, n, true); }
 
 #define FUSEDLM_ACCESS(N)                                                                     \
-  void __tsan_read##N(void* p) { check_access(p, N, false); }                                 \
-  void __tsan_write##N(void* p) { check_access(p, N, true); }                                 \
+  void __tsan_read##N(void* p) { check_aligned_access(p, N, false); }                         \
+  void __tsan_write##N(void* p) { check_aligned_access(p, N, true); }                         \
   void __tsan_unaligned_read##N(void* p) { check_access(p, N, false); }                       \
   void __tsan_unaligned_write##N(void* p) { check_access(p, N, true); }                       \
   void __tsan_volatile_read##N(void* p) { check_access(p, N, false); }                        \

@@ -19,7 +19,8 @@
 namespace fusedlm::emu {
 
 // The GPU the emulator acts as: sm_90a (wgmma) or sm_80, from FUSEDLM_EMULATE_ARCH
-// (default sm_80), read at every call so that tests can switch it.
+// (default sm_80), read at every call so that tests can switch it. FUSEDLM_EMULATE_TRACE=1
+// prints every launch (kernel, grid, block, shared memory) to stderr.
 const char* arch_name();
 int compute_capability_major();
 int multiprocessors();

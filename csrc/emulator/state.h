@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "emulator/runtime.h"
@@ -75,9 +76,20 @@ struct Block {
   std::deque<Thread*> ready;
 };
 
+// The last write of a byte of global memory in this launch.
+struct GlobalWrite {
+  uint32_t block;  // linear block index
+  uint32_t epoch;  // its barrier interval
+  uint16_t thread;
+};
+
 struct Grid {
   const Launch* launch = nullptr;
   Block* block = nullptr;
+  uint32_t block_number = 0;  // linear index of the running block
+  // Blocks are unordered: a global byte one thread writes, no other block may read or
+  // write in the same launch, nor another thread of its block in the same interval.
+  std::unordered_map<uintptr_t, GlobalWrite> global_writes;
   ucontext_t scheduler;
   bool failed = false;
   std::string failure;
