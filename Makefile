@@ -71,7 +71,7 @@ $(EMULATED)/.built: $(VENV)/.deps $(SOURCES)
 # path), then as sm_90a (the wgmma attention forward, which the streamed path takes there,
 # and the wgmma FFN product).
 test-emulated: $(VENV)/.deps $(EMULATED)/.built
-	$(PY) -m pytest -q -m emulator
+	$(EMULATED_RUN) -m emulator
 	$(EMULATED_RUN) -m cuda
 	FUSEDLM_EMULATE_ARCH=sm_90a $(EMULATED_RUN) -m cuda tests/test_attention.py tests/test_gelu.py
 
