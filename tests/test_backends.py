@@ -14,9 +14,13 @@ from cli_helpers import run_cli
 # Tests of the cuda backend on CUDA tensors need it to run on a GPU: not emulated.
 needs_native_cuda = pytest.mark.skipif(fusedlm.backends()["cuda"] is not True,
                                        reason="the cuda backend does not run on a GPU here")
-# A FUSEDLM_CUDA=emulate build: the cuda backend runs on CPU tensors, on the emulator.
-needs_emulated_cuda = pytest.mark.skipif(not cuda_backend.emulated(),
-                                         reason="not a FUSEDLM_CUDA=emulate build")
+
+
+def needs_emulated_cuda(test):
+    """A test of a FUSEDLM_CUDA=emulate build, where the cuda backend runs on CPU tensors on
+    the emulator: marked cuda, so that `make test-emulated` (pytest -m cuda) runs it."""
+    skip = pytest.mark.skipif(not cuda_backend.emulated(), reason="not a FUSEDLM_CUDA=emulate build")
+    return pytest.mark.cuda(skip(test))
 
 
 def test_backends_reports_every_backend():
