@@ -209,6 +209,11 @@ def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, mon
     ref = as_reference(q, k, v)
     expected = reference.attention(*ref, causal=True)
     ref_grads = torch.autograd.grad(expected, ref, grad.double())
+    # The same reference computed in the dtype itself: its error is what rounding to the
+    # dtype costs on these inputs.
+    low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    low_out = reference.attention(*low, causal=True)
+    low_results = (low_out, *torch.autograd.grad(low_out, low, grad))
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     # Errors relative to each tensor's largest entry, in roundings of the dtype. Rows that
     # fit one key block take rowsum(dO * O) from the exact probabilities: the outputs' own
@@ -216,11 +221,18 @@ def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, mon
     # hundreds here and nearly equal (up to 2.2 float16 roundings in 400 draws, the
     # reference backend alike). Longer rows take it from the output as stored in the
     # dtype, as FlashAttention does; dq, dk then carry that rounding times |k|, |q|.
+    # Rare draws cancel far more (dq 8.7 float16 roundings off in the reference computed
+    # in float16 itself): there, as in FlashAttention's tests, twice the error of that
+    # reference is allowed.
     bound = 3 if seq_k <= 256 else 40
     eps = torch.finfo(dtype).eps
-    for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), (expected, *ref_grads)):
+    for name, a, low_a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), low_results,
+                                 (expected, *ref_grads)):
         error = (a.double() - e).abs().max() / e.abs().max()
-        assert error < bound * eps, f"{name}: relative error {error:.3g} ({error / eps:.1f} eps)"
+        low_error = (low_a.double() - e).abs().max() / e.abs().max()
+        allowed = max(bound * eps, 2 * low_error)
+        assert error < allowed, (f"{name}: relative error {error:.3g} ({error / eps:.1f} eps; "
+                                 f"{low_error / eps:.1f} eps in {str(dtype)[6:]} itself)")
 
 
 @pytest.mark.parametrize("backend", [b for b in backends_for("attention") if b.id == "triton"])

@@ -297,7 +297,13 @@ void run(const Launch& launch) {
   Grid state;
   state.launch = &launch;
   state.block = &block;
-  grid = &state;
+  struct Running {  // the grid is this OS thread's until the launch returns or throws
+    explicit Running(Grid* g) { grid = g; }
+    ~Running() {
+      grid = nullptr;
+      current = nullptr;
+    }
+  } running(&state);
   for (unsigned z = 0; z < g.z && !state.failed; ++z)
     for (unsigned y = 0; y < g.y && !state.failed; ++y)
       for (unsigned x = 0; x < g.x && !state.failed; ++x) {
@@ -305,8 +311,6 @@ void run(const Launch& launch) {
         state.block_number = x + g.x * (y + g.y * z);
         run_block(state, block, launch);
       }
-  grid = nullptr;
-  current = nullptr;
   if (state.failed)
     throw std::runtime_error("CUDA emulator (" + std::string(arch.name) + "): " +
                              kernel_name(launch.kernel) + " with grid " + dims(g) + ", block " +
