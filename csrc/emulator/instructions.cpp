@@ -38,12 +38,6 @@ struct Product {
 
 namespace {
 
-std::string hex(uint64_t v) {
-  char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "0x%llx", static_cast<unsigned long long>(v));
-  return buffer;
-}
-
 Block& block() { return *grid->block; }
 Thread& thread_at(const Team& team, bool warpgroup, int lane) {
   Block& b = block();
@@ -55,8 +49,8 @@ Thread& thread_at(const Team& team, bool warpgroup, int lane) {
 isa::Window window() { return {block().window, block().window_bytes}; }
 
 void require_sm90(const char* what) {
-  if (compute_capability_major() != 9)
-    fail(std::string(what) + " needs sm_90a, and the emulated device is " + arch_name() +
+  if (!grid->sm90)
+    fail(std::string(what) + " needs sm_90a, and the emulated device is " + grid->arch +
          " (set FUSEDLM_EMULATE_ARCH=sm_90a)");
 }
 
@@ -167,7 +161,7 @@ void check_operand(Team& team, const isa::Range& r) {
          hex(r.address + r.bytes) + ", outside the block's shared memory (" + hex(kSharedOrigin) +
          " .. " + hex(b.window_bytes) + ")");
   for (uint32_t a = r.address; a < r.address + r.bytes; ++a) {
-    Shadow& s = mutable_shadow_at(a);
+    Shadow& s = block().shadow[a];
     if (s.copies_in_flight)
       fail("wgmma.mma_async reads shared address " + hex(a) +
            " while a cp.async to it is in flight (no cp.async.wait_group covers it)");
@@ -236,7 +230,7 @@ void complete(Team& team, Product* p) {
                p->b_descriptor, p->b_mn_major, p->scale_d, window(), p->d);
   });
   for (const isa::Range& r : p->reads)
-    for (uint32_t a = r.address; a < r.address + r.bytes; ++a) --mutable_shadow_at(a).products_reading;
+    for (uint32_t a = r.address; a < r.address + r.bytes; ++a) --block().shadow[a].products_reading;
   delete p;
 }
 
@@ -264,7 +258,7 @@ void land(Thread& t, std::vector<Copy>& copies) {
     else std::memset(c.dst, 0, 16);
     const uint32_t address = static_cast<uint32_t>(c.dst - b.window);
     for (uint32_t a = address; a < address + 16; ++a) {
-      Shadow& s = mutable_shadow_at(a);
+      Shadow& s = block().shadow[a];
       --s.copies_in_flight;
       s.writer = static_cast<uint16_t>(t.linear + 1);
       s.write_epoch = b.epoch;
@@ -299,7 +293,7 @@ void cp_async16(void* dst, const void* src, bool valid) {
   const uint32_t address = static_cast<uint32_t>(d - w);
   check_shared(t, address, 16, true, "cp.async");
   if (valid) check_memory(src, 16, false);
-  for (uint32_t a = address; a < address + 16; ++a) ++mutable_shadow_at(a).copies_in_flight;
+  for (uint32_t a = address; a < address + 16; ++a) ++block().shadow[a].copies_in_flight;
   t.open_copies.push_back({static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), valid});
 }
 

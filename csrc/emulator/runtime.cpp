@@ -51,12 +51,6 @@ struct Exposure {
 };
 thread_local std::vector<Exposure> exposures;
 
-std::string hex(uintptr_t v) {
-  std::ostringstream s;
-  s << "0x" << std::hex << v;
-  return s.str();
-}
-
 std::string dims(dim3 d) {
   std::ostringstream s;
   s << "(" << d.x << ", " << d.y << ", " << d.z << ")";
@@ -296,6 +290,8 @@ void run(const Launch& launch) {
 
   Grid state;
   state.launch = &launch;
+  state.arch = arch.name;
+  state.sm90 = arch.major == 9;
   state.block = &block;
   struct Running {  // the grid is this OS thread's until the launch returns or throws
     explicit Running(Grid* g) { grid = g; }
@@ -338,8 +334,11 @@ void fail(const std::string& what) {
   throw std::runtime_error(g.failure);  // only outside a kernel thread
 }
 
-const Shadow& shadow_at(uint32_t address) { return grid->block->shadow[address]; }
-Shadow& mutable_shadow_at(uint32_t address) { return grid->block->shadow[address]; }
+std::string hex(uint64_t v) {
+  std::ostringstream s;
+  s << "0x" << std::hex << v;
+  return s.str();
+}
 
 void check_shared(Thread& t, uint32_t address, uint32_t bytes, bool write, const char* by) {
   Block& b = *grid->block;
@@ -380,8 +379,6 @@ void check_shared(Thread& t, uint32_t address, uint32_t bytes, bool write, const
   }
 }
 
-int lane_of(const Thread& t, bool warpgroup) { return t.linear % (warpgroup ? 128 : 32); }
-
 void meet(bool warpgroup, const char* what, const void* in, void* out, void (*compute)(Team&)) {
   Thread& t = *current;
   Block& b = *grid->block;
@@ -396,7 +393,7 @@ void meet(bool warpgroup, const char* what, const void* in, void* out, void (*co
     fail(std::string("lanes of one ") + (warpgroup ? "warpgroup" : "warp") +
          " reached different warp-wide instructions: " + team.what + " and " + what);
   }
-  const int lane = lane_of(t, warpgroup);
+  const int lane = t.linear % size;
   team.in[lane] = in;
   team.out[lane] = out;
   if (++team.arrived < size) {
@@ -504,10 +501,9 @@ void check_aligned_access(const void* p, size_t bytes, bool write) {
   if (!t || t->in_emulator) return;
   if (uintptr_t(p) % bytes) {
     const fusedlm::emu::InEmulator in_emulator;
-    char at[32];
-    std::snprintf(at, sizeof(at), "%#lx", static_cast<unsigned long>(uintptr_t(p)));
     fusedlm::emu::fail("misaligned " + std::to_string(bytes) + "-byte " + (write ? "write" : "read") +
-                       " at " + at + " (the GPU faults: misaligned address)");
+                       " at " + fusedlm::emu::hex(uintptr_t(p)) +
+                       " (the GPU faults: misaligned address)");
   }
   fusedlm::emu::check_memory(p, bytes, write);
 }

@@ -85,6 +85,8 @@ struct GlobalWrite {
 
 struct Grid {
   const Launch* launch = nullptr;
+  const char* arch = nullptr;  // the GPU acted as, read once per launch
+  bool sm90 = false;           // whether it has wgmma
   Block* block = nullptr;
   uint32_t block_number = 0;  // linear index of the running block
   // Blocks are unordered: a global byte one thread writes, no other block may read or
@@ -125,14 +127,12 @@ std::string describe(const Thread& t);  // "thread (x, y, z) of block (x, y, z)"
 // threads of its warpgroup) arrives at `what`; the last one to arrive runs compute(team)
 // on everyone's in/out, then all go on.
 void meet(bool warpgroup, const char* what, const void* in, void* out, void (*compute)(Team&));
-int lane_of(const Thread& t, bool warpgroup);
 
 // Checks an access by `t` to shared bytes [address, address + bytes) of the block, and
 // records it for the race checks. `by` names the access in reports.
 void check_shared(Thread& t, uint32_t address, uint32_t bytes, bool write, const char* by);
 
-const Shadow& shadow_at(uint32_t address);
-Shadow& mutable_shadow_at(uint32_t address);
+std::string hex(uint64_t v);  // "0x1f"
 
 // Checks an access by the current kernel thread to [p, p + bytes) of any memory: its
 // stack, its block's shared memory, its launch's parameters or an exposed tensor.
