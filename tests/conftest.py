@@ -67,7 +67,7 @@ def backends_for(op: str):
     params = []
     for name in ("cpu", "triton", "cuda"):
         backend = _REGISTRY[name]
-        reason = backend.unavailable() or (None if op in backend.kernels else f"no {op} kernel")
+        reason = backend.unavailable or (None if op in backend.kernels else f"no {op} kernel")
         marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
         params.append(pytest.param(name, id=name, marks=marks))
     return params

@@ -1,5 +1,6 @@
 """Backend registry and dispatch: automatic choice, overrides, and clear errors."""
 import os
+import re
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import BACKEND_NAMES, _REGISTRY, Emulated, choose, kernel
+from fusedlm.backends import BACKEND_NAMES, FLOATS, _REGISTRY, Emulated, Supports, choose
 from fusedlm.backends import cuda as cuda_backend
 from cli_helpers import run_cli
 
@@ -36,18 +37,49 @@ def test_cpu_tensors_go_to_the_cpu_backend():
     assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> cpu:")
 
 
-def test_set_backend_and_environment_override(monkeypatch):
+def test_set_backend_and_use_backend_override_the_choice():
     x = torch.randn(4, 8)
     try:
         fusedlm.set_backend("reference")
-        assert "reference" in fusedlm.explain("bias_gelu", x, None)
+        assert "fusedlm.set_backend()" in fusedlm.explain("bias_gelu", x, None)
+        assert fusedlm.get_backend() == "reference"
+        with fusedlm.use_backend("cpu"):  # wins over set_backend; blocks nest
+            assert fusedlm.get_backend() == "cpu"
+            with fusedlm.use_backend("reference"):
+                assert "fusedlm.use_backend()" in fusedlm.explain("bias_gelu", x, None)
+                assert fusedlm.get_backend() == "reference"
+            with fusedlm.use_backend(None):  # leaves the choice as it is
+                assert fusedlm.get_backend() == "cpu"
+            # The call's own backend= wins over all.
+            assert "backend= argument" in fusedlm.explain("bias_gelu", x, None, backend="reference")
         assert fusedlm.get_backend() == "reference"
     finally:
         fusedlm.set_backend(None)
-    monkeypatch.setenv("FUSEDLM_BACKEND", "reference")
-    assert "FUSEDLM_BACKEND" in fusedlm.explain("bias_gelu", x, None)
-    # The call's own backend= wins over both.
-    assert "backend= argument" in fusedlm.explain("bias_gelu", x, None, backend="cpu")
+    assert fusedlm.get_backend() is None
+    with pytest.raises(ValueError, match="backend"):
+        fusedlm.use_backend("fast")
+
+
+def test_use_backend_traces_under_compile():
+    x = torch.randn(4, 8)
+
+    def run(x):
+        with fusedlm.use_backend("reference"):
+            return fusedlm.ops.bias_gelu(x, None)
+
+    torch.testing.assert_close(torch.compile(run, fullgraph=True, backend="aot_eager")(x),
+                               torch.nn.functional.gelu(x))
+
+
+def test_environment_backend_is_read_at_import():
+    code = ("import torch, fusedlm; print(fusedlm.explain('bias_gelu', torch.randn(2, 3), None))")
+    env = dict(os.environ, FUSEDLM_BACKEND="reference")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert "reference: asked for by FUSEDLM_BACKEND" in out.stdout
+    env["FUSEDLM_BACKEND"] = "fast"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "FUSEDLM_BACKEND must be one of" in out.stderr
 
 
 def test_named_backend_that_cannot_run_raises():
@@ -61,34 +93,34 @@ def test_named_backend_that_cannot_run_raises():
         fusedlm.set_backend("fast")
 
 
-@pytest.mark.parametrize("op", ["add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy",
-                                "masked_lm_loss"])
-def test_triton_kernels_refuse_float64_with_a_reason(op):
-    limits = kernel("triton", op).limits
-    assert "float64" in limits(dtype=torch.float64, dropout=False)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert limits(dtype=dtype, dropout=True) is None
+def test_supports_names_the_first_feature_it_refuses():
+    supports = Supports(dtypes=(torch.float16,), head_dims=(64, 128), same_head_dim_v=True,
+                        bias=False, multiple_of=8)
+    takes = dict(dtype=torch.float16, head_dim=64, head_dim_v=64, bias=False, sizes=(16, 24))
+    assert supports.refuses("k", **takes) is None
+    for change, reason in [({"dtype": torch.float32}, "the k takes float16, not float32"),
+                           ({"head_dim": 80, "head_dim_v": 80}, "head_dim of 64 or 128, not 80"),
+                           ({"head_dim_v": 128}, "v with q's head_dim (64), not 128"),
+                           ({"bias": True}, "takes no attn_bias"),
+                           ({"sizes": (16, 20)}, "multiples of 8, not (16, 20)")]:
+        assert reason in supports.refuses("k", **{**takes, **change})
+    assert "up to 256, not 512" in Supports(max_head_dim=256).refuses("k", head_dim=512)
 
 
-def test_cuda_kernels_refuse_float64_with_a_reason():
-    # The limits of every cuda kernel (registered only in a CUDA build; the function is
-    # the same there).
-    limits = cuda_backend._dtype_limits
-    assert "float64" in limits(dtype=torch.float64, dropout=False)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert limits(dtype=dtype, dropout=True) is None
-
-
-def test_cuda_attention_limits_give_their_reason():
-    limits = cuda_backend._attention_limits
-    for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in (64, 128):
-            assert limits(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, bias=False,
-                          causal=True, dropout=True, mask=True) is None
-    assert "float32" in limits(dtype=torch.float32, head_dim=64, head_dim_v=64)
-    assert "head_dim of 64 or 128" in limits(dtype=torch.bfloat16, head_dim=80, head_dim_v=80)
-    assert "q's head_dim" in limits(dtype=torch.bfloat16, head_dim=64, head_dim_v=128)
-    assert "attn_bias" in limits(dtype=torch.float16, head_dim=64, head_dim_v=64, bias=True)
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_a_named_backend_refuses_exactly_what_it_declares(name):
+    backend = _REGISTRY[name]
+    if backend.unavailable:
+        pytest.skip(backend.unavailable)
+    device = torch.device("cpu" if "any" in backend.devices else backend.devices[0])
+    for op, kernel in backend.kernels.items():
+        for dtype in FLOATS:
+            reason = kernel.supports.refuses(f"{name} {op}", dtype=dtype)
+            if reason:
+                with pytest.raises(RuntimeError, match=re.escape(reason)):
+                    choose(op, device, name, dtype=dtype)
+            else:
+                assert choose(op, device, name, dtype=dtype).backend == name
 
 
 @needs_native_cuda
@@ -97,14 +129,6 @@ def test_cuda_attention_refusal_falls_through_with_its_reason():
     why = fusedlm.explain("attention", q, q, q)
     assert "skipped cuda: the cuda attention takes a head_dim of 64 or 128, not 40" in why
     assert not why.startswith("attention -> cuda")
-
-
-def test_cuda_gelu_ffn_limits_give_their_reason():
-    limits = cuda_backend._ffn_limits
-    for dtype in (torch.bfloat16, torch.float16):
-        assert limits(dtype=dtype, dropout=True, sizes=(768, 3072, 768)) is None
-    assert "float32" in limits(dtype=torch.float32, dropout=False, sizes=(768, 3072, 768))
-    assert "multiples of 8" in limits(dtype=torch.bfloat16, dropout=False, sizes=(768, 3001, 768))
 
 
 @needs_native_cuda
@@ -137,7 +161,7 @@ def test_emulated_cuda_is_reported_as_emulated(capsys):
     assert cuda_backend.emulated_arch() == arch
     status = fusedlm.backends()["cuda"]
     assert isinstance(status, Emulated) and status == f"emulated on the CPU as {arch}"
-    assert _REGISTRY["cuda"].devices() == ("cpu",)
+    assert _REGISTRY["cuda"].devices == ("cpu",)
     code, out, _ = run_cli(capsys, "info")
     assert code == 0
     assert f"available, emulated on the CPU as {arch}" in out
@@ -159,7 +183,7 @@ def test_emulated_cuda_is_never_chosen_automatically(monkeypatch):
     choice = choose("bias_gelu", torch.device("cuda"), dtype=torch.bfloat16)
     assert choice.backend != "cuda" and "skipped cuda: runs on cpu tensors (emulated" in choice.why
     # With the cpu backend out of the running, still not: reference.
-    monkeypatch.setattr(_REGISTRY["cpu"], "unavailable", lambda: "switched off")
+    monkeypatch.setattr(_REGISTRY["cpu"], "unavailable", "switched off")
     assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
 
 

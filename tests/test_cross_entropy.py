@@ -456,10 +456,10 @@ def test_masked_lm_loss_outputs_are_not_views(backend, reduction):
     needs = [True, True, True]
     with torch.no_grad():
         outputs = torch.ops.fusedlm.masked_lm_loss(hidden, weight, bias, labels, -100, 0.0,
-                                                   reduction, 4, needs, backend)
+                                                   reduction, 4, *needs, backend)
         grads = torch.ops.fusedlm.masked_lm_loss_backward(
             torch.ones_like(outputs[0]), hidden, weight, bias, labels, *outputs[1:], -100, 0.0,
-            reduction, 4, needs, backend)
+            reduction, 4, *needs, backend)
     assert [t._base is None for t in (*outputs, *grads)] == [True] * 7
 
 

@@ -175,9 +175,10 @@ def _shuffle_mixes(model, lstm_scale=1.0):
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_elmo_matches_the_plain_reference(backend):
     torch.manual_seed(0)
-    model = ELMo(_config(num_output_representations=2), backend=backend)
+    model = ELMo(_config(num_output_representations=2))
     _shuffle_mixes(model, lstm_scale=4.0)
-    clipped = _check_against_reference(model, _tf_weights_of(model))
+    with fusedlm.use_backend(backend):
+        clipped = _check_against_reference(model, _tf_weights_of(model))
     assert clipped[0] > 0 and clipped[1] > 0  # both clips were exercised
 
 
@@ -444,11 +445,12 @@ def _corpus():
 
 def _train(backend, steps, ids, word_ids, vocab):
     torch.manual_seed(5)
-    model = ElmoBiLM(_config(vocab_size=vocab, cell_clip=3.0, proj_clip=3.0), backend=backend)
+    model = ElmoBiLM(_config(vocab_size=vocab, cell_clip=3.0, proj_clip=3.0))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
-        loss = model(ids, word_ids).loss
+        with fusedlm.use_backend(backend):
+            loss = model(ids, word_ids).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

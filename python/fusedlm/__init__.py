@@ -8,7 +8,7 @@ pretraining era.
 """
 from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on a bad build)
 from . import nn, ops
-from .backends import backends, explain, get_backend, set_backend
+from .backends import backends, explain, get_backend, set_backend, use_backend
 from .patching import patch, patch_report
 
 __version__ = "0.1.0"
@@ -23,4 +23,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["models", "nn", "ops", "backends", "explain", "get_backend", "patch", "patch_report", "set_backend",
-           "__version__"]
+           "use_backend", "__version__"]

@@ -1,17 +1,22 @@
 """Backends and dispatch.
 
 Every op has four backends: ``reference`` (plain PyTorch, the ground truth),
-``cpu`` (the C++ kernels), ``triton`` and ``cuda``. A call runs on the backend
-named by its ``backend=`` argument, else by :func:`set_backend`, else by the
-``FUSEDLM_BACKEND`` environment variable, else on the fastest backend that can
-run it on the tensors' device. A backend named explicitly that cannot run the
-call raises; it never falls back silently. :func:`explain` tells which backend a
-call would use and why.
+``cpu`` (the C++ kernels), ``triton`` and ``cuda``. A call runs on the backend named
+by its ``backend=`` argument, else by the innermost :func:`use_backend`, else by
+:func:`set_backend`, else by the ``FUSEDLM_BACKEND`` environment variable, else on the
+fastest backend that can run it on the tensors' device. A backend named that cannot
+run the call raises; it never falls back silently. :func:`explain` tells which backend
+a call would use and why.
+
+What each backend's kernel of an op takes is data (:class:`Supports`): the automatic
+choice, :func:`explain`, the tests and the benchmarks all read that one statement.
 
 Two backends can also run on CPU tensors, slowly, to test their kernels without a
 GPU: ``triton`` under ``TRITON_INTERPRET=1`` (Triton's interpreter) and ``cuda`` in a
 ``FUSEDLM_CUDA=emulate`` build (the CUDA kernels compiled against a CPU emulator of
 CUDA). Either runs only when named, never by automatic choice.
+
+Environment switches are read once, when fusedlm is imported.
 """
 from __future__ import annotations
 
@@ -27,18 +32,74 @@ BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
 # asked for by name.
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+GPU_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+HALVES = (torch.bfloat16, torch.float16)
+
+
+def _checked_name(name: Optional[str], source: str) -> Optional[str]:
+    if name is not None and name not in BACKEND_NAMES:
+        raise ValueError(f"{source} must be one of {BACKEND_NAMES} or None, got {name!r}")
+    return name
+
+
+# Read once: FUSEDLM_BACKEND forces a backend; FUSEDLM_DEBUG=1 checks the data of index
+# tensors on GPUs too (a device-to-host copy per call).
+_ENV_BACKEND = _checked_name(os.environ.get("FUSEDLM_BACKEND") or None, "FUSEDLM_BACKEND")
+DEBUG = os.environ.get("FUSEDLM_DEBUG") == "1"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _one_of(values) -> str:
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What one backend's kernel of one op takes. A field left at its default takes
+    anything; a planner passes the features it knows of a call (``dtype``, ``head_dim``,
+    ``head_dim_v``, ``bias``, ``sizes``) and :meth:`refuses` names the first one refused."""
+
+    dtypes: tuple = FLOATS  # of the op's floating-point inputs
+    head_dims: Optional[tuple] = None  # q's and v's head_dim: the values taken
+    max_head_dim: Optional[int] = None  # ... or the largest
+    same_head_dim_v: bool = False  # v's head_dim must be q's
+    bias: bool = True  # an attn_bias
+    multiple_of: int = 1  # every feature size (gelu_ffn's d_in, d_ff and d_out)
+
+    def refuses(self, kernel: str, dtype=None, head_dim=None, head_dim_v=None, bias=False,
+                sizes=(), **_features) -> Optional[str]:
+        if dtype is not None and dtype not in self.dtypes:
+            return (f"the {kernel} takes {_one_of(_dtype_name(d) for d in self.dtypes)}, "
+                    f"not {_dtype_name(dtype)}")
+        for name, dim in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
+            if dim is None:
+                continue
+            if self.head_dims is not None and dim not in self.head_dims:
+                return f"the {kernel} takes a {name} of {_one_of(self.head_dims)}, not {dim}"
+            if self.max_head_dim is not None and dim > self.max_head_dim:
+                return f"the {kernel} takes a {name} up to {self.max_head_dim}, not {dim}"
+        if self.same_head_dim_v and head_dim_v is not None and head_dim_v != head_dim:
+            return f"the {kernel} takes v with q's head_dim ({head_dim}), not {head_dim_v}"
+        if bias and not self.bias:
+            return f"the {kernel} takes no attn_bias"
+        if any(size % self.multiple_of for size in sizes):
+            return f"the {kernel} takes sizes that are multiples of {self.multiple_of}, not {sizes}"
+        return None
+
 
 @dataclass(frozen=True)
 class Kernel:
-    """One backend's implementation of one op.
-
-    ``limits(**features)`` returns why this kernel cannot run a call (e.g. an
-    unsupported head dim), or None when it can.
-    """
+    """One backend's implementation of one op: the forward and backward kernels of the op's
+    schemas (fusedlm.ops._op), and what they take."""
 
     forward: Callable
     backward: Optional[Callable] = None
-    limits: Optional[Callable[..., Optional[str]]] = None
+    supports: Supports = Supports()
 
 
 def _native() -> Optional[str]:
@@ -49,30 +110,30 @@ def _native() -> Optional[str]:
 @dataclass
 class Backend:
     name: str
-    devices: Callable[[], tuple]  # the device types whose tensors it runs on
-    unavailable: Callable[[], Optional[str]]  # why it cannot run at all, or None
+    devices: tuple  # the device types whose tensors it runs on
+    unavailable: Optional[str]  # why it cannot run at all, or None
     kernels: dict = field(default_factory=dict)  # op name -> Kernel
     # How it runs where it only emulates its device on the CPU (then never chosen
     # automatically), e.g. "emulated on the CPU as sm_80"; None where it runs natively.
     emulated: Callable[[], Optional[str]] = _native
 
     def cannot_run(self, op: str, device: torch.device, features: dict) -> Optional[str]:
-        reason = self.unavailable()
-        if reason:
-            return reason
-        if device.type not in self.devices():
+        if self.unavailable:
+            return self.unavailable
+        if device.type not in self.devices and "any" not in self.devices:
             how = self.emulated()
-            return (f"runs on {'/'.join(self.devices())} tensors{f' ({how})' if how else ''}, "
+            return (f"runs on {'/'.join(self.devices)} tensors{f' ({how})' if how else ''}, "
                     f"not {device.type}")
         kernel = self.kernels.get(op)
         if kernel is None:
             return f"has no {op} kernel"
-        return kernel.limits(**features) if kernel.limits else None
+        return kernel.supports.refuses(f"{self.name} {op}", **features)
 
 
 _REGISTRY: dict[str, Backend] = {}
 _PLANNERS: dict[str, Callable] = {}
 _selected: Optional[str] = None
+_pinned: list = []  # the use_backend() blocks being run, innermost last
 
 
 def register(backend: Backend) -> Backend:
@@ -86,22 +147,45 @@ def kernel(backend: str, op: str) -> Kernel:
 
 def set_backend(name: Optional[str]) -> None:
     """Run every op on backend ``name`` (None: choose automatically again)."""
-    if name is not None and name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {name!r}")
     global _selected
-    _selected = name
+    _selected = _checked_name(name, "backend")
 
 
 def get_backend() -> Optional[str]:
-    """The backend every op is forced to, or None when chosen automatically."""
-    return _selected if _selected is not None else _env_backend()
+    """The backend every op is forced to (by use_backend, set_backend or FUSEDLM_BACKEND),
+    or None when chosen automatically."""
+    return _forced()[0]
 
 
-def _env_backend() -> Optional[str]:
-    name = os.environ.get("FUSEDLM_BACKEND") or None
-    if name is not None and name not in BACKEND_NAMES:
-        raise ValueError(f"FUSEDLM_BACKEND must be one of {BACKEND_NAMES}, got {name!r}")
-    return name
+class use_backend:
+    """``with fusedlm.use_backend("cpu"): ...`` runs every op called inside on that backend
+    (None: leaves the choice as it is). Blocks nest; the innermost wins; an op's
+    ``backend=`` argument wins over all. torch.compile traces through it."""
+
+    def __init__(self, name: Optional[str]):
+        self.name = _checked_name(name, "backend")
+
+    def __enter__(self):
+        _pinned.append(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        _pinned.pop()
+        return False
+
+
+def _forced(backend: Optional[str] = None) -> tuple:
+    """(the backend a call is forced to, what forced it), or (None, None)."""
+    if backend is not None:
+        return _checked_name(backend, "backend"), "backend= argument"
+    pinned = next((name for name in reversed(_pinned) if name is not None), None)
+    if pinned is not None:
+        return pinned, "fusedlm.use_backend()"
+    if _selected is not None:
+        return _selected, "fusedlm.set_backend()"
+    if _ENV_BACKEND is not None:
+        return _ENV_BACKEND, "FUSEDLM_BACKEND"
+    return None, None
 
 
 class Emulated(str):
@@ -120,9 +204,8 @@ def backends() -> dict:
 
 
 def _status(backend: Backend):
-    reason = backend.unavailable()
-    if reason:
-        return reason
+    if backend.unavailable:
+        return backend.unavailable
     how = backend.emulated()
     return Emulated(how) if how else True
 
@@ -138,13 +221,7 @@ class Choice:
 
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **features) -> Choice:
     """The backend that runs ``op`` on ``device`` for a call with these features."""
-    if backend is not None and backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    forced, source = backend, "backend= argument"
-    if forced is None and _selected is not None:
-        forced, source = _selected, "fusedlm.set_backend()"
-    if forced is None and _env_backend() is not None:
-        forced, source = _env_backend(), "FUSEDLM_BACKEND"
+    forced, source = _forced(backend)
     if forced is not None:
         reason = _REGISTRY[forced].cannot_run(op, device, features)
         if reason:
@@ -181,6 +258,16 @@ def explain(op: str, *args, **kwargs) -> str:
     if op not in _PLANNERS:
         raise ValueError(f"op must be one of {sorted(_PLANNERS)}, got {op!r}")
     return f"{op} -> {_PLANNERS[op](*args, **kwargs)}"
+
+
+def check_index_data(device: torch.device) -> bool:
+    """Whether a planner checks the values of index tensors (cu_seqlens, labels, indices,
+    cache lengths) before dispatch: always for CPU tensors; on a GPU the check copies to
+    the host, so only under FUSEDLM_DEBUG=1. Never while torch.compile traces (the values
+    are not known then) nor for meta tensors."""
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return False
+    return device.type == "cpu" or DEBUG
 
 
 from . import cpu, cuda, reference, triton  # noqa: E402,F401  (each registers itself)

@@ -1,28 +1,29 @@
-"""The cpu backend: fusedlm's C++ kernels (csrc/), vectorised per instruction set."""
+"""The cpu backend: fusedlm's C++ kernels (csrc/), vectorised per instruction set.
+
+Every op, every floating dtype (float64 for gradcheck), any shape.
+"""
 from .._extension import _C
 from . import Backend, Kernel, register
 
-BACKEND = register(
-    Backend(
-        "cpu",
-        lambda: ("cpu",),
-        lambda: None,
-        {
-            "bias_gelu": Kernel(_C.bias_gelu_forward, _C.bias_gelu_backward),
-            "gelu_ffn": Kernel(_C.gelu_ffn_forward, _C.gelu_ffn_backward),
-            "cross_entropy": Kernel(_C.cross_entropy_forward, _C.cross_entropy_backward),
-            "masked_lm_loss": Kernel(_C.masked_lm_loss_forward, _C.masked_lm_loss_backward),
-            "attention": Kernel(_C.attention_forward, _C.attention_backward),
-            "attention_varlen": Kernel(_C.attention_varlen_forward, _C.attention_varlen_backward),
-            "attention_with_kvcache": Kernel(_C.attention_kvcache_forward),
-            # unpad's backward is the pad op.
-            "unpad": Kernel(_C.unpad_forward),
-            "pad": Kernel(_C.pad_forward, _C.pad_backward),
-            "add_layer_norm": Kernel(_C.add_layer_norm_forward, _C.add_layer_norm_backward),
-            "lstm_cell": Kernel(_C.lstm_cell_forward, _C.lstm_cell_backward),
-        },
-    )
-)
+
+def _kernel(op: str, forward: str = "forward", backward: str = "backward") -> Kernel:
+    return Kernel(getattr(_C, f"{op}_{forward}"),
+                  getattr(_C, f"{op}_{backward}") if backward else None)
+
+
+BACKEND = register(Backend("cpu", ("cpu",), None, {
+    "bias_gelu": _kernel("bias_gelu"),
+    "gelu_ffn": _kernel("gelu_ffn"),
+    "cross_entropy": _kernel("cross_entropy"),
+    "masked_lm_loss": _kernel("masked_lm_loss"),
+    "attention": _kernel("attention"),
+    "attention_varlen": _kernel("attention_varlen"),
+    "attention_with_kvcache": _kernel("attention_kvcache", backward=None),
+    "unpad": _kernel("unpad", backward=None),  # its backward is the pad op
+    "pad": _kernel("pad"),
+    "add_layer_norm": _kernel("add_layer_norm"),
+    "lstm_cell": _kernel("lstm_cell"),
+}))
 
 
 def capability() -> str:

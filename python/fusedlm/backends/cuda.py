@@ -15,43 +15,41 @@ of CUDA, which acts as the GPU FUSEDLM_EMULATE_ARCH names (sm_80, the default, o
 sm_90a) and runs one CPU thread per CUDA thread. There the backend needs no GPU and
 runs on CPU tensors (not on CUDA ones: that build has no CUDA), slowly, to test the
 kernels; it runs only when asked for by name, never by automatic choice.
+
+Some kernels have two paths (the attention forward's resident and streamed K/V, the
+Hopper wgmma products): :func:`set_path` turns one off, to compare it with the path it
+replaces at the same shapes (FUSEDLM_ATTENTION_RESIDENT=0, FUSEDLM_ATTENTION_WGMMA=0 and
+FUSEDLM_FFN_WGMMA=0 do at start).
 """
 from typing import Optional
 
 import torch
 
 from .._extension import _C, _build_info
-from . import Backend, Kernel, register
+from . import GPU_FLOATS, HALVES, Backend, Kernel, Supports, register
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Whether the kernels run on the CPU emulator of CUDA (a FUSEDLM_CUDA=emulate build). An
+# extension compiled before it had the `cuda_emulated` attribute is not.
+EMULATED = bool(getattr(_C, "cuda_emulated", False))
 
 
 def emulated() -> bool:
-    """Whether the kernels run on the CPU emulator of CUDA (a FUSEDLM_CUDA=emulate build).
-    An extension compiled before it had the `cuda_emulated` attribute is not."""
-    return bool(getattr(_C, "cuda_emulated", False))
+    """Whether the kernels run on the CPU emulator of CUDA (a FUSEDLM_CUDA=emulate build)."""
+    return EMULATED
 
 
 def emulated_arch() -> Optional[str]:
     """The GPU the emulator acts as ("sm_80" or "sm_90a", from FUSEDLM_EMULATE_ARCH), or
     None outside an emulated build."""
-    return _C.cuda.emulated_arch() if emulated() else None
-
-
-def _emulation() -> Optional[str]:
-    return f"emulated on the CPU as {emulated_arch()}" if emulated() else None
+    return _C.cuda.emulated_arch() if EMULATED else None
 
 
 def _unavailable():
     if not _C.with_cuda:
         return "fusedlm was built without CUDA (rebuild with FUSEDLM_CUDA=1 and a CUDA PyTorch)"
-    if not emulated() and not torch.cuda.is_available():
+    if not EMULATED and not torch.cuda.is_available():
         return "no CUDA device"
     return None
-
-
-def _devices():
-    return ("cpu",) if emulated() else ("cuda",)
 
 
 def arches() -> str:
@@ -59,30 +57,16 @@ def arches() -> str:
     return _build_info.cuda_arches
 
 
-def _dtype_limits(dtype=None, **_features):
-    if dtype is not None and dtype not in _FLOAT_DTYPES:
-        return f"the cuda kernels take float32, bfloat16 or float16, not {str(dtype)[6:]}"
-    return None
+def paths() -> dict:
+    """{kernel path: whether it may run}: "attention_resident", "attention_wgmma", "ffn_wgmma"."""
+    return dict(_C.cuda.paths())
 
 
-def _attention_limits(dtype=None, head_dim=None, head_dim_v=None, bias=False, **_features):
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        return f"the cuda attention takes bfloat16 or float16, not {str(dtype)[6:]}"
-    if head_dim is not None and head_dim not in (64, 128):
-        return f"the cuda attention takes a head_dim of 64 or 128, not {head_dim}"
-    if head_dim_v is not None and head_dim_v != head_dim:
-        return f"the cuda attention takes v with q's head_dim ({head_dim}), not {head_dim_v}"
-    if bias:
-        return "the cuda attention takes no attn_bias"
-    return None
-
-
-def _ffn_limits(dtype=None, sizes=(), **_features):
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        return f"the cuda gelu_ffn takes bfloat16 or float16, not {str(dtype)[6:]}"
-    if any(size % 8 for size in sizes):
-        return f"the cuda gelu_ffn takes d_in, d_ff and d_out that are multiples of 8, not {sizes}"
-    return None
+def set_path(name: str, enabled: bool) -> None:
+    """Lets kernel path ``name`` (see :func:`paths`) run, or not, from the next launch on."""
+    if name not in paths():
+        raise ValueError(f"name must be one of {sorted(paths())}, got {name!r}")
+    _C.cuda.set_path(name, bool(enabled))
 
 
 def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
@@ -90,7 +74,7 @@ def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
     element order row-major over ``shape``, on CUDA device ``device`` (default: the
     current one). In an emulated build it is drawn by the emulator, on the CPU (the
     default there, and the only device it takes)."""
-    if emulated():
+    if EMULATED:
         device = torch.device("cpu" if device is None else device)
         if device.type != "cpu":
             raise ValueError(f"the emulated cuda backend draws its masks on the CPU, not {device}")
@@ -100,16 +84,27 @@ def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
     return _C.cuda.dropout_mask(seed, 0, list(shape), p, index)
 
 
+_SUPPORTS = {
+    "add_layer_norm": Supports(dtypes=GPU_FLOATS),
+    "bias_gelu": Supports(dtypes=GPU_FLOATS),
+    "cross_entropy": Supports(dtypes=GPU_FLOATS),
+    "masked_lm_loss": Supports(dtypes=GPU_FLOATS),
+    # The product's tiles load 16-byte vectors of 8 halves.
+    "gelu_ffn": Supports(dtypes=HALVES, multiple_of=8),
+    # One tile width per head_dim, instantiated for BERT's and GPT's; no bias operand.
+    "attention": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False),
+    "attention_varlen": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True),
+}
+
+
 def _kernels() -> dict:
     if not _C.with_cuda:
         return {}
     ops = _C.cuda
-    limits = {"attention": _attention_limits, "attention_varlen": _attention_limits,
-              "gelu_ffn": _ffn_limits}
-    return {name: Kernel(getattr(ops, f"{name}_forward"), getattr(ops, f"{name}_backward"),
-                         limits.get(name, _dtype_limits))
-            for name in ("add_layer_norm", "bias_gelu", "gelu_ffn", "cross_entropy",
-                         "masked_lm_loss", "attention", "attention_varlen")}
+    return {name: Kernel(getattr(ops, f"{name}_forward"), getattr(ops, f"{name}_backward"), supports)
+            for name, supports in _SUPPORTS.items()}
 
 
-BACKEND = register(Backend("cuda", _devices, _unavailable, _kernels(), emulated=_emulation))
+BACKEND = register(Backend(
+    "cuda", ("cpu",) if EMULATED else ("cuda",), _unavailable(), _kernels(),
+    emulated=lambda: f"emulated on the CPU as {emulated_arch()}" if EMULATED else None))

@@ -1,7 +1,9 @@
 """The triton backend: kernels in fusedlm.triton_kernels (kernels/triton/).
 
 Runs on CUDA tensors; with TRITON_INTERPRET=1 it also runs on CPU tensors when
-asked for by name (how the kernels are tested without a GPU).
+asked for by name (how the kernels are tested without a GPU). Every op but unpad and
+pad, for float32, bfloat16 and float16; attention and attention_varlen take head dims
+up to 256.
 """
 import importlib
 import importlib.util
@@ -11,23 +13,17 @@ from pathlib import Path
 
 import torch
 
-from . import Backend, Kernel, register
+from . import GPU_FLOATS, Backend, Kernel, Supports, register
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
 
 
 def _unavailable():
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    if not torch.cuda.is_available():
+    if not INTERPRETED and not torch.cuda.is_available():
         return "no CUDA device (set TRITON_INTERPRET=1 to interpret the kernels on the CPU)"
     return None
-
-
-def _devices():
-    return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 
 def _kernels_module(name: str):
@@ -58,28 +54,25 @@ def keep_mask(seed, shape, p: float, device="cpu"):
     return _kernels_module("_common").keep_mask(seed, shape, p, device)
 
 
-def _dtype_limits(dtype=None, **_features):
-    if dtype is not None and dtype not in _FLOAT_DTYPES:
-        return f"the triton kernels take float32, bfloat16 or float16, not {str(dtype)[6:]}"
-    return None
+_FLOATS = Supports(dtypes=GPU_FLOATS)
+# The attention kernels hold a row block of q and of the output in registers: BLOCK_D and
+# BLOCK_DV, the head dims rounded up to a power of two, at most 256 (MAX_HEAD_DIM there).
+_ATTENTION = Supports(dtypes=GPU_FLOATS, max_head_dim=256)
 
 
-def _attention_limits(dtype=None, **features):
-    return _dtype_limits(dtype) or _kernels_module("attention").limits(**features)
+def _kernel(op: str, module: str, supports: Supports = _FLOATS, backward: bool = True) -> Kernel:
+    return Kernel(_lazy(module, f"{op}_forward"),
+                  _lazy(module, f"{op}_backward") if backward else None, supports)
 
 
-def _kernel(op: str, module: str, limits=_dtype_limits) -> Kernel:
-    return Kernel(_lazy(module, f"{op}_forward"), _lazy(module, f"{op}_backward"), limits)
-
-
-BACKEND = register(Backend("triton", _devices, _unavailable, {
+BACKEND = register(Backend("triton", ("cuda", "cpu") if INTERPRETED else ("cuda",), _unavailable(), {
     "add_layer_norm": _kernel("add_layer_norm", "layer_norm"),
     "bias_gelu": _kernel("bias_gelu", "gelu"),
     "gelu_ffn": _kernel("gelu_ffn", "gelu"),
     "cross_entropy": _kernel("cross_entropy", "cross_entropy"),
     "masked_lm_loss": _kernel("masked_lm_loss", "cross_entropy"),
-    "attention": _kernel("attention", "attention", _attention_limits),
-    "attention_varlen": _kernel("attention_varlen", "attention", _attention_limits),
-    "attention_with_kvcache": _kernel("attention_with_kvcache", "attention_kvcache"),
+    "attention": _kernel("attention", "attention", _ATTENTION),
+    "attention_varlen": _kernel("attention_varlen", "attention", _ATTENTION),
+    "attention_with_kvcache": _kernel("attention_with_kvcache", "attention_kvcache", backward=False),
     "lstm_cell": _kernel("lstm_cell", "lstm"),
 }))

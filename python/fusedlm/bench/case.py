@@ -62,8 +62,8 @@ class Bench:
             backend = _REGISTRY[name]
             # An emulated backend (the cuda one of a FUSEDLM_CUDA=emulate build) times the
             # emulator, not its kernels.
-            if (backend.unavailable() or backend.emulated()
-                    or self.device.type not in backend.devices()):
+            if (backend.unavailable or backend.emulated()
+                    or self.device.type not in backend.devices):
                 continue
             try:
                 explain(op, *inputs, backend=name, **kwargs)

@@ -22,7 +22,6 @@ padding, 15% labelled, vocab 30522).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 import string
@@ -33,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 
 from .. import models
-from ..backends import get_backend, set_backend
+from ..backends import use_backend
 from .case import Bench, Case
 
 LABELLED = 0.15
@@ -76,20 +75,9 @@ def sizes_for(bench: Bench) -> Sizes:
     return QUICK if bench.quick else FULL
 
 
-@contextlib.contextmanager
-def _pinned(backend):
-    """Every op on `backend` (None: the automatic choice) for the duration of a step."""
-    previous = get_backend()
-    set_backend(backend)
-    try:
-        yield
-    finally:
-        set_backend(previous)
-
-
 def _step(fn: Callable[[], object], backend=None) -> Callable[[], None]:
     def step():
-        with _pinned(backend):
+        with use_backend(backend):
             fn()
 
     return step

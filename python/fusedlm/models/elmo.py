@@ -209,7 +209,7 @@ class LstmDirection(nn.Module):
         # LSTM runs on these parameters (it needs a projection narrower than the cell).
         self.use_torch_lstm = self.cell_clip is None and self.proj_clip is None and proj < cell
 
-    def forward(self, x: Tensor, mask: Tensor, backend: Optional[str] = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         """x [batch, seq, input], mask bool [batch, seq] (True = token) -> [batch, seq, proj]."""
         if self.use_torch_lstm:
             return self._torch_forward(x, mask)
@@ -223,8 +223,7 @@ class LstmDirection(nn.Module):
         inputs = inputs.unbind(0)  # seq x [batch, 4 * cell]
         h = weight.new_zeros(batch, weight.shape[0])
         c = weight.new_zeros(batch, self.state_projection.weight.shape[1])
-        cell_step = lstm_cell_stepper(inputs[0].to(c.dtype), c, cell_clip=self.cell_clip,
-                                      backend=backend)
+        cell_step = lstm_cell_stepper(inputs[0].to(c.dtype), c, cell_clip=self.cell_clip)
         outputs = [None] * seq
         for t, everyone in self._steps(mask):
             gates = torch.addmm(inputs[t], h, weight)
@@ -294,16 +293,16 @@ class ElmoLstm(nn.Module):
         self.backward_layers = nn.ModuleList(LstmDirection(size, config, False)
                                              for _ in range(config.n_layers))
 
-    def forward(self, x: Tensor, mask: Tensor, backend: Optional[str] = None) -> list:
+    def forward(self, x: Tensor, mask: Tensor) -> list:
         """x [batch, seq, proj] -> each layer's [batch, seq, 2 * proj] (forward half first)."""
         fwd = bwd = x
         layers = []
         for index, (f_layer, b_layer) in enumerate(zip(self.forward_layers, self.backward_layers)):
             if self.gradient_checkpointing and self.training:
-                f_out = self._gradient_checkpointing_func(f_layer, fwd, mask, backend)
-                b_out = self._gradient_checkpointing_func(b_layer, bwd, mask, backend)
+                f_out = self._gradient_checkpointing_func(f_layer, fwd, mask)
+                b_out = self._gradient_checkpointing_func(b_layer, bwd, mask)
             else:
-                f_out, b_out = f_layer(fwd, mask, backend), b_layer(bwd, mask, backend)
+                f_out, b_out = f_layer(fwd, mask), b_layer(bwd, mask)
             if index > 0 and self.skip:
                 f_out, b_out = f_out + fwd, b_out + bwd
             fwd, bwd = f_out, b_out
@@ -367,9 +366,8 @@ class _BiLM(PreTrainedModel):
     main_input_name = "char_ids"
     supports_gradient_checkpointing = True
 
-    def __init__(self, config: ElmoConfig, *, backend: Optional[str] = None):
+    def __init__(self, config: ElmoConfig):
         super().__init__(config)
-        self.backend = backend  # pins fusedlm's ops to one backend; None chooses per call
         self.char_encoder = CharacterEncoder(config)
         self.lstm = ElmoLstm(config)
 
@@ -387,7 +385,7 @@ class _BiLM(PreTrainedModel):
         mask = (char_ids > 0).any(dim=-1)
         ids, marked = add_sentence_markers(char_ids, mask)
         words = self.char_encoder(ids)
-        layers = self.lstm(words, marked, self.backend)
+        layers = self.lstm(words, marked)
         return [torch.cat([words, words], dim=-1) * marked[..., None], *layers], marked
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -430,8 +428,8 @@ class _BiLM(PreTrainedModel):
 class ELMo(_BiLM):
     """Contextual word vectors: ``model(batch_to_ids(sentences)).representations``."""
 
-    def __init__(self, config: ElmoConfig, *, backend: Optional[str] = None):
-        super().__init__(config, backend=backend)
+    def __init__(self, config: ElmoConfig):
+        super().__init__(config)
         self.mixes = nn.ModuleList(ScalarMix(config.n_layers + 1, config.do_layer_norm)
                                    for _ in range(config.num_output_representations))
         self.dropout = nn.Dropout(config.dropout)
@@ -461,10 +459,10 @@ class ElmoBiLM(_BiLM):
     """The bidirectional language model ELMo is trained as: a softmax over
     ``config.vocab_size`` words, shared by the two directions, on the top layer."""
 
-    def __init__(self, config: ElmoConfig, *, backend: Optional[str] = None):
+    def __init__(self, config: ElmoConfig):
         if config.vocab_size < 1:
             raise ValueError(f"config.vocab_size must be at least 1 for ElmoBiLM, got {config.vocab_size}")
-        super().__init__(config, backend=backend)
+        super().__init__(config)
         self.softmax_weight = nn.Parameter(torch.empty(config.vocab_size, config.projection_dim))
         self.softmax_bias = nn.Parameter(torch.empty(config.vocab_size))
         self.post_init()
@@ -485,7 +483,7 @@ class ElmoBiLM(_BiLM):
         ahead = F.pad(labels[:, 1:], (0, 1), value=-100)
         behind = F.pad(labels[:, :-1], (1, 0), value=-100)
         losses = [ops.masked_lm_loss(top[..., half], self.softmax_weight.to(top.dtype),
-                                     self.softmax_bias.to(top.dtype), target, backend=self.backend)
+                                     self.softmax_bias.to(top.dtype), target)
                   for half, target in ((slice(0, proj), ahead), (slice(proj, None), behind))]
         return ElmoBiLMOutput(loss=(losses[0] + losses[1]) / 2, hidden_states=tuple(layers))
 

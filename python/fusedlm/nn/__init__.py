@@ -1,8 +1,7 @@
 """Drop-in modules: same constructor arguments, parameters and state_dict keys as
 the torch.nn modules they replace, running on fusedlm's ops.
 
-Each has a ``backend`` attribute (None: chosen per call) that pins its ops to one
-backend; fusedlm.patch(model, backend=...) sets it.
+Their ops run on the backend chosen per call, or the one ``fusedlm.use_backend`` pins.
 """
 from .attention import MultiheadAttention
 from .ffn import GeluFFN, is_plain_linear, linear_gelu_linear

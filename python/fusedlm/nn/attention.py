@@ -26,7 +26,6 @@ class MultiheadAttention(nn.MultiheadAttention):
     are not supported.
     """
 
-    backend: Optional[str] = None  # pins the ops to one backend; None chooses per call
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
@@ -66,8 +65,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         bias, key_padding_mask = self._bias(attn_mask, key_padding_mask, is_causal, q.dtype,
                                             (batch, heads, seq_q, seq_k))
         out = ops.attention(q, k, v, causal=is_causal, key_padding_mask=key_padding_mask,
-                            attn_bias=bias, dropout_p=self.dropout if self.training else 0.0,
-                            backend=self.backend)
+                            attn_bias=bias, dropout_p=self.dropout if self.training else 0.0)
         # out is laid out like q, i.e. like the projection's [.., seq, .., heads, head_dim].
         out = out.transpose(1, 2) if self.batch_first else out.permute(2, 0, 1, 3)
         return F.linear(out.flatten(2), self.out_proj.weight, self.out_proj.bias)
@@ -78,8 +76,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)
         out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                   causal=causal, dropout_p=self.dropout if self.training else 0.0,
-                                   backend=self.backend)
+                                   causal=causal, dropout_p=self.dropout if self.training else 0.0)
         return F.linear(out.flatten(1), self.out_proj.weight, self.out_proj.bias)
 
     def _project(self, query, key, value):

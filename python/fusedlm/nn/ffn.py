@@ -23,7 +23,7 @@ def is_plain_linear(module: nn.Module) -> bool:
 
 
 def linear_gelu_linear(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, *, approximate: str = "none",
-                       dropout_p: float = 0.0, backend: Optional[str] = None) -> Tensor:
+                       dropout_p: float = 0.0) -> Tensor:
     """fc2(dropout(GELU(fc1(x)))) in one fused op: [..., fc1.in_features] -> [..., fc2.out_features].
     Under autocast it runs in the autocast dtype, as torch's Linear layers would. When
     either layer is not a plain nn.Linear (an adapter wraps it, a hook watches it) the
@@ -31,8 +31,7 @@ def linear_gelu_linear(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, *, approximate
     if not (is_plain_linear(fc1) and is_plain_linear(fc2)):
         return fc2(F.dropout(F.gelu(fc1(x), approximate=approximate), dropout_p))
     x, w1, b1, w2, b2 = lower(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p,
-                        backend=backend)
+    return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p)
 
 
 class GeluFFN(nn.Module):
@@ -43,7 +42,6 @@ class GeluFFN(nn.Module):
     activation between the two products, in training only.
     """
 
-    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
 
     def __init__(self, d_model: int, d_ff: int, d_out: Optional[int] = None, *, approximate: str = "none",
                  dropout: float = 0.0, bias: bool = True, device=None, dtype=None):
@@ -55,8 +53,7 @@ class GeluFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear_gelu_linear(x, self.fc1, self.fc2, approximate=self.approximate,
-                                  dropout_p=self.dropout if self.training else 0.0,
-                                  backend=self.backend)
+                                  dropout_p=self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}, dropout={self.dropout}"

@@ -18,7 +18,6 @@ class LayerNorm(nn.LayerNorm):
     Under autocast the norm runs in the widest dtype of its inputs and parameters.
     """
 
-    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None, *,
                 dropout_p: float = 0.0) -> Union[Tensor, tuple]:
@@ -31,7 +30,7 @@ class LayerNorm(nn.LayerNorm):
         bias = None if self.bias is None else self.bias.reshape(width)
         flat, flat_residual, weight, bias = widen(flat, flat_residual, weight, bias)
         out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps,
-                                         dropout_p=dropout_p, backend=self.backend)
+                                         dropout_p=dropout_p)
         if out.shape != shape:
             # Only then: the op's outputs are not views, and FSDP2 cannot follow in-place
             # changes to a view that a module returns.

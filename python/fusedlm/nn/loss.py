@@ -17,7 +17,6 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     Unlike torch, a mean over no labelled targets is 0, not NaN.
     """
 
-    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if self.weight is not None or target.is_floating_point():
@@ -26,8 +25,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
             return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
                                    reduction=self.reduction, label_smoothing=self.label_smoothing)
         return ops.cross_entropy(input, target, ignore_index=self.ignore_index,
-                                 label_smoothing=self.label_smoothing, reduction=self.reduction,
-                                 backend=self.backend)
+                                 label_smoothing=self.label_smoothing, reduction=self.reduction)
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -39,7 +37,6 @@ class LinearCrossEntropyLoss(nn.Module):
     the projection runs in the autocast dtype and the loss in float32, as torch's would.
     """
 
-    backend: Optional[str] = None  # pins the op to one backend; None chooses per call
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
@@ -50,8 +47,7 @@ class LinearCrossEntropyLoss(nn.Module):
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         hidden, weight, bias = lower(hidden, weight, bias)
         return ops.masked_lm_loss(hidden, weight, bias, labels, ignore_index=self.ignore_index,
-                                  label_smoothing=self.label_smoothing, reduction=self.reduction,
-                                  backend=self.backend)
+                                  label_smoothing=self.label_smoothing, reduction=self.reduction)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}"

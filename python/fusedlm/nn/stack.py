@@ -54,7 +54,7 @@ def padding_of(attention_mask: Optional[Tensor]) -> Optional[Tensor]:
 
 def run_stack(layers: Sequence[nn.Module], x: Tensor, padding_mask: Optional[Tensor] = None, *,
               step: Optional[Callable] = None, checkpointing: bool = False,
-              output_hidden_states: bool = False, backend: Optional[str] = None) -> tuple:
+              output_hidden_states: bool = False) -> tuple:
     """x [batch, seq, width]; padding_mask bool [batch, seq], True = padding: the layers
     run on the packed tokens (or on x as it is when None). Returns (last hidden state
     [batch, seq, width], the stack's input and each layer's output as a tuple when
@@ -62,9 +62,9 @@ def run_stack(layers: Sequence[nn.Module], x: Tensor, padding_mask: Optional[Ten
     batch, seq = x.shape[:2]
     packing, unpack = None, (lambda h: h)
     if padding_mask is not None:
-        x, indices, cu_seqlens, max_seqlen = ops.unpad(x, padding_mask, backend=backend)
+        x, indices, cu_seqlens, max_seqlen = ops.unpad(x, padding_mask)
         packing = (cu_seqlens, max_seqlen)
-        unpack = lambda h: ops.pad(h, indices, batch, seq, backend=backend)  # noqa: E731
+        unpack = lambda h: ops.pad(h, indices, batch, seq)  # noqa: E731
     states = [] if output_hidden_states else None
     h = run_layers(layers, x, packing, checkpointing=checkpointing, step=step, states=states,
                    record=unpack)

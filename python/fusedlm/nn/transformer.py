@@ -37,7 +37,6 @@ class TransformerEncoderLayer(nn.Module):
     mean that ``src_mask`` is the causal mask; it may then be None.
     """
 
-    backend: Optional[str] = None  # pins the ops to one backend; None chooses per call
 
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
                  activation: Union[str, Callable[[Tensor], Tensor]] = F.relu,
@@ -84,8 +83,7 @@ class TransformerEncoderLayer(nn.Module):
 
     def _ffn(self, x: Tensor) -> Tensor:
         if self.activation is F.gelu:
-            return linear_gelu_linear(x, self.linear1, self.linear2, dropout_p=self._p(self.dropout),
-                                      backend=self.backend)
+            return linear_gelu_linear(x, self.linear1, self.linear2, dropout_p=self._p(self.dropout))
         return self.linear2(self.dropout(F.relu(self.linear1(x))))
 
     def _p(self, dropout: nn.Dropout) -> float:
@@ -155,7 +153,7 @@ def _packed_stack(layers, src: Tensor, key_padding_mask: Tensor, is_causal: bool
 
     def step(layer, h, packing):
         return layer.forward_packed(h, *packing, is_causal)
-    out, _ = run_stack(layers, x, key_padding_mask, step=step, backend=layers[0].backend)
+    out, _ = run_stack(layers, x, key_padding_mask, step=step)
     if not batched:
         return out.squeeze(0)
     return out if batch_first else out.transpose(0, 1)

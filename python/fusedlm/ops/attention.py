@@ -9,16 +9,15 @@ output of a transposed [batch, seq, heads, head_dim] view is itself one), so the
 usual reshape back to [batch, seq, hidden] needs no copy.
 """
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner
+from ..backends import check_index_data, choose, planner
 from . import _validate as check
-from . import reference
 from ._dropout import next_seed
+from ._op import Op
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -30,11 +29,6 @@ def _like(ref: Tensor, shape, dtype: Optional[torch.dtype] = None) -> Tensor:
     strides: the rule the cpu backend allocates its outputs by (csrc/attention.cpp)."""
     order = sorted(range(ref.dim()), key=lambda d: -ref.stride(d))
     return torch.empty_permuted(shape, order, dtype=dtype or ref.dtype, device=ref.device)
-
-
-def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
-    """Custom ops cannot return None: an absent gradient travels as an empty tensor."""
-    return t if t is not None else like.new_empty(0)
 
 
 def _check_flag(name: str, value) -> None:
@@ -64,16 +58,6 @@ def _check_bias(attn_bias: Optional[Tensor], full: tuple) -> None:
     if attn_bias.dim() > 4 or any(a != 1 and a != f for a, f in zip(aligned, full)):
         raise ValueError(f"attn_bias must be broadcastable to [batch, heads, seq_q, seq_k] = "
                          f"{tuple(full)}, got shape {tuple(attn_bias.shape)}")
-
-
-def check_index_data(device: torch.device, backend: str) -> bool:
-    """Whether to check the data of index tensors (cu_seqlens, indices) here, in Python.
-    The cpu backend checks them in C++, inside the op. Other backends: always for CPU
-    tensors; on a GPU the check copies to the host, so only under FUSEDLM_DEBUG=1. Never
-    while torch.compile traces (the values are not known then)."""
-    if backend == "cpu" or torch.compiler.is_compiling():
-        return False
-    return device.type == "cpu" or os.environ.get("FUSEDLM_DEBUG") == "1"
 
 
 def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
@@ -133,51 +117,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     choice = plan_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                             attn_bias=attn_bias, dropout_p=dropout_p, scale=scale, backend=backend)
-    if choice.backend == "reference":
-        return reference.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                                   attn_bias=attn_bias, dropout_p=dropout_p, scale=scale)
-    seed = next_seed(dropout_p)
-    out, _ = torch.ops.fusedlm.attention(q, k, v, key_padding_mask, attn_bias, causal,
-                                         float(dropout_p), _resolve_scale(scale, q.shape[-1]),
-                                         seed, choice.backend)
+    out, _ = ATTENTION(choice.backend, q, k, v, key_padding_mask, attn_bias, causal,
+                       float(dropout_p), _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
     return out
 
 
-@torch.library.custom_op("fusedlm::attention", mutates_args=())
-def _attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
-               attn_bias: Optional[Tensor], causal: bool, dropout_p: float, scale: float,
-               seed: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "attention").forward(q, k, v, key_padding_mask, attn_bias, causal,
-                                                dropout_p, scale, seed)
-
-
-@_attention.register_fake
-def _(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed, backend):
+def _attention_fake(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
     batch, heads, seq_q, _ = q.shape
     return (_like(q, (batch, heads, seq_q, v.shape[3])),
             q.new_empty((batch, heads, seq_q), dtype=_acc(q.dtype)))
 
 
-@torch.library.custom_op("fusedlm::attention_backward", mutates_args=())
-def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        key_padding_mask: Optional[Tensor], attn_bias: Optional[Tensor],
-                        causal: bool, dropout_p: float, scale: float, seed: Tensor,
-                        bias_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, dbias = kernel(backend, "attention").backward(
-        grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p, scale, seed,
-        bias_grad)
-    return dq, dk, dv, _empty(dbias, q)
-
-
-@_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p, scale, seed,
-      bias_grad, backend):
-    dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0)
-    return _like(q, q.shape), _like(k, k.shape), _like(v, v.shape), dbias
+def _attention_fake_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal,
+                             dropout_p, scale, seed, bias_grad):
+    return (_like(q, q.shape), _like(k, k.shape), _like(v, v.shape),
+            attn_bias.new_empty(attn_bias.shape) if bias_grad else None)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, mask, bias, ctx.causal, ctx.dropout_p, ctx.scale, seed, ctx.backend = inputs
+    q, k, v, mask, bias, ctx.causal, ctx.dropout_p, ctx.scale, seed = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
     ctx.mark_non_differentiable(lse)
@@ -186,13 +144,20 @@ def _attention_setup(ctx, inputs, output):
 def _attention_grad(ctx, grad, _grad_lse):
     q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = torch.ops.fusedlm.attention_backward(
-        grad, q, k, v, out, lse, mask, bias, ctx.causal, ctx.dropout_p, ctx.scale, seed,
-        bias_grad, ctx.backend)
-    return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None
+    dq, dk, dv, dbias = ATTENTION.backward(ctx, grad, q, k, v, out, lse, mask, bias, ctx.causal,
+                                           ctx.dropout_p, ctx.scale, seed, bias_grad)
+    return dq, dk, dv, None, dbias if bias_grad else None
 
 
-_attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+ATTENTION = Op(
+    "attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_bias, bool causal, "
+    "float dropout_p, float scale, Tensor seed) -> (Tensor, Tensor)", _attention_fake,
+).differentiable(
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor? key_padding_mask, Tensor? attn_bias, bool causal, float dropout_p, float scale, "
+    "Tensor seed, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    _attention_fake_backward, _attention_setup, _attention_grad)
 
 
 # --- attention_varlen ----------------------------------------------------------------------------
@@ -236,7 +201,7 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     device = check.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     choice = choose("attention_varlen", device, backend, dtype=q.dtype, head_dim=head_dim,
                     head_dim_v=v.shape[2], causal=causal, dropout=dropout_p > 0)
-    if check_index_data(device, choice.backend):
+    if check_index_data(device):
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")
     return choice
@@ -255,65 +220,44 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     choice = plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal=causal, dropout_p=dropout_p, scale=scale, backend=backend)
-    if choice.backend == "reference":
-        return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, causal=causal, dropout_p=dropout_p,
-                                          scale=scale)
-    seed = next_seed(dropout_p)
-    out, _ = torch.ops.fusedlm.attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(dropout_p),
-        _resolve_scale(scale, q.shape[-1]), seed, choice.backend)
+    out, _ = ATTENTION_VARLEN(choice.backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, causal, float(dropout_p),
+                              _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
     return out
 
 
-@torch.library.custom_op("fusedlm::attention_varlen", mutates_args=())
-def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
-                      scale: float, seed: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "attention_varlen").forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
-        seed)
-
-
-@_attention_varlen.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
-      seed, backend):
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 dropout_p, scale, seed):
     total_q, heads, _ = q.shape
     return (_like(q, (total_q, heads, v.shape[2])),
             q.new_empty((heads, total_q), dtype=_acc(q.dtype)))
 
 
-@torch.library.custom_op("fusedlm::attention_varlen_backward", mutates_args=())
-def _attention_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                               lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                               max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                               dropout_p: float, scale: float, seed: Tensor,
-                               backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return kernel(backend, "attention_varlen").backward(
-        grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        dropout_p, scale, seed)
-
-
-@_attention_varlen_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      dropout_p, scale, seed, backend):
+def _varlen_fake_backward(grad, q, k, v, out, lse, *_options):
     return _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
 
 
-def _attention_varlen_setup(ctx, inputs, output):
+def _varlen_setup(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.dropout_p, ctx.scale,
-     seed, ctx.backend) = inputs
+     seed) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
     ctx.mark_non_differentiable(lse)
 
 
-def _attention_varlen_grad(ctx, grad, _grad_lse):
+def _varlen_grad(ctx, grad, _grad_lse):
     q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fusedlm.attention_varlen_backward(
-        grad, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
-        ctx.dropout_p, ctx.scale, seed, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return ATTENTION_VARLEN.backward(ctx, grad, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen_q,
+                                     ctx.max_seqlen_k, ctx.causal, ctx.dropout_p, ctx.scale, seed)
 
 
-_attention_varlen.register_autograd(_attention_varlen_grad, setup_context=_attention_varlen_setup)
+ATTENTION_VARLEN = Op(
+    "attention_varlen",
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float dropout_p, float scale, "
+    "Tensor seed) -> (Tensor, Tensor)", _varlen_fake,
+).differentiable(
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
+    "float dropout_p, float scale, Tensor seed) -> (Tensor, Tensor, Tensor)",
+    _varlen_fake_backward, _varlen_setup, _varlen_grad)

@@ -10,11 +10,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner
+from ..backends import check_index_data, choose, planner
 from . import _validate as check
-from . import reference
-from ._direct import may_call_kernel
-from .attention import _check_head_dims, _resolve_scale, check_index_data
+from ._op import Op
+from .attention import _check_head_dims, _resolve_scale
 
 
 def _check_lengths(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], seq_new: int,
@@ -75,7 +74,7 @@ def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, 
                                k_new=k_new, v_new=v_new, cache_leftpad=cache_leftpad)
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     choice = choose("attention_with_kvcache", device, backend, dtype=q.dtype, head_dim=head_dim)
-    if check_index_data(device, choice.backend):
+    if check_index_data(device):
         _check_lengths(cache_seqlens, cache_leftpad, seq_new, max_len)
     return choice
 
@@ -102,25 +101,13 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     """
     choice = plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                          cache_leftpad=cache_leftpad, scale=scale, backend=backend)
-    if choice.backend == "reference":
-        return reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                cache_leftpad=cache_leftpad, scale=scale)
-    scale = _resolve_scale(scale, q.shape[-1])
-    if may_call_kernel():
-        return kernel(choice.backend, "attention_with_kvcache").forward(
-            q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale)
-    return torch.ops.fusedlm.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale, choice.backend)
+    return ATTENTION_WITH_KVCACHE(choice.backend, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                  cache_leftpad, _resolve_scale(scale, q.shape[-1]))
 
 
-@torch.library.custom_op("fusedlm::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
-def _attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-                            k_new: Optional[Tensor], v_new: Optional[Tensor],
-                            cache_leftpad: Optional[Tensor], scale: float, backend: str) -> Tensor:
-    return kernel(backend, "attention_with_kvcache").forward(
-        q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale)
-
-
-@_attention_with_kvcache.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale, backend):
-    return q.new_empty((*q.shape[:3], v_cache.shape[3]))
+ATTENTION_WITH_KVCACHE = Op(
+    "attention_with_kvcache",
+    "(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
+    "Tensor? v_new, Tensor? cache_leftpad, float scale) -> Tensor",
+    lambda q, k_cache, v_cache, *_rest: q.new_empty((*q.shape[:3], v_cache.shape[3])),
+    mutates=("k_cache", "v_cache"))

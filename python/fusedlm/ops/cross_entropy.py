@@ -15,15 +15,14 @@ grad_output weighs each row, which sums over rows cannot take afterwards: the fo
 then computes the losses only and the backward redoes the chunks with each row's
 gradient scaled by its grad_output (a second projection rather than stored logits).
 """
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner
+from ..backends import check_index_data, choose, planner
 from . import _validate as check
-from . import reference
+from ._op import Op
 
 REDUCTIONS = ("mean", "sum", "none")
 # masked_lm_loss projects this many bytes of logits at a time (at least one row): large
@@ -35,25 +34,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _empty(like: Tensor) -> Tensor:
-    """Custom ops cannot return None: a gradient not computed travels as an empty tensor."""
-    return like.new_empty(0)
-
-
 def _check_labels(labels: Tensor, batch_shape, classes: int, ignore_index) -> None:
     """labels: int64 of batch_shape, each a class index or ignore_index.
 
-    The range check reads the labels: on CPU tensors always; on GPU tensors only with
-    FUSEDLM_DEBUG=1, as it costs a device-to-host copy. Under torch.compile tracing the
-    values are unknown; the CPU kernels check them again when they run.
+    The range check reads the labels (fusedlm.backends.check_index_data says when).
     """
     check.tensor("labels", labels, dtypes=(torch.int64,))
     check.shape("labels", labels, batch_shape)
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if torch.compiler.is_compiling() or labels.device.type == "meta":
-        return
-    if labels.device.type != "cpu" and os.environ.get("FUSEDLM_DEBUG") != "1":
+    if not check_index_data(labels.device):
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= classes))
     if bad.any():
@@ -97,37 +87,10 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
     """
     choice = plan_cross_entropy(logits, labels, ignore_index=ignore_index,
                                 label_smoothing=label_smoothing, reduction=reduction, backend=backend)
-    if choice.backend == "reference":
-        return reference.cross_entropy(logits, labels, ignore_index=ignore_index,
-                                       label_smoothing=label_smoothing, reduction=reduction)
     (with_grad,) = _wants_grad(logits)
-    loss, _ = torch.ops.fusedlm.cross_entropy(logits, labels, ignore_index, float(label_smoothing),
-                                              reduction, with_grad, choice.backend)
+    loss, _ = CROSS_ENTROPY(choice.backend, logits, labels, ignore_index, float(label_smoothing),
+                            reduction, with_grad)
     return loss
-
-
-@torch.library.custom_op("fusedlm::cross_entropy", mutates_args=())
-def _cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
-                   reduction: str, with_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "cross_entropy").forward(logits, labels, ignore_index, label_smoothing,
-                                                    reduction, with_grad)
-
-
-@_cross_entropy.register_fake
-def _(logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend):
-    shape = labels.shape if reduction == "none" else ()
-    loss = logits.new_empty(shape, dtype=_acc_dtype(logits.dtype))
-    return loss, logits.new_empty(logits.shape) if with_grad else _empty(logits)
-
-
-@torch.library.custom_op("fusedlm::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward(grad: Tensor, saved_grad: Tensor, reduction: str, backend: str) -> Tensor:
-    return kernel(backend, "cross_entropy").backward(grad, saved_grad, reduction)
-
-
-@_cross_entropy_backward.register_fake
-def _(grad, saved_grad, reduction, backend):
-    return saved_grad.new_empty(saved_grad.shape)
 
 
 def _non_differentiable(ctx, *outputs):
@@ -138,8 +101,14 @@ def _non_differentiable(ctx, *outputs):
     ctx.set_materialize_grads(False)
 
 
+def _cross_entropy_fake(logits, labels, ignore_index, label_smoothing, reduction, with_grad):
+    shape = labels.shape if reduction == "none" else ()
+    loss = logits.new_empty(shape, dtype=_acc_dtype(logits.dtype))
+    return loss, logits.new_empty(logits.shape) if with_grad else None
+
+
 def _cross_entropy_setup(ctx, inputs, output):
-    ctx.reduction, ctx.backend = inputs[4], inputs[6]
+    ctx.reduction = inputs[4]
     ctx.save_for_backward(output[1])
     _non_differentiable(ctx, output[1])
 
@@ -162,16 +131,21 @@ def _unit_grad(grad: Tensor, reduction: str) -> bool:
 
 def _cross_entropy_grad(ctx, grad, _grad_of_grad):
     if grad is None:
-        return (None,) * 7
+        return ()
     (saved_grad,) = ctx.saved_tensors
     if _unit_grad(grad, ctx.reduction):
-        dlogits = saved_grad
-    else:
-        dlogits = torch.ops.fusedlm.cross_entropy_backward(grad, saved_grad, ctx.reduction, ctx.backend)
-    return dlogits, None, None, None, None, None, None
+        return (saved_grad,)
+    return (CROSS_ENTROPY.backward(ctx, grad, saved_grad, ctx.reduction),)
 
 
-_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+CROSS_ENTROPY = Op(
+    "cross_entropy",
+    "(Tensor logits, Tensor labels, SymInt ignore_index, float label_smoothing, str reduction, "
+    "bool with_grad) -> (Tensor, Tensor)", _cross_entropy_fake,
+).differentiable(
+    "(Tensor grad, Tensor saved_grad, str reduction) -> Tensor",
+    lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape),
+    _cross_entropy_setup, _cross_entropy_grad)
 
 
 # --- masked_lm_loss ------------------------------------------------------------------------------
@@ -205,77 +179,60 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], label
     """
     choice = plan_masked_lm_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
                                  label_smoothing=label_smoothing, reduction=reduction, backend=backend)
-    if choice.backend == "reference":
-        return reference.masked_lm_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, reduction=reduction)
     chunk_rows = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * hidden.element_size()))
-    loss, *_ = torch.ops.fusedlm.masked_lm_loss(hidden, weight, bias, labels, ignore_index,
-                                                float(label_smoothing), reduction, chunk_rows,
-                                                _wants_grad(hidden, weight, bias), choice.backend)
+    loss, *_ = MASKED_LM_LOSS(choice.backend, hidden, weight, bias, labels, ignore_index,
+                              float(label_smoothing), reduction, chunk_rows,
+                              *_wants_grad(hidden, weight, bias))
     return loss
 
 
-@torch.library.custom_op("fusedlm::masked_lm_loss", mutates_args=())
-def _masked_lm_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    ignore_index: int, label_smoothing: float, reduction: str, chunk_rows: int,
-                    needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return kernel(backend, "masked_lm_loss").forward(hidden, weight, bias, labels, ignore_index,
-                                                     label_smoothing, reduction, chunk_rows, *needs)
-
-
-def _forward_grads_like(hidden, weight, bias, needs, computed):
-    """Fake gradients: real shapes where computed and asked for, else empty."""
+def _grads_like(hidden, weight, bias, needs, computed):
+    """Fake gradients: real shapes where computed and asked for, else absent."""
     def like(t, need):
-        return t.new_empty(t.shape) if computed and need and t is not None else _empty(weight)
+        return t.new_empty(t.shape) if computed and need and t is not None else None
     return like(hidden, needs[0]), like(weight, needs[1]), like(bias, needs[2])
 
 
-@_masked_lm_loss.register_fake
-def _(hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_rows, needs,
-      backend):
+def _masked_lm_loss_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, reduction,
+                         chunk_rows, *needs):
     shape = labels.shape if reduction == "none" else ()
     loss = hidden.new_empty(shape, dtype=_acc_dtype(hidden.dtype))
-    return (loss, *_forward_grads_like(hidden, weight, bias, needs, reduction != "none"))
+    return (loss, *_grads_like(hidden, weight, bias, needs, reduction != "none"))
 
 
-@torch.library.custom_op("fusedlm::masked_lm_loss_backward", mutates_args=())
-def _masked_lm_loss_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                             labels: Tensor, dhidden: Tensor, dweight: Tensor, dbias: Tensor,
-                             ignore_index: int, label_smoothing: float, reduction: str,
-                             chunk_rows: int, needs: list[bool],
-                             backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return kernel(backend, "masked_lm_loss").backward(
-        grad, hidden, weight, bias, labels, dhidden, dweight, dbias, ignore_index, label_smoothing,
-        reduction, chunk_rows, *needs)
-
-
-@_masked_lm_loss_backward.register_fake
-def _(grad, hidden, weight, bias, labels, dhidden, dweight, dbias, ignore_index, label_smoothing,
-      reduction, chunk_rows, needs, backend):
-    return _forward_grads_like(hidden, weight, bias, needs, True)
+def _masked_lm_loss_fake_backward(grad, hidden, weight, bias, labels, dhidden, dweight, dbias,
+                                  ignore_index, label_smoothing, reduction, chunk_rows, *needs):
+    return _grads_like(hidden, weight, bias, needs, True)
 
 
 def _masked_lm_loss_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, *options, needs, ctx.backend = inputs
+    hidden, weight, bias, labels, *options = inputs[:8]
     ctx.options = options  # ignore_index, label_smoothing, reduction, chunk_rows
-    ctx.needs = needs
+    ctx.needs = inputs[8:]  # need_dhidden, need_dweight, need_dbias
     ctx.save_for_backward(hidden, weight, bias, labels, *output[1:])
     _non_differentiable(ctx, *output[1:])
 
 
 def _masked_lm_loss_grad(ctx, grad, *_grad_of_grads):
     if grad is None:
-        return (None,) * 10
+        return ()
     hidden, weight, bias, labels, dhidden, dweight, dbias = ctx.saved_tensors
     if _unit_grad(grad, ctx.options[2]):
-        dh, dw, db = dhidden, dweight, dbias
+        grads = dhidden, dweight, dbias
     else:
-        dh, dw, db = torch.ops.fusedlm.masked_lm_loss_backward(
-            grad, hidden, weight, bias, labels, dhidden, dweight, dbias, *ctx.options, ctx.needs,
-            ctx.backend)
-    needs = ctx.needs
-    return (dh if needs[0] else None, dw if needs[1] else None, db if needs[2] else None,
-            None, None, None, None, None, None, None)
+        grads = MASKED_LM_LOSS.backward(ctx, grad, hidden, weight, bias, labels, dhidden, dweight,
+                                        dbias, *ctx.options, *ctx.needs)
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs))
 
 
-_masked_lm_loss.register_autograd(_masked_lm_loss_grad, setup_context=_masked_lm_loss_setup)
+MASKED_LM_LOSS = Op(
+    "masked_lm_loss",
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, SymInt ignore_index, "
+    "float label_smoothing, str reduction, SymInt chunk_rows, bool need_dhidden, "
+    "bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)", _masked_lm_loss_fake,
+).differentiable(
+    "(Tensor grad, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor dhidden, "
+    "Tensor dweight, Tensor dbias, SymInt ignore_index, float label_smoothing, str reduction, "
+    "SymInt chunk_rows, bool need_dhidden, bool need_dweight, bool need_dbias) "
+    "-> (Tensor, Tensor, Tensor)",
+    _masked_lm_loss_fake_backward, _masked_lm_loss_setup, _masked_lm_loss_grad)

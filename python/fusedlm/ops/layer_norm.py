@@ -13,20 +13,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner
+from ..backends import choose, planner
 from . import _validate as check
-from . import reference
-from ._direct import may_call_kernel
 from ._dropout import next_seed
-
-
-def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
-    """Custom ops cannot return None: an absent gradient travels as an empty tensor."""
-    return t if t is not None else like.new_empty(0)
-
-
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ._op import Op
 
 
 @planner("add_layer_norm")
@@ -59,56 +49,30 @@ def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tenso
     """
     choice = plan_add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p,
                                  backend=backend)
-    if choice.backend == "reference":
-        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p)
-    seed = next_seed(dropout_p)
-    if may_call_kernel():
-        out, summed, _, _ = kernel(choice.backend, "add_layer_norm").forward(
-            x, residual, weight, bias, float(eps), float(dropout_p), seed)
-        return out, summed
-    out, summed, _, _ = torch.ops.fusedlm.add_layer_norm(
-        x, residual, weight, bias, float(eps), float(dropout_p), seed, choice.backend)
+    out, summed, _, _ = ADD_LAYER_NORM(choice.backend, x, residual, weight, bias, float(eps),
+                                       float(dropout_p), next_seed(dropout_p))
     return out, summed
 
 
-@torch.library.custom_op("fusedlm::add_layer_norm", mutates_args=())
-def _add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
-                    bias: Optional[Tensor], eps: float, dropout_p: float, seed: Tensor,
-                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return kernel(backend, "add_layer_norm").forward(x, residual, weight, bias, eps, dropout_p, seed)
-
-
-@_add_layer_norm.register_fake
-def _(x, residual, weight, bias, eps, dropout_p, seed, backend):
+def _fake(x, residual, weight, bias, eps, dropout_p, seed):
     rows = x.numel() // x.shape[-1]
-    stats = _stats_dtype(x.dtype)
+    stats = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((rows,), dtype=stats),
             x.new_empty((rows,), dtype=stats))
 
 
-@torch.library.custom_op("fusedlm::add_layer_norm_backward", mutates_args=())
-def _add_layer_norm_backward(grad_out: Tensor, grad_summed: Optional[Tensor], summed: Tensor,
-                             mean: Tensor, rstd: Tensor, weight: Optional[Tensor], has_bias: bool,
-                             has_residual: bool, dropout_p: float, seed: Tensor,
-                             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dsummed, dx, dweight, dbias = kernel(backend, "add_layer_norm").backward(
-        grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, dropout_p, seed)
-    return _empty(dsummed, summed), _empty(dx, summed), _empty(dweight, summed), _empty(dbias, summed)
-
-
-@_add_layer_norm_backward.register_fake
-def _(grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, dropout_p, seed,
-      backend):
-    def maybe(present, shape):
-        return summed.new_empty(shape if present else (0,))
+def _fake_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual,
+                   dropout_p, seed):
     dropout = dropout_p > 0
     hidden = (summed.shape[-1],)
-    return (maybe(not dropout or has_residual, summed.shape), maybe(dropout, summed.shape),
-            maybe(weight is not None, hidden), maybe(has_bias, hidden))
+    return (summed.new_empty(summed.shape) if not dropout or has_residual else None,
+            summed.new_empty(summed.shape) if dropout else None,
+            summed.new_empty(hidden) if weight is not None else None,
+            summed.new_empty(hidden) if has_bias else None)
 
 
-def _add_layer_norm_setup(ctx, inputs, output):
-    x, residual, weight, bias, _eps, ctx.dropout_p, seed, ctx.backend = inputs
+def _setup(ctx, inputs, output):
+    x, residual, weight, bias, _eps, ctx.dropout_p, seed = inputs
     _out, summed, mean, rstd = output
     ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
     ctx.save_for_backward(summed, mean, rstd, weight, seed)
@@ -118,17 +82,23 @@ def _add_layer_norm_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _add_layer_norm_grad(ctx, grad_out, grad_summed, _grad_mean, _grad_rstd):
+def _grad(ctx, grad_out, grad_summed, _grad_mean, _grad_rstd):
     summed, mean, rstd, weight, seed = ctx.saved_tensors
     if grad_out is None:  # only summed was used: nothing flows back through the norm
         grad_out = torch.zeros_like(summed)
-    dsummed, dx, dweight, dbias = torch.ops.fusedlm.add_layer_norm_backward(
-        grad_out, grad_summed, summed, mean, rstd, weight, ctx.has_bias, ctx.has_residual,
-        ctx.dropout_p, seed, ctx.backend)
+    dsummed, dx, dweight, dbias = ADD_LAYER_NORM.backward(
+        ctx, grad_out, grad_summed, summed, mean, rstd, weight, ctx.has_bias, ctx.has_residual,
+        ctx.dropout_p, seed)
     # Without dropout x's gradient is summed's: one tensor serves both inputs.
     return (dx if ctx.dropout_p > 0 else dsummed, dsummed if ctx.has_residual else None,
-            dweight if weight is not None else None, dbias if ctx.has_bias else None,
-            None, None, None, None)
+            dweight if weight is not None else None, dbias if ctx.has_bias else None)
 
 
-_add_layer_norm.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)
+ADD_LAYER_NORM = Op(
+    "add_layer_norm",
+    "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, float dropout_p, "
+    "Tensor seed) -> (Tensor, Tensor, Tensor, Tensor)", _fake,
+).differentiable(
+    "(Tensor grad_out, Tensor? grad_summed, Tensor summed, Tensor mean, Tensor rstd, "
+    "Tensor? weight, bool has_bias, bool has_residual, float dropout_p, Tensor seed) "
+    "-> (Tensor, Tensor, Tensor, Tensor)", _fake_backward, _setup, _grad)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..backends import choose, kernel, planner
 from . import _validate as check
-from . import reference
+from ._op import Op
 
 
 def _clip_value(cell_clip: Optional[float]) -> float:
@@ -46,45 +46,28 @@ def lstm_cell(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[float] = Non
     to [-cell_clip, cell_clip] when cell_clip is set, and h = o * tanh(c).
     """
     choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
-    if choice.backend == "reference":
-        return reference.lstm_cell(gates, c_prev, cell_clip=cell_clip)
-    return torch.ops.fusedlm.lstm_cell(gates, c_prev, _clip_value(cell_clip), choice.backend)
+    return LSTM_CELL(choice.backend, gates, c_prev, _clip_value(cell_clip))
 
 
-@torch.library.custom_op("fusedlm::lstm_cell", mutates_args=())
-def _lstm_cell(gates: Tensor, c_prev: Tensor, cell_clip: float, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "lstm_cell").forward(gates, c_prev, cell_clip)
-
-
-@_lstm_cell.register_fake
-def _(gates, c_prev, cell_clip, backend):
-    return c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)
-
-
-@torch.library.custom_op("fusedlm::lstm_cell_backward", mutates_args=())
-def _lstm_cell_backward(grad_h: Tensor, grad_c: Tensor, gates: Tensor, c_prev: Tensor,
-                        cell_clip: float, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "lstm_cell").backward(grad_h, grad_c, gates, c_prev, cell_clip)
-
-
-@_lstm_cell_backward.register_fake
-def _(grad_h, grad_c, gates, c_prev, cell_clip, backend):
-    return gates.new_empty(gates.shape), c_prev.new_empty(c_prev.shape)
-
-
-def _lstm_cell_setup(ctx, inputs, output):
-    gates, c_prev, ctx.cell_clip, ctx.backend = inputs
+def _setup(ctx, inputs, output):
+    gates, c_prev, ctx.cell_clip = inputs
     ctx.save_for_backward(gates, c_prev)
 
 
-def _lstm_cell_grad(ctx, grad_h, grad_c):
+def _grad(ctx, grad_h, grad_c):
     gates, c_prev = ctx.saved_tensors
-    dgates, dc_prev = torch.ops.fusedlm.lstm_cell_backward(
-        grad_h.contiguous(), grad_c.contiguous(), gates, c_prev, ctx.cell_clip, ctx.backend)
-    return dgates, dc_prev, None, None
+    return LSTM_CELL.backward(ctx, grad_h.contiguous(), grad_c.contiguous(), gates, c_prev,
+                              ctx.cell_clip)
 
 
-_lstm_cell.register_autograd(_lstm_cell_grad, setup_context=_lstm_cell_setup)
+LSTM_CELL = Op(
+    "lstm_cell", "(Tensor gates, Tensor c_prev, float cell_clip) -> (Tensor, Tensor)",
+    lambda gates, c_prev, cell_clip: (c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)),
+).differentiable(
+    "(Tensor grad_h, Tensor grad_c, Tensor gates, Tensor c_prev, float cell_clip) -> (Tensor, Tensor)",
+    lambda grad_h, grad_c, gates, c_prev, cell_clip: (gates.new_empty(gates.shape),
+                                                      c_prev.new_empty(c_prev.shape)),
+    _setup, _grad)
 
 
 # --- a loop of steps -----------------------------------------------------------------------------
@@ -101,11 +84,9 @@ def lstm_cell_stepper(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[floa
     registered op, which the trace needs.
     """
     choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
-    if choice.backend == "reference":
-        return lambda g, c: reference.lstm_cell(g, c, cell_clip=cell_clip)
     clip = _clip_value(cell_clip)
     if torch.compiler.is_compiling():
-        return lambda g, c: torch.ops.fusedlm.lstm_cell(g, c, clip, choice.backend)
+        return lambda g, c: LSTM_CELL(choice.backend, g, c, clip)
     step = kernel(choice.backend, "lstm_cell")
     return lambda g, c: _LstmCellStep.apply(g, c, clip, step)
 

@@ -12,10 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner
+from ..backends import check_index_data, choose, planner
 from . import _validate as check
-from . import reference
-from .attention import check_index_data
+from ._op import Op
 
 
 def _check_size(name: str, value) -> None:
@@ -42,7 +41,7 @@ def plan_unpad(hidden, key_padding_mask, *, backend=None):
     check.tensor("key_padding_mask", key_padding_mask, ndim=2, dtypes=(torch.bool,))
     check.shape("key_padding_mask", key_padding_mask, tuple(hidden.shape[:2]))
     device = check.same_device(hidden=hidden, key_padding_mask=key_padding_mask)
-    return choose("unpad", device, backend, dtype=hidden.dtype)
+    return choose("unpad", device, backend)
 
 
 def unpad(hidden: Tensor, key_padding_mask: Tensor, *, backend: Optional[str] = None):
@@ -54,20 +53,10 @@ def unpad(hidden: Tensor, key_padding_mask: Tensor, *, backend: Optional[str] = 
     SymInt under torch.compile.
     """
     choice = plan_unpad(hidden, key_padding_mask, backend=backend)
-    if choice.backend == "reference":
-        return reference.unpad(hidden, key_padding_mask)
-    packed, indices, cu_seqlens, max_seqlen = torch.ops.fusedlm.unpad(hidden, key_padding_mask,
-                                                                      choice.backend)
-    return packed, indices, cu_seqlens, max_seqlen
+    return UNPAD(choice.backend, hidden, key_padding_mask)
 
 
-@torch.library.custom_op("fusedlm::unpad", mutates_args=())
-def _unpad(hidden: Tensor, key_padding_mask: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor, int]:
-    return kernel(backend, "unpad").forward(hidden, key_padding_mask)
-
-
-@_unpad.register_fake
-def _(hidden, key_padding_mask, backend):
+def _unpad_fake(hidden, key_padding_mask):
     ctx = torch.library.get_ctx()
     tokens = ctx.new_dynamic_size()
     max_seqlen = ctx.new_dynamic_size()
@@ -78,17 +67,21 @@ def _(hidden, key_padding_mask, backend):
 
 
 def _unpad_setup(ctx, inputs, output):
-    hidden, _, ctx.backend = inputs
+    hidden, _ = inputs
     ctx.batch, ctx.seqlen = hidden.shape[:2]
     ctx.save_for_backward(output[1])
 
 
 def _unpad_grad(ctx, grad, _grad_indices, _grad_cu_seqlens, _grad_max_seqlen):
     (indices,) = ctx.saved_tensors
-    return torch.ops.fusedlm.pad(grad, indices, ctx.batch, ctx.seqlen, ctx.backend), None, None
+    return (PAD(ctx.backend, grad, indices, ctx.batch, ctx.seqlen),)
 
 
-_unpad.register_autograd(_unpad_grad, setup_context=_unpad_setup)
+# unpad's gradient is the pad op: no backward kernel of its own.
+UNPAD = Op(
+    "unpad", "(Tensor hidden, Tensor key_padding_mask) -> (Tensor, Tensor, Tensor, SymInt)",
+    _unpad_fake,
+).differentiable(None, None, _unpad_setup, _unpad_grad)
 
 
 # --- pad -----------------------------------------------------------------------------------------
@@ -101,8 +94,8 @@ def plan_pad(packed, indices, batch, seqlen, *, backend=None):
     _check_size("batch", batch)
     _check_size("seqlen", seqlen)
     device = check.same_device(packed=packed, indices=indices)
-    choice = choose("pad", device, backend, dtype=packed.dtype)
-    if check_index_data(device, choice.backend):
+    choice = choose("pad", device, backend)
+    if check_index_data(device):
         _check_indices(indices, batch * seqlen)
     return choice
 
@@ -112,39 +105,21 @@ def pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, *,
     """The inverse of unpad: [batch, seqlen, ...] with packed's rows at ``indices`` (positions
     in the flattened batch * seqlen) and zeros elsewhere."""
     choice = plan_pad(packed, indices, batch, seqlen, backend=backend)
-    if choice.backend == "reference":
-        return reference.pad(packed, indices, batch, seqlen)
-    return torch.ops.fusedlm.pad(packed, indices, batch, seqlen, choice.backend)
-
-
-@torch.library.custom_op("fusedlm::pad", mutates_args=())
-def _pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, backend: str) -> Tensor:
-    return kernel(backend, "pad").forward(packed, indices, batch, seqlen)
-
-
-@_pad.register_fake
-def _(packed, indices, batch, seqlen, backend):
-    return packed.new_empty((batch, seqlen, *packed.shape[1:]))
-
-
-@torch.library.custom_op("fusedlm::pad_backward", mutates_args=())
-def _pad_backward(grad: Tensor, indices: Tensor, backend: str) -> Tensor:
-    return kernel(backend, "pad").backward(grad, indices)
-
-
-@_pad_backward.register_fake
-def _(grad, indices, backend):
-    return grad.new_empty((indices.shape[0], *grad.shape[2:]))
+    return PAD(choice.backend, packed, indices, batch, seqlen)
 
 
 def _pad_setup(ctx, inputs, output):
-    _, indices, _, _, ctx.backend = inputs
-    ctx.save_for_backward(indices)
+    ctx.save_for_backward(inputs[1])
 
 
 def _pad_grad(ctx, grad):
     (indices,) = ctx.saved_tensors
-    return torch.ops.fusedlm.pad_backward(grad, indices, ctx.backend), None, None, None, None
+    return (PAD.backward(ctx, grad, indices),)
 
 
-_pad.register_autograd(_pad_grad, setup_context=_pad_setup)
+PAD = Op(
+    "pad", "(Tensor packed, Tensor indices, SymInt batch, SymInt seqlen) -> Tensor",
+    lambda packed, indices, batch, seqlen: packed.new_empty((batch, seqlen, *packed.shape[1:])),
+).differentiable(
+    "(Tensor grad, Tensor indices) -> Tensor",
+    lambda grad, indices: grad.new_empty((indices.shape[0], *grad.shape[2:])), _pad_setup, _pad_grad)

@@ -30,11 +30,12 @@ def _dropout(x: torch.Tensor, p: float, keep: Optional[torch.Tensor]) -> torch.T
 
 
 def attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, dropout_p=0.0,
-              scale=None, dropout_mask=None):
+              scale=None, dropout_mask=None, return_lse=False):
     """softmax(q k^T * scale + bias, masked) v for q/k/v [batch, heads, seq, head_dim].
 
     key_padding_mask is bool [batch, seq_k], True = padding. causal aligns to the
-    bottom right when seq_q != seq_k. Rows with every key masked are zeros.
+    bottom right when seq_q != seq_k. Rows with every key masked are zeros. With
+    return_lse, also each row's log-sum-exp [batch, heads, seq_q] (+inf for such rows).
     """
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
@@ -42,10 +43,11 @@ def attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, d
         allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
-    return _attend(q, k, v, allowed, attn_bias, scale, dropout_p, dropout_mask)
+    return _attend(q, k, v, allowed, attn_bias, scale, dropout_p, dropout_mask, return_lse)
 
 
-def _attend(q, k, v, allowed, attn_bias=None, scale=None, dropout_p=0.0, dropout_mask=None):
+def _attend(q, k, v, allowed, attn_bias=None, scale=None, dropout_p=0.0, dropout_mask=None,
+            return_lse=False):
     """softmax(q k^T * scale + bias) v over the keys `allowed` (bool, broadcastable to the
     scores [batch, heads, seq_q, seq_k]); rows with no allowed key are zeros."""
     acc = _acc(q.dtype)
@@ -58,7 +60,11 @@ def _attend(q, k, v, allowed, attn_bias=None, scale=None, dropout_p=0.0, dropout
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
     probs = _dropout(probs, dropout_p, dropout_mask)
-    return torch.matmul(probs, v.to(acc)).to(q.dtype)
+    out = torch.matmul(probs, v.to(acc)).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(scores, dim=-1)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
@@ -88,24 +94,30 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     causal=False, dropout_p=0.0, scale=None, dropout_mask=None):
+                     causal=False, dropout_p=0.0, scale=None, dropout_mask=None, return_lse=False):
     """Attention over packed sequences: q [total_q, heads, head_dim], k/v [total_k, heads, head_dim].
 
     Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. dropout_mask, if given, is
     [batch, heads, max_seqlen_q, max_seqlen_k] (each sequence in its top-left corner).
+    With return_lse, also each row's log-sum-exp [heads, total_q].
     """
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head_dim may differ from q's
+    outs, lses = [], []
     for i in range(cu_seqlens_q.numel() - 1):
         q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
         keep = None if dropout_mask is None else dropout_mask[i : i + 1, :, : q1 - q0, : k1 - k0]
-        seq = attention(
+        seq, seq_lse = attention(
             q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
             v[k0:k1].transpose(0, 1)[None], causal=causal, dropout_p=dropout_p, scale=scale,
-            dropout_mask=keep,
+            dropout_mask=keep, return_lse=True,
         )
-        out[q0:q1] = seq[0].transpose(0, 1)
-    return out
+        outs.append(seq[0].transpose(0, 1))
+        lses.append(seq_lse[0])
+    # v's head_dim may differ from q's
+    out = torch.cat(outs) if outs else q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if not return_lse:
+        return out
+    return out, torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=_acc(q.dtype))
 
 
 def unpad(hidden, key_padding_mask):

@@ -15,19 +15,19 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from ..backends import BACKEND_NAMES
+from ..backends import use_backend
 
 
 @dataclass(frozen=True)
 class Rule:
     """Matches one exact class (a subclass may change what the module computes).
 
-    ``replace(module, backend)`` returns the module to put in its place (the same
+    ``replace(module)`` returns the module to put in its place (the same
     object when it patches it in place) or a string saying why it is left alone."""
 
     name: str
     matches: Callable[[nn.Module], bool]
-    replace: Callable[[nn.Module, Optional[str]], Union[nn.Module, str]]
+    replace: Callable[[nn.Module], Union[nn.Module, str]]
 
 
 @dataclass
@@ -70,13 +70,12 @@ def patch(model: nn.Module, *, backend: Optional[str] = None) -> nn.Module:
     rule recognises are left untouched, and other models sharing its submodules' config
     objects keep theirs (patch ``copy.deepcopy(model)`` to keep the original as it is).
     ``backend`` pins every replaced module's ops to one backend (default: chosen per
-    call). Returns the model, a new object when a rule replaces the model itself (a bare
+    call): each such module runs its forward inside ``fusedlm.use_backend(backend)``. Returns the model, a new object when a rule replaces the model itself (a bare
     TransformerEncoder, say); ``patch_report(model)`` tells what was replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if backend is not None and backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {backend!r}")
+    pinned = use_backend(backend)  # checks the name
     _load_rules()
     report = getattr(model, "_fusedlm_patch_report", None) or PatchReport()
     # Parents before children: a replaced parent brings its own children along.
@@ -86,12 +85,13 @@ def patch(model: nn.Module, *, backend: Optional[str] = None) -> nn.Module:
         rule = next((r for r in _RULES if r.matches(module)), None)
         if rule is None:
             continue
-        outcome = rule.replace(module, backend)
+        outcome = rule.replace(module)
         if isinstance(outcome, str):
             report.left_alone[path] = outcome
             continue
         outcome.train(module.training)
-        _pin(outcome, backend)
+        if pinned.name is not None:
+            _pin(outcome, pinned)
         setattr(outcome, PATCHED, True)
         if outcome is not module:
             if path == "":
@@ -113,11 +113,28 @@ def patch_report(model: nn.Module) -> PatchReport:
     return report
 
 
-def _pin(module: nn.Module, backend: Optional[str]) -> None:
-    """Sets ``backend`` on every fusedlm module in a replacement (they declare it)."""
-    for sub in module.modules():
-        if hasattr(type(sub), "backend"):
-            sub.backend = backend
+class _Enter:
+    """A forward pre-hook that enters a use_backend block (a class, so that a pinned model
+    still pickles and deep-copies)."""
+
+    def __init__(self, block: use_backend):
+        self.block = block
+
+    def __call__(self, module, args):
+        self.block.__enter__()
+
+
+class _Exit(_Enter):
+    """The forward hook that leaves it, also when the forward raises."""
+
+    def __call__(self, module, args, output):
+        self.block.__exit__(None, None, None)
+
+
+def _pin(module: nn.Module, block: use_backend) -> None:
+    """Runs ``module``'s forward inside ``block``."""
+    module.register_forward_pre_hook(_Enter(block))
+    module.register_forward_hook(_Exit(block), always_call=True)
 
 
 def _still_attached(model: nn.Module, path: str, module: nn.Module) -> bool:

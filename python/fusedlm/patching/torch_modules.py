@@ -10,7 +10,7 @@ from .. import nn as fused
 from . import Rule, register
 
 
-def _layer_norm(module: nn.LayerNorm, backend):
+def _layer_norm(module: nn.LayerNorm):
     new = fused.LayerNorm(module.normalized_shape, eps=module.eps,
                           elementwise_affine=module.elementwise_affine,
                           bias=module.bias is not None, device="meta")
@@ -18,7 +18,7 @@ def _layer_norm(module: nn.LayerNorm, backend):
     return new
 
 
-def _multihead_attention(module: nn.MultiheadAttention, backend):
+def _multihead_attention(module: nn.MultiheadAttention):
     if module.bias_k is not None or module.add_zero_attn:
         return "add_bias_kv and add_zero_attn are not supported"
     new = fused.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
@@ -31,10 +31,10 @@ def _multihead_attention(module: nn.MultiheadAttention, backend):
     return new
 
 
-def _encoder_layer(module: nn.TransformerEncoderLayer, backend):
+def _encoder_layer(module: nn.TransformerEncoderLayer):
     if module.activation not in (F.relu, F.gelu):
         return f"activation {module.activation!r} is not F.relu or F.gelu"
-    attn = _multihead_attention(module.self_attn, backend)
+    attn = _multihead_attention(module.self_attn)
     if isinstance(attn, str):
         return f"self_attn: {attn}"
     new = fused.TransformerEncoderLayer(module.linear1.in_features, module.self_attn.num_heads,
@@ -42,14 +42,14 @@ def _encoder_layer(module: nn.TransformerEncoderLayer, backend):
                                         batch_first=module.self_attn.batch_first,
                                         norm_first=module.norm_first, device="meta")
     new.self_attn = attn
-    new.norm1, new.norm2 = _layer_norm(module.norm1, backend), _layer_norm(module.norm2, backend)
+    new.norm1, new.norm2 = _layer_norm(module.norm1), _layer_norm(module.norm2)
     for name in ("linear1", "linear2", "dropout", "dropout1", "dropout2"):
         setattr(new, name, getattr(module, name))
     return new
 
 
-def _encoder(module: nn.TransformerEncoder, backend):
-    layers = [_encoder_layer(layer, backend) if type(layer) is nn.TransformerEncoderLayer
+def _encoder(module: nn.TransformerEncoder):
+    layers = [_encoder_layer(layer) if type(layer) is nn.TransformerEncoderLayer
               else f"layer of type {type(layer).__name__}" for layer in module.layers]
     whys = [f"layers.{i}: {why}" for i, why in enumerate(layers) if isinstance(why, str)]
     if whys:

@@ -51,7 +51,7 @@ def _approximate(act):
     return None
 
 
-def _attention(module: nn.Module, backend):
+def _attention(module: nn.Module):
     config = module.config
     if _ATTENTION_UNAVAILABLE:
         return _ATTENTION_UNAVAILABLE
@@ -67,7 +67,7 @@ def _attention(module: nn.Module, backend):
     current = config._attn_implementation
     if current not in _REPLACEABLE:
         return f"attn_implementation {current!r} was chosen explicitly"
-    setattr(module, attention.BACKEND, backend)
+    setattr(module, attention.MARK, True)
     return module
 
 
@@ -75,7 +75,7 @@ def _switch_configs(model: nn.Module) -> None:
     """Gives the configs of the attention modules patched to fusedlm's implementation
     the name "fusedlm", each on a copy that replaces it in every module of ``model``."""
     configs = {id(m.config): m.config for m in model.modules()
-               if hasattr(m, attention.BACKEND) and m.config._attn_implementation != attention.NAME}
+               if hasattr(m, attention.MARK) and m.config._attn_implementation != attention.NAME}
     copies = {}
     for key, config in configs.items():
         copies[key] = copy.deepcopy(config)  # its sub-configs too: the name is set on them
@@ -86,29 +86,29 @@ def _switch_configs(model: nn.Module) -> None:
             module.config = own
 
 
-def _add_norm(module: nn.Module, backend):
+def _add_norm(module: nn.Module):
     return _layout(module, "dense", "LayerNorm", "dropout") or AddNormOutput(
-        module.dense, _handled(module.LayerNorm), module.dropout, backend)
+        module.dense, _handled(module.LayerNorm), module.dropout)
 
 
-def _intermediate(module: nn.Module, backend):
+def _intermediate(module: nn.Module):
     why = _layout(module, "dense", "intermediate_act_fn")
     if why:
         return why
     approximate = _approximate(module.intermediate_act_fn)
     if approximate is None:
         return f"activation {type(module.intermediate_act_fn).__name__} is not a GELU fusedlm computes"
-    return GeluIntermediate(module.dense, approximate, backend)
+    return GeluIntermediate(module.dense, approximate)
 
 
-def _gpt2_mlp(module: nn.Module, backend):
+def _gpt2_mlp(module: nn.Module):
     why = _layout(module, "c_fc", "c_proj", "act", "dropout")
     if why:
         return why
     approximate = _approximate(module.act)
     if approximate is None:
         return f"activation {type(module.act).__name__} is not a GELU fusedlm computes"
-    return GeluMLP(module.c_fc, module.c_proj, module.dropout, approximate, backend)
+    return GeluMLP(module.c_fc, module.c_proj, module.dropout, approximate)
 
 
 def _handled(layer_norm: nn.LayerNorm) -> nn.LayerNorm:
@@ -118,11 +118,11 @@ def _handled(layer_norm: nn.LayerNorm) -> nn.LayerNorm:
 
 
 def _head_rule(head: LMHead, *attrs: str):
-    def replace(model: nn.Module, backend):
+    def replace(model: nn.Module):
         why = _layout(model, head.base, *attrs)
         if why:
             return why
-        bind(model, head, backend)
+        bind(model, head)
         return model
     return replace
 

@@ -31,7 +31,7 @@ except ImportError:  # earlier releases pass output_attentions down to the atten
     _active_collector = None
 
 NAME = "fusedlm"
-BACKEND = "_fusedlm_backend"  # set on a patched attention module: the backend its calls pin
+MARK = "_fusedlm_attention"  # set on an attention module patched to call attention_forward
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -52,8 +52,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             causal = False
             attn_bias = _additive(attention_mask, query.dtype)
     out = ops.attention(query, key, value, causal=causal, key_padding_mask=key_padding_mask,
-                        attn_bias=attn_bias, dropout_p=dropout, scale=scaling,
-                        backend=getattr(module, BACKEND, None))
+                        attn_bias=attn_bias, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2), None
 
 

@@ -13,7 +13,7 @@ Causal heads shift the labels one token left, as transformers' causal-LM loss do
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ class LMHead:
     causal: bool = False
 
 
-def bind(model: nn.Module, head: LMHead, backend: Optional[str]) -> None:
+def bind(model: nn.Module, head: LMHead) -> None:
     # Positional arguments keep the meaning they have in the class's own forward.
     signature = inspect.signature(type(model).forward)
     names = list(signature.parameters)[1:]
@@ -42,7 +42,6 @@ def bind(model: nn.Module, head: LMHead, backend: Optional[str]) -> None:
     for reduction in ("mean", "sum"):
         fused_losses[reduction] = fused.LinearCrossEntropyLoss(IGNORE_INDEX, reduction)
         losses[reduction] = fused.CrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction=reduction)
-        fused_losses[reduction].backend = losses[reduction].backend = backend
 
     def forward(self, *args, **kwargs):
         kwargs.update(zip(names, args))

@@ -1,0 +1,99 @@
+"""One declaration per op: its torch.library custom op, fake and autograd, from one definition.
+
+An op file states its op once: the kernels' schema (without the trailing ``str backend``,
+which this adds), the fake that gives the outputs' shapes under torch.compile, and, for a
+differentiable op, the backward kernels' schema and fake, what the forward saves
+(``setup``) and how its gradient is taken (``grad``). Every backend, the plain-PyTorch
+reference included, supplies kernels of exactly these schemas (fusedlm.backends), so a
+call runs the same way on each: ``OP(backend, *args)``.
+
+Conventions, stated here once:
+- a kernel output that is absent (a gradient not asked for) is None; it travels as an
+  empty tensor, as custom ops cannot return None;
+- ``grad`` returns the gradients of the leading inputs only; the rest are None.
+
+Outside autograd, compilation, tracing and dispatch modes, a call goes straight to the
+backend's kernel: the registered op's Python dispatch costs tens of microseconds, most of
+a decoding step at batch 1, and nothing could observe the difference.
+"""
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ..backends import kernel
+
+
+def _with_backend(schema: str) -> str:
+    arguments, arrow, returns = schema.rpartition(") ->")
+    return f"{arguments}, str backend{arrow}{returns}"
+
+
+def _filled(outputs, args):
+    """outputs with each None replaced by an empty tensor like the first tensor argument."""
+    if not isinstance(outputs, tuple):
+        return outputs
+    like = next(a for a in args if isinstance(a, torch.Tensor))
+    return tuple(like.new_empty(0) if o is None else o for o in outputs)
+
+
+def _may_call_kernel() -> bool:
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None)
+
+
+class Op:
+    """``fusedlm::<name>`` (and ``fusedlm::<name>_backward`` once :meth:`differentiable`)."""
+
+    def __init__(self, name: str, schema: str, fake: Callable, *, mutates: tuple = ()):
+        self.name = name
+        self._arguments = len(torch._C.parse_schema(f"fusedlm::{name}{_with_backend(schema)}").arguments)
+        self._forward = self._register(name, schema, fake, lambda backend: kernel(backend, name).forward,
+                                       mutates)
+        self._backward: Optional[torch.library.CustomOpDef] = None
+
+    def __call__(self, backend: str, *args):
+        """The op's outputs on ``backend``."""
+        if _may_call_kernel():
+            return _filled(kernel(backend, self.name).forward(*args), args)
+        return self._forward(*args, backend)
+
+    def backward(self, ctx, *args):
+        """The backward kernel, on the backend the forward ran on."""
+        return self._backward(*args, ctx.backend)
+
+    def differentiable(self, schema: Optional[str], fake: Optional[Callable], setup: Callable,
+                       grad: Callable) -> "Op":
+        """Registers the backward kernel (of ``schema``; None where the gradient is another
+        op's forward, as unpad's is pad) and the autograd formula.
+
+        ``setup(ctx, inputs, outputs)`` saves what ``grad(ctx, *output_grads)`` needs; both see
+        the inputs without the backend (``ctx.backend`` holds it)."""
+        name = self.name
+        if schema is not None:
+            self._backward = self._register(f"{name}_backward", schema, fake,
+                                            lambda backend: kernel(backend, name).backward)
+        def setup_context(ctx, inputs, output):
+            ctx.backend = inputs[-1]
+            setup(ctx, inputs[:-1], output)
+
+        def backward(ctx, *grads):
+            taken = grad(ctx, *grads)
+            return (*taken, *(None,) * (self._arguments - len(taken)))
+
+        self._forward.register_autograd(backward, setup_context=setup_context)
+        return self
+
+    @staticmethod
+    def _register(name: str, schema: str, fake: Callable, implementation: Callable,
+                  mutates: tuple = ()) -> torch.library.CustomOpDef:
+        def run(*args):
+            return _filled(implementation(args[-1])(*args[:-1]), args)
+
+        def run_fake(*args):
+            return _filled(fake(*args[:-1]), args)
+
+        op = torch.library.custom_op(f"fusedlm::{name}", run, mutates_args=mutates,
+                                     schema=_with_backend(schema))
+        op.register_fake(run_fake)
+        return op
