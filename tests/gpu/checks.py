@@ -20,7 +20,7 @@ def gpu_backends(op):
     """pytest params: the GPU backends that implement `op` (the cuda one skipped when this
     build has no CUDA kernels)."""
     params = [pytest.param("triton", id="triton")]
-    reason = _REGISTRY["cuda"].unavailable() or (None if op in _REGISTRY["cuda"].kernels
+    reason = _REGISTRY["cuda"].unavailable or (None if op in _REGISTRY["cuda"].kernels
                                                   else f"no {op} kernel")
     params.append(pytest.param("cuda", id="cuda",
                                marks=[pytest.mark.skip(reason=f"cuda: {reason}")] if reason else []))
