@@ -73,7 +73,8 @@ def _pad(rows, types, nsp) -> dict:
 
 def parity_batch(vocab_size: int, lengths: tuple) -> dict:
     """Random ids padded to the longest of ``lengths``, with labels for every head:
-    ``labels`` (masked LM), next_sentence_label, class_labels, tag_labels and QA spans."""
+    ``labels`` (masked LM), next_sentence_label, class_labels, tag_labels, QA spans, and
+    a sequence classifier's regression_labels (one label) and multi_labels (three)."""
     batch, seq = len(lengths), max(lengths)
     mask = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
     ids = torch.randint(len(SPECIALS), vocab_size, (batch, seq)).masked_fill(mask == 0, PAD)
@@ -86,7 +87,9 @@ def parity_batch(vocab_size: int, lengths: tuple) -> dict:
             "tag_labels": torch.randint(3, (batch, seq)).masked_fill(mask == 0, -100),
             # one start lies past the sequence: clamped to seq and ignored
             "start_positions": torch.tensor([3, 2, seq + 4][:batch]),
-            "end_positions": torch.tensor([7, 8, 4][:batch])}
+            "end_positions": torch.tensor([7, 8, 4][:batch]),
+            "regression_labels": torch.randn(batch),
+            "multi_labels": torch.randint(2, (batch, 3)).float()}
 
 
 def masked(batch: dict, vocab_size: int, generator: torch.Generator) -> dict:
@@ -293,19 +296,25 @@ def same_weights(cls, config) -> tuple:
 
 
 def head_cases(family: str, **own) -> dict:
-    """The cases of a model family's table (its ``own``, then the heads BERT and ELECTRA
-    share: sequence, token and QA, of fusedlm.models' and transformers' classes named
-    ``family`` + "For..."), each (ours, transformers' class name, {label argument: the batch
-    entry it takes}, output fields per token, fields per sequence)."""
+    """The cases of a model family's table: its ``own`` (ours, transformers' class name,
+    {label argument: the batch entry it takes}, output fields per token, fields per
+    sequence), then the heads BERT and ELECTRA share (sequence classification with one
+    label per class, regression and multi-label; token classification; QA), of
+    fusedlm.models' and transformers' classes named ``family`` + "For...". Each case ends
+    with its config changes."""
     import fusedlm.models
 
-    def case(head, renames, per_token, per_sequence):
-        return (getattr(fusedlm.models, family + head), family + head, renames, per_token, per_sequence)
+    def case(head, renames, per_token, per_sequence, changes):
+        return (getattr(fusedlm.models, family + head), family + head, renames, per_token, per_sequence,
+                changes)
 
-    return {**own,
-            "sequence": case("ForSequenceClassification", {"labels": "class_labels"}, (), ("logits",)),
-            "token": case("ForTokenClassification", {"labels": "tag_labels"}, ("logits",), ()),
-            "qa": case("ForQuestionAnswering", {}, ("start_logits", "end_logits"), ())}
+    sequence = "ForSequenceClassification"
+    return {**{name: spec + ({},) for name, spec in own.items()},
+            "sequence": case(sequence, {"labels": "class_labels"}, (), ("logits",), {}),
+            "regression": case(sequence, {"labels": "regression_labels"}, (), ("logits",), {"num_labels": 1}),
+            "multi_label": case(sequence, {"labels": "multi_labels"}, (), ("logits",), {"num_labels": 3}),
+            "token": case("ForTokenClassification", {"labels": "tag_labels"}, ("logits",), (), {}),
+            "qa": case("ForQuestionAnswering", {}, ("start_logits", "end_logits"), (), {"num_labels": 2})}
 
 
 def assert_case_matches_transformers(cases: dict, case: str, batch: dict, make_config, tiny: dict,
@@ -313,10 +322,10 @@ def assert_case_matches_transformers(cases: dict, case: str, batch: dict, make_c
     """assert_matches_transformers for one case of a head_cases table, on ``backend``. The
     loss is the head's own; for the base model ("model") a random weighting of the last
     hidden state at real tokens (padding positions differ by design) plus the pooler output
-    where there is one; for "qa" (two labels) transformers' QA loss over the real tokens."""
+    where there is one; for "qa" transformers' QA loss over the real tokens."""
     import transformers
 
-    cls, hf_name, renames, per_token, per_sequence = cases[case]
+    cls, hf_name, renames, per_token, per_sequence, changes = cases[case]
     weight = torch.randn(int(batch["attention_mask"].sum()), tiny["hidden_size"])
     batch = {**batch, **{k: batch[v] for k, v in renames.items()}}
 
@@ -331,8 +340,7 @@ def assert_case_matches_transformers(cases: dict, case: str, batch: dict, make_c
 
     fusedlm.set_backend(backend)
     try:
-        assert_matches_transformers(cls, getattr(transformers, hf_name),
-                                    make_config(**({"num_labels": 2} if case == "qa" else {})), batch,
+        assert_matches_transformers(cls, getattr(transformers, hf_name), make_config(**changes), batch,
                                     loss_of, per_token, per_sequence, tiny["num_hidden_layers"], tmp_path)
     finally:
         fusedlm.set_backend(None)
@@ -354,19 +362,6 @@ def assert_unpadded_masked_lm_matches(cls, hf_cls, config, layers: int, tmp_path
     batch = parity_batch(config.vocab_size, (12, 12, 12))
     assert_matches_transformers(cls, hf_cls, config, batch, lambda out: out.loss, ("logits",), (), layers,
                                 tmp_path)
-
-
-def assert_regression_and_multi_label_losses_match(cls, make_config, make_batch, tmp_path) -> None:
-    """A sequence classifier's regression (one label) and multi-label (float labels) losses
-    are those of transformers' class of the same name."""
-    import transformers
-
-    for num_labels, labels in ((1, torch.randn(3)), (3, torch.randint(2, (3, 3)).float())):
-        theirs = getattr(transformers, cls.__name__)(make_config(num_labels=num_labels)).eval()
-        theirs.save_pretrained(tmp_path / str(num_labels))
-        ours = cls.from_pretrained(tmp_path / str(num_labels)).eval()
-        batch = {**make_batch(), "labels": labels}
-        assert_rel(call(ours, batch).loss, call(theirs, batch).loss, f"loss ({num_labels} labels)")
 
 
 def assert_embeds_and_positions_match(cls, config, batch: dict, width: int) -> None:

@@ -9,8 +9,7 @@ import torch
 from models_helpers import (Corpus, MASK, PAD, REFUSED_SETTINGS, SPECIALS,
                             assert_attentions_and_outputs_match, assert_embeds_and_positions_match,
                             assert_encoder_weights_load, assert_no_logits_in_training_unless_asked,
-                            assert_regression_and_multi_label_losses_match, assert_rel,
-                            assert_trains, assert_unpadded_masked_lm_matches,
+                            assert_rel, assert_trains, assert_unpadded_masked_lm_matches,
                             assert_untied_head_loads_both_ways, call, file_tensors, head_cases,
                             masked, parity_batch, parity_test, perturb, qa_reference_loss,
                             same_weights, tiny_config)
@@ -51,10 +50,6 @@ test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients = par
 def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
     assert_unpadded_masked_lm_matches(BertForMaskedLM, transformers.BertForMaskedLM, _config(),
                                       TINY["num_hidden_layers"], tmp_path)
-
-
-def test_regression_and_multi_label_losses_match_transformers(tmp_path):
-    assert_regression_and_multi_label_losses_match(BertForSequenceClassification, _config, _batch, tmp_path)
 
 
 # --- every forward argument and output ----------------------------------------------------------
