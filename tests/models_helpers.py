@@ -4,6 +4,7 @@ import copy
 import inspect
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -72,7 +73,8 @@ def _pad(rows, types, nsp) -> dict:
 
 def parity_batch(vocab_size: int, lengths: tuple) -> dict:
     """Random ids padded to the longest of ``lengths``, with labels for every head:
-    ``labels`` (masked LM), next_sentence_label, class_labels, tag_labels and QA spans."""
+    ``labels`` (masked LM), next_sentence_label, class_labels, tag_labels, QA spans, and
+    a sequence classifier's regression_labels (one label) and multi_labels (three)."""
     batch, seq = len(lengths), max(lengths)
     mask = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
     ids = torch.randint(len(SPECIALS), vocab_size, (batch, seq)).masked_fill(mask == 0, PAD)
@@ -85,7 +87,9 @@ def parity_batch(vocab_size: int, lengths: tuple) -> dict:
             "tag_labels": torch.randint(3, (batch, seq)).masked_fill(mask == 0, -100),
             # one start lies past the sequence: clamped to seq and ignored
             "start_positions": torch.tensor([3, 2, seq + 4][:batch]),
-            "end_positions": torch.tensor([7, 8, 4][:batch])}
+            "end_positions": torch.tensor([7, 8, 4][:batch]),
+            "regression_labels": torch.randn(batch),
+            "multi_labels": torch.randint(2, (batch, 3)).float()}
 
 
 def masked(batch: dict, vocab_size: int, generator: torch.Generator) -> dict:
@@ -250,3 +254,180 @@ def assert_attentions_and_outputs_match(ours, theirs, batch: dict, layers: int) 
     assert a[0] is a["logits"] is a.logits
     tupled = ours(**args, return_dict=False)
     assert isinstance(tupled, tuple) and torch.equal(tupled[0], plain.logits)
+
+
+# --- what BERT's and ELECTRA's tests share ----------------------------------------------------
+
+# Settings the fused encoder cannot honour: (config changes, the name its error gives).
+REFUSED_SETTINGS = [
+    ({"hidden_size": 30}, "hidden_size"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+    ({"is_decoder": True}, "is_decoder"),
+    ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+    ({"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
+]
+
+
+def tiny_config(config_cls, tiny: dict, **changes):
+    """``config_cls`` of ``tiny`` with dropout off, eager attention, and ``changes``."""
+    return config_cls(**{**tiny, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                         **changes}, attn_implementation="eager")
+
+
+def file_tensors(folder) -> dict:
+    """Every tensor of a checkpoint folder's safetensors files, by name."""
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def same_weights(cls, config) -> tuple:
+    """(ours, theirs: transformers' class of the same name) of the same random weights, in
+    eval mode."""
+    import transformers
+
+    theirs = getattr(transformers, cls.__name__)(config).eval()
+    perturb(theirs)
+    ours = cls(config).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+def head_cases(family: str, **own) -> dict:
+    """The cases of a model family's table: its ``own`` (ours, transformers' class name,
+    {label argument: the batch entry it takes}, output fields per token, fields per
+    sequence), then the heads BERT and ELECTRA share (sequence classification with one
+    label per class, regression and multi-label; token classification; QA), of
+    fusedlm.models' and transformers' classes named ``family`` + "For...". Each case ends
+    with its config changes."""
+    import fusedlm.models
+
+    def case(head, renames, per_token, per_sequence, changes):
+        return (getattr(fusedlm.models, family + head), family + head, renames, per_token, per_sequence,
+                changes)
+
+    sequence = "ForSequenceClassification"
+    return {**{name: spec + ({},) for name, spec in own.items()},
+            "sequence": case(sequence, {"labels": "class_labels"}, (), ("logits",), {}),
+            "regression": case(sequence, {"labels": "regression_labels"}, (), ("logits",), {"num_labels": 1}),
+            "multi_label": case(sequence, {"labels": "multi_labels"}, (), ("logits",), {"num_labels": 3}),
+            "token": case("ForTokenClassification", {"labels": "tag_labels"}, ("logits",), (), {}),
+            "qa": case("ForQuestionAnswering", {}, ("start_logits", "end_logits"), (), {"num_labels": 2})}
+
+
+def assert_case_matches_transformers(cases: dict, case: str, batch: dict, make_config, tiny: dict,
+                                     backend, tmp_path) -> None:
+    """assert_matches_transformers for one case of a head_cases table, on ``backend``. The
+    loss is the head's own; for the base model ("model") a random weighting of the last
+    hidden state at real tokens (padding positions differ by design) plus the pooler output
+    where there is one; for "qa" transformers' QA loss over the real tokens."""
+    import transformers
+
+    cls, hf_name, renames, per_token, per_sequence, changes = cases[case]
+    weight = torch.randn(int(batch["attention_mask"].sum()), tiny["hidden_size"])
+    batch = {**batch, **{k: batch[v] for k, v in renames.items()}}
+
+    def loss_of(out):
+        if case == "model":
+            loss = (out.last_hidden_state[batch["attention_mask"].bool()] * weight).sum()
+            pooled = getattr(out, "pooler_output", None)
+            return loss if pooled is None else loss + pooled.sum()
+        if case == "qa":
+            return qa_reference_loss(out.start_logits, out.end_logits, batch)
+        return out.loss
+
+    fusedlm.set_backend(backend)
+    try:
+        assert_matches_transformers(cls, getattr(transformers, hf_name), make_config(**changes), batch,
+                                    loss_of, per_token, per_sequence, tiny["num_hidden_layers"], tmp_path)
+    finally:
+        fusedlm.set_backend(None)
+
+
+def parity_test(cases: dict, make_batch, make_config, tiny: dict):
+    """The test of every case of a head_cases table on the cpu and reference backends:
+    assert_case_matches_transformers on ``make_batch()``."""
+    @pytest.mark.parametrize("backend", ["cpu", "reference"])
+    @pytest.mark.parametrize("case", list(cases))
+    def test(case, backend, tmp_path):
+        assert_case_matches_transformers(cases, case, make_batch(), make_config, tiny, backend, tmp_path)
+    return test
+
+
+def assert_unpadded_masked_lm_matches(cls, hf_cls, config, layers: int, tmp_path) -> None:
+    """assert_matches_transformers for a masked-LM head on a batch without padding (the
+    unpacked path)."""
+    batch = parity_batch(config.vocab_size, (12, 12, 12))
+    assert_matches_transformers(cls, hf_cls, config, batch, lambda out: out.loss, ("logits",), (), layers,
+                                tmp_path)
+
+
+def assert_embeds_and_positions_match(cls, config, batch: dict, width: int) -> None:
+    """Base models (ours and transformers', same_weights) given inputs_embeds [B, T, width]
+    (no input_ids), or reversed position_ids, give the same last hidden state at real
+    tokens, and the same pooler output where there is one."""
+    ours, theirs = same_weights(cls, config)
+    real = batch["attention_mask"].bool()
+    embeds = torch.randn(*batch["input_ids"].shape, width)
+    positions = torch.arange(12).flip(0).expand(3, 12)
+    for extra in ({"inputs_embeds": embeds}, {"position_ids": positions}):
+        args = {"attention_mask": batch["attention_mask"], "token_type_ids": batch["token_type_ids"],
+                **({"input_ids": batch["input_ids"]} if "inputs_embeds" not in extra else {}), **extra}
+        with torch.no_grad():
+            a, b = ours(**args), theirs(**args)
+        assert_rel(a.last_hidden_state[real], b.last_hidden_state[real], str(list(extra)))
+        if getattr(b, "pooler_output", None) is not None:
+            assert_rel(a.pooler_output, b.pooler_output, "pooler_output")
+
+
+def assert_encoder_weights_load(hf_cls, cls, config, parts: tuple, count: int, tmp_path) -> None:
+    """transformers' ``hf_cls`` (base or task model) saved, our ``cls`` (base or task model)
+    loads every encoder weight (the ``count`` tensors under ``parts`` of the base model) as
+    saved, reporting none of them missing."""
+    theirs = hf_cls(config)
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path)
+    base = theirs.base_model_prefix + "."
+    prefix = "" if theirs.base_model is theirs else base
+    model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
+    ours = model.state_dict()
+    ours_prefix = "" if model.base_model is model else base
+    encoder = {k[len(prefix):]: v for k, v in file_tensors(tmp_path).items()
+               if k.startswith(tuple(prefix + p for p in parts))}
+    assert len(encoder) == count
+    for name, value in encoder.items():
+        assert torch.equal(ours[ours_prefix + name], value), name
+    assert not any(k.startswith(tuple(p + part for p in ("", base) for part in parts))
+                   for k in info["missing_keys"]), info["missing_keys"]
+
+
+def assert_untied_head_loads_both_ways(cls, hf_cls, config, batch: dict, tmp_path):
+    """A masked-LM checkpoint whose output embeddings are not tied to the input embeddings
+    loads its own head weight, gives transformers' logits, and saves it back: ours."""
+    theirs = hf_cls(config).eval()
+    perturb(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours = cls.from_pretrained(tmp_path / "theirs").eval()
+    head = ours.get_output_embeddings().weight
+    assert head is not ours.get_input_embeddings().weight
+    assert torch.equal(head, theirs.get_output_embeddings().weight)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        assert_rel(call(ours, batch).logits[real], call(theirs, batch).logits[real], "untied logits")
+    ours.save_pretrained(tmp_path / "ours")
+    again = hf_cls.from_pretrained(tmp_path / "ours")
+    assert torch.equal(again.get_output_embeddings().weight, head)
+    return ours
+
+
+def assert_no_logits_in_training_unless_asked(model, batch: dict, shape: tuple) -> None:
+    """A masked-LM head in training with labels builds no logits (the fused loss), unless
+    return_logits (then ``shape``, the same loss); in eval it builds them."""
+    fused = call(model.train(), batch)
+    assert fused.logits is None
+    full = call(model, batch, return_logits=True)
+    assert full.logits.shape == shape
+    assert_rel(fused.loss, full.loss, "loss")
+    assert call(model.eval(), batch).logits is not None

@@ -6,9 +6,13 @@ import copy
 import pytest
 import torch
 
-from models_helpers import (MASK, PAD, SPECIALS, Corpus, assert_attentions_and_outputs_match,
-                            assert_matches_transformers, assert_rel,
-                            assert_trains, call, masked, parity_batch, perturb, qa_reference_loss)
+from models_helpers import (Corpus, MASK, PAD, REFUSED_SETTINGS, SPECIALS,
+                            assert_attentions_and_outputs_match, assert_embeds_and_positions_match,
+                            assert_encoder_weights_load, assert_no_logits_in_training_unless_asked,
+                            assert_rel, assert_trains, assert_unpadded_masked_lm_matches,
+                            assert_untied_head_loads_both_ways, call, file_tensors, head_cases,
+                            masked, parity_batch, parity_test, perturb, qa_reference_loss,
+                            same_weights, tiny_config)
 from fusedlm.models import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
                             mask_tokens)
@@ -23,129 +27,50 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention
 
 
 def _config(**changes):
-    return transformers.BertConfig(**{**TINY, "hidden_dropout_prob": 0.0,
-                                      "attention_probs_dropout_prob": 0.0, **changes},
-                                   attn_implementation="eager")
+    return tiny_config(transformers.BertConfig, TINY, **changes)
 
 
 def _batch():
     return parity_batch(VOCAB, LENGTHS)
 
 
-def _hidden_loss(out, batch, weight):
-    """A loss of the encoder's outputs at real tokens (padding positions differ by design)."""
-    real = batch["attention_mask"].bool()
-    return (out.last_hidden_state[real] * weight).sum() + out.pooler_output.sum()
+CASES = head_cases(
+    "Bert",
+    model=(BertModel, "BertModel", {}, ("last_hidden_state",), ("pooler_output",)),
+    pretraining=(BertForPreTraining, "BertForPreTraining", {}, ("prediction_logits",),
+                 ("seq_relationship_logits",)),
+    masked_lm=(BertForMaskedLM, "BertForMaskedLM", {}, ("logits",), ()),
+)
 
 
-# name: (ours, transformers' class, the batch entries they take as labels, output fields per
-# token (compared at real tokens), fields per sequence)
-CASES = {
-    "model": (BertModel, "BertModel", {}, ("last_hidden_state",), ("pooler_output",)),
-    "pretraining": (BertForPreTraining, "BertForPreTraining", {},
-                    ("prediction_logits",), ("seq_relationship_logits",)),
-    "masked_lm": (BertForMaskedLM, "BertForMaskedLM", {}, ("logits",), ()),
-    "sequence": (BertForSequenceClassification, "BertForSequenceClassification",
-                 {"labels": "class_labels"}, (), ("logits",)),
-    "token": (BertForTokenClassification, "BertForTokenClassification",
-              {"labels": "tag_labels"}, ("logits",), ()),
-    "qa": (BertForQuestionAnswering, "BertForQuestionAnswering", {},
-           ("start_logits", "end_logits"), ()),
-}
-
-
-def _inputs(batch, renames):
-    return {**batch, **{k: batch[v] for k, v in renames.items()}}
-
-
-def _loss(case, out, batch, weight):
-    if case == "model":
-        return _hidden_loss(out, batch, weight)
-    if case == "qa":
-        return qa_reference_loss(out.start_logits, out.end_logits, batch)
-    return out.loss
-
-
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, backend, tmp_path):
-    import fusedlm
-    cls, hf_name, renames, per_token, per_sequence = CASES[case]
-    batch = _inputs(_batch(), renames)
-    weight = torch.randn(int(batch["attention_mask"].sum()), TINY["hidden_size"])
-    fusedlm.set_backend(backend)
-    try:
-        assert_matches_transformers(cls, getattr(transformers, hf_name),
-                                    _config(**({"num_labels": 2} if case == "qa" else {})), batch,
-                                    lambda out: _loss(case, out, batch, weight), per_token, per_sequence,
-                                    TINY["num_hidden_layers"], tmp_path)
-    finally:
-        fusedlm.set_backend(None)
+test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients = parity_test(
+    CASES, _batch, _config, TINY)
 
 
 def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
-    batch = parity_batch(VOCAB, (12, 12, 12))
-    assert_matches_transformers(BertForMaskedLM, transformers.BertForMaskedLM, _config(), batch,
-                                lambda out: out.loss, ("logits",), (), TINY["num_hidden_layers"],
-                                tmp_path)
-
-
-def test_regression_and_multi_label_losses_match_transformers(tmp_path):
-    for num_labels, labels in ((1, torch.randn(3)), (3, torch.randint(2, (3, 3)).float())):
-        theirs = transformers.BertForSequenceClassification(_config(num_labels=num_labels)).eval()
-        theirs.save_pretrained(tmp_path / str(num_labels))
-        ours = BertForSequenceClassification.from_pretrained(tmp_path / str(num_labels)).eval()
-        batch = {**_batch(), "labels": labels}
-        assert_rel(call(ours, batch).loss, call(theirs, batch).loss, f"loss ({num_labels} labels)")
+    assert_unpadded_masked_lm_matches(BertForMaskedLM, transformers.BertForMaskedLM, _config(),
+                                      TINY["num_hidden_layers"], tmp_path)
 
 
 # --- every forward argument and output ----------------------------------------------------------
 
-def _pair(cls=BertModel, hf_cls=None, **changes):
-    """(ours, theirs) of the same random weights, in eval mode."""
-    theirs = (hf_cls or getattr(transformers, cls.__name__))(_config(**changes)).eval()
-    perturb(theirs)
-    ours = cls(_config(**changes)).eval()
-    ours.load_state_dict(theirs.state_dict())
-    return ours, theirs
-
-
 def test_inputs_embeds_position_ids_and_token_types_match_transformers():
-    ours, theirs = _pair()
-    batch = _batch()
-    real = batch["attention_mask"].bool()
-    embeds = torch.randn(*batch["input_ids"].shape, TINY["hidden_size"])
-    positions = torch.arange(12).flip(0).expand(3, 12)
-    for extra in ({"inputs_embeds": embeds}, {"position_ids": positions}):
-        args = {"attention_mask": batch["attention_mask"], "token_type_ids": batch["token_type_ids"],
-                **({"input_ids": batch["input_ids"]} if "inputs_embeds" not in extra else {}), **extra}
-        with torch.no_grad():
-            a, b = ours(**args), theirs(**args)
-        assert_rel(a.last_hidden_state[real], b.last_hidden_state[real], str(list(extra)))
-        assert_rel(a.pooler_output, b.pooler_output, "pooler_output")
+    assert_embeds_and_positions_match(BertModel, _config(), _batch(), TINY["hidden_size"])
 
 
 def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
-    ours, theirs = _pair(BertForSequenceClassification)
-    assert_attentions_and_outputs_match(ours, theirs, _batch(), TINY["num_hidden_layers"])
+    assert_attentions_and_outputs_match(*same_weights(BertForSequenceClassification, _config()), _batch(),
+                                        TINY["num_hidden_layers"])
 
 
 def test_config_output_flags_are_defaults():
-    ours, _ = _pair(output_hidden_states=True)
+    ours, _ = same_weights(BertModel, _config(output_hidden_states=True))
     with torch.no_grad():
         out = ours(_batch()["input_ids"])
     assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
 
 
 # --- checkpoints of every layout ---------------------------------------------------------------
-
-def _file_tensors(folder):
-    from safetensors.torch import load_file
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
-
 
 @pytest.mark.parametrize("saved, loaded", [
     ("BertModel", BertForSequenceClassification), ("BertModel", BertForMaskedLM),
@@ -154,20 +79,8 @@ def _file_tensors(folder):
     ("BertForPreTraining", BertModel), ("BertForSequenceClassification", BertModel),
 ])
 def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
-    theirs = getattr(transformers, saved)(_config())
-    perturb(theirs)
-    theirs.save_pretrained(tmp_path)
-    prefix = "" if saved == "BertModel" else "bert."
-    model, info = loaded.from_pretrained(tmp_path, output_loading_info=True)
-    ours = model.state_dict()
-    ours_prefix = "" if loaded is BertModel else "bert."
-    encoder = {k[len(prefix):]: v for k, v in _file_tensors(tmp_path).items()
-               if k.startswith((prefix + "embeddings.", prefix + "encoder."))}
-    assert len(encoder) == 5 + 16 * TINY["num_hidden_layers"]
-    for name, value in encoder.items():
-        assert torch.equal(ours[ours_prefix + name], value), name
-    assert not any(k.startswith(("bert.encoder", "bert.embeddings", "encoder.", "embeddings."))
-                   for k in info["missing_keys"]), info["missing_keys"]
+    assert_encoder_weights_load(getattr(transformers, saved), loaded, _config(), ("embeddings.", "encoder."),
+                                5 + 16 * TINY["num_hidden_layers"], tmp_path)
 
 
 def test_a_bert_model_saved_without_pooler_loads_and_reports_the_pooler(tmp_path):
@@ -179,20 +92,10 @@ def test_a_bert_model_saved_without_pooler_loads_and_reports_the_pooler(tmp_path
 
 
 def test_untied_decoder_loads_its_own_weight_both_ways(tmp_path):
-    theirs = transformers.BertForMaskedLM(_config(tie_word_embeddings=False)).eval()
-    perturb(theirs)
-    theirs.save_pretrained(tmp_path / "theirs")
-    ours = BertForMaskedLM.from_pretrained(tmp_path / "theirs").eval()
-    decoder = ours.cls.predictions.decoder.weight
-    assert decoder is not ours.bert.embeddings.word_embeddings.weight
-    assert torch.equal(decoder, theirs.cls.predictions.decoder.weight)
-    batch = _batch()
-    real = batch["attention_mask"].bool()
-    with torch.no_grad():
-        assert_rel(call(ours, batch).logits[real], call(theirs, batch).logits[real], "untied logits")
-    ours.save_pretrained(tmp_path / "ours")
-    again = transformers.BertForMaskedLM.from_pretrained(tmp_path / "ours")
-    assert torch.equal(again.cls.predictions.decoder.weight, decoder)
+    ours = assert_untied_head_loads_both_ways(BertForMaskedLM, transformers.BertForMaskedLM,
+                                              _config(tie_word_embeddings=False), _batch(), tmp_path)
+    assert ours.get_output_embeddings() is ours.cls.predictions.decoder
+    assert ours.get_input_embeddings() is ours.bert.embeddings.word_embeddings
 
 
 def test_sharded_folders_dtype_and_label_overrides(tmp_path):
@@ -222,7 +125,7 @@ def test_older_checkpoints_with_position_ids_buffers_load(tmp_path):
     from safetensors.torch import save_file
     theirs = transformers.BertModel(_config())
     theirs.save_pretrained(tmp_path)
-    state = _file_tensors(tmp_path)
+    state = file_tensors(tmp_path)
     state["embeddings.position_ids"] = torch.arange(16)[None]
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     model, info = BertModel.from_pretrained(tmp_path, output_loading_info=True)
@@ -233,7 +136,7 @@ def test_older_checkpoints_with_position_ids_buffers_load(tmp_path):
 # --- the deliberate differences (README: Models) -----------------------------------------------
 
 def test_outputs_at_padding_positions_are_zeros():
-    ours, _ = _pair()
+    ours, _ = same_weights(BertModel, _config())
     batch = _batch()
     with torch.no_grad():
         hidden = ours(batch["input_ids"], batch["attention_mask"]).last_hidden_state
@@ -241,7 +144,7 @@ def test_outputs_at_padding_positions_are_zeros():
 
 
 def test_question_answering_never_answers_padding():
-    ours, theirs = _pair(BertForQuestionAnswering, num_labels=2)
+    ours, theirs = same_weights(BertForQuestionAnswering, _config(num_labels=2))
     batch = _batch()
     with torch.no_grad():
         out = call(ours, batch)
@@ -254,7 +157,7 @@ def test_question_answering_never_answers_padding():
 
 
 def test_token_labels_at_padding_are_ignored():
-    ours, theirs = _pair(BertForTokenClassification)
+    ours, theirs = same_weights(BertForTokenClassification, _config())
     batch = _batch()
     labels = torch.randint(3, batch["input_ids"].shape)  # labels at padding too, not -100
     with torch.no_grad():
@@ -265,15 +168,8 @@ def test_token_labels_at_padding_are_ignored():
 
 
 def test_masked_lm_in_training_builds_no_logits_unless_asked():
-    model = BertForMaskedLM(_config()).train()
-    batch = _batch()
-    fused = call(model, batch)
-    assert fused.logits is None
-    full = call(model, batch, return_logits=True)
-    assert full.logits.shape == (len(LENGTHS), max(LENGTHS), VOCAB)
-    assert_rel(fused.loss, full.loss, "loss")
-    model.eval()
-    assert call(model, batch).logits is not None
+    assert_no_logits_in_training_unless_asked(BertForMaskedLM(_config()), _batch(),
+                                              (len(LENGTHS), max(LENGTHS), VOCAB))
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -411,13 +307,7 @@ def test_autocast_runs_in_half_precision_close_to_float32(dtype):
 
 # --- errors ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("changes, name", [
-    ({"hidden_size": 30}, "hidden_size"),
-    ({"hidden_act": "relu"}, "hidden_act"),
-    ({"is_decoder": True}, "is_decoder"),
-    ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
-    ({"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
-])
+@pytest.mark.parametrize("changes, name", REFUSED_SETTINGS)
 def test_settings_the_fused_path_cannot_honour_are_refused_by_name(changes, name):
     with pytest.raises(ValueError, match=name):
         BertModel(transformers.BertConfig(**{**TINY, **changes}))

@@ -5,9 +5,12 @@ checkpoints, its sampling, its training), and errors."""
 import pytest
 import torch
 
-from models_helpers import (Corpus, assert_attentions_and_outputs_match, assert_matches_transformers,
-                            assert_rel, assert_trains, call, masked,
-                            parity_batch, perturb, qa_reference_loss)
+from models_helpers import (Corpus, REFUSED_SETTINGS, assert_attentions_and_outputs_match,
+                            assert_embeds_and_positions_match, assert_encoder_weights_load,
+                            assert_no_logits_in_training_unless_asked, assert_rel, assert_trains,
+                            assert_unpadded_masked_lm_matches, assert_untied_head_loads_both_ways,
+                            call, file_tensors, head_cases, masked, parity_batch, parity_test,
+                            perturb, same_weights, tiny_config)
 from fusedlm.models import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraForPreTraining,
                             ElectraForQuestionAnswering, ElectraForSequenceClassification,
                             ElectraForTokenClassification, ElectraModel)
@@ -23,9 +26,7 @@ TINY = dict(vocab_size=VOCAB, embedding_size=24, hidden_size=32, num_hidden_laye
 
 
 def _config(**changes):
-    return transformers.ElectraConfig(**{**TINY, "hidden_dropout_prob": 0.0,
-                                         "attention_probs_dropout_prob": 0.0, **changes},
-                                      attn_implementation="eager")
+    return tiny_config(transformers.ElectraConfig, TINY, **changes)
 
 
 def _batch():
@@ -34,53 +35,22 @@ def _batch():
     return {**batch, "replaced": torch.randint(2, batch["input_ids"].shape)}
 
 
-# name: (ours, transformers' class, the batch entries they take as labels, output fields per
-# token (compared at real tokens), fields per sequence)
-CASES = {
-    "model": (ElectraModel, "ElectraModel", {}, ("last_hidden_state",), ()),
-    "discriminator": (ElectraForPreTraining, "ElectraForPreTraining", {"labels": "replaced"},
-                      ("logits",), ()),
-    "generator": (ElectraForMaskedLM, "ElectraForMaskedLM", {}, ("logits",), ()),
-    "sequence": (ElectraForSequenceClassification, "ElectraForSequenceClassification",
-                 {"labels": "class_labels"}, (), ("logits",)),
-    "token": (ElectraForTokenClassification, "ElectraForTokenClassification",
-              {"labels": "tag_labels"}, ("logits",), ()),
-    "qa": (ElectraForQuestionAnswering, "ElectraForQuestionAnswering", {},
-           ("start_logits", "end_logits"), ()),
-}
+CASES = head_cases(
+    "Electra",
+    model=(ElectraModel, "ElectraModel", {}, ("last_hidden_state",), ()),
+    discriminator=(ElectraForPreTraining, "ElectraForPreTraining", {"labels": "replaced"},
+                   ("logits",), ()),
+    generator=(ElectraForMaskedLM, "ElectraForMaskedLM", {}, ("logits",), ()),
+)
 
 
-def _loss(case, out, batch, weight):
-    if case == "model":  # the encoder's outputs at real tokens (padding differs by design)
-        return (out.last_hidden_state[batch["attention_mask"].bool()] * weight).sum()
-    if case == "qa":
-        return qa_reference_loss(out.start_logits, out.end_logits, batch)
-    return out.loss
-
-
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients(case, backend, tmp_path):
-    import fusedlm
-    cls, hf_name, renames, per_token, per_sequence = CASES[case]
-    batch = _batch()
-    batch = {**batch, **{k: batch[v] for k, v in renames.items()}}
-    weight = torch.randn(int(batch["attention_mask"].sum()), TINY["hidden_size"])
-    fusedlm.set_backend(backend)
-    try:
-        assert_matches_transformers(cls, getattr(transformers, hf_name),
-                                    _config(**({"num_labels": 2} if case == "qa" else {})), batch,
-                                    lambda out: _loss(case, out, batch, weight), per_token, per_sequence,
-                                    TINY["num_hidden_layers"], tmp_path)
-    finally:
-        fusedlm.set_backend(None)
+test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients = parity_test(
+    CASES, _batch, _config, TINY)
 
 
 def test_without_padding_and_with_equal_widths_the_generator_matches_transformers(tmp_path):
-    batch = parity_batch(VOCAB, (12, 12, 12))
-    assert_matches_transformers(ElectraForMaskedLM, transformers.ElectraForMaskedLM,
-                                _config(embedding_size=32), batch, lambda out: out.loss, ("logits",), (),
-                                TINY["num_hidden_layers"], tmp_path)
+    assert_unpadded_masked_lm_matches(ElectraForMaskedLM, transformers.ElectraForMaskedLM,
+                                      _config(embedding_size=32), TINY["num_hidden_layers"], tmp_path)
 
 
 def test_the_discriminator_head_follows_hidden_act_and_the_other_heads_keep_erf_gelu():
@@ -100,54 +70,19 @@ def test_the_discriminator_head_follows_hidden_act_and_the_other_heads_keep_erf_
         assert_rel(a, b, cls.__name__)
 
 
-def test_regression_and_multi_label_losses_match_transformers(tmp_path):
-    for num_labels, labels in ((1, torch.randn(3)), (3, torch.randint(2, (3, 3)).float())):
-        theirs = transformers.ElectraForSequenceClassification(_config(num_labels=num_labels)).eval()
-        theirs.save_pretrained(tmp_path / str(num_labels))
-        ours = ElectraForSequenceClassification.from_pretrained(tmp_path / str(num_labels)).eval()
-        batch = {**_batch(), "labels": labels}
-        assert_rel(call(ours, batch).loss, call(theirs, batch).loss, f"loss ({num_labels} labels)")
-
-
 # --- every forward argument and output ----------------------------------------------------------
 
-def _pair(cls=ElectraModel, **changes):
-    """(ours, theirs) of the same random weights, in eval mode."""
-    theirs = getattr(transformers, cls.__name__)(_config(**changes)).eval()
-    perturb(theirs)
-    ours = cls(_config(**changes)).eval()
-    ours.load_state_dict(theirs.state_dict())
-    return ours, theirs
-
-
 def test_inputs_embeds_position_ids_and_token_types_match_transformers():
-    ours, theirs = _pair()
-    batch = _batch()
-    real = batch["attention_mask"].bool()
-    embeds = torch.randn(*batch["input_ids"].shape, TINY["embedding_size"])  # [B, T, E]
-    positions = torch.arange(12).flip(0).expand(3, 12)
-    for extra in ({"inputs_embeds": embeds}, {"position_ids": positions}):
-        args = {"attention_mask": batch["attention_mask"], "token_type_ids": batch["token_type_ids"],
-                **({"input_ids": batch["input_ids"]} if "inputs_embeds" not in extra else {}), **extra}
-        with torch.no_grad():
-            a, b = ours(**args), theirs(**args)
-        assert_rel(a.last_hidden_state[real], b.last_hidden_state[real], str(list(extra)))
+    # inputs_embeds [B, T, E]: before embeddings_project
+    assert_embeds_and_positions_match(ElectraModel, _config(), _batch(), TINY["embedding_size"])
 
 
 def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
-    ours, theirs = _pair(ElectraForPreTraining)
-    assert_attentions_and_outputs_match(ours, theirs, _batch(), TINY["num_hidden_layers"])
+    assert_attentions_and_outputs_match(*same_weights(ElectraForPreTraining, _config()), _batch(),
+                                        TINY["num_hidden_layers"])
 
 
 # --- checkpoints -------------------------------------------------------------------------------
-
-def _file_tensors(folder):
-    from safetensors.torch import load_file
-    tensors = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
-
 
 @pytest.mark.parametrize("saved, cls", [("ElectraForPreTraining", ElectraForPreTraining),
                                         ("ElectraForMaskedLM", ElectraForMaskedLM)])
@@ -158,7 +93,7 @@ def test_a_discriminator_or_generator_saved_by_transformers_loads_with_every_wei
     model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info.values()), info
     ours = model.state_dict()
-    for name, value in _file_tensors(tmp_path).items():
+    for name, value in file_tensors(tmp_path).items():
         assert torch.equal(ours[name], value), name
     if cls is ElectraForMaskedLM:  # the head reads the word embeddings
         assert model.generator_lm_head.weight is model.electra.embeddings.word_embeddings.weight
@@ -171,43 +106,22 @@ def test_a_discriminator_or_generator_saved_by_transformers_loads_with_every_wei
     ("ElectraForSequenceClassification", ElectraModel),
 ])
 def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
-    theirs = getattr(transformers, saved)(_config())
-    perturb(theirs)
-    theirs.save_pretrained(tmp_path)
-    prefix = "" if saved == "ElectraModel" else "electra."
-    model, info = loaded.from_pretrained(tmp_path, output_loading_info=True)
-    ours = model.state_dict()
-    ours_prefix = "" if loaded is ElectraModel else "electra."
-    encoder = {k[len(prefix):]: v for k, v in _file_tensors(tmp_path).items()
-               if k.startswith(tuple(prefix + p for p in ("embeddings.", "embeddings_project.", "encoder.")))}
-    assert len(encoder) == 5 + 2 + 16 * TINY["num_hidden_layers"]
-    for name, value in encoder.items():
-        assert torch.equal(ours[ours_prefix + name], value), name
-    assert not any(k.startswith(("electra.", "embeddings", "encoder.")) for k in info["missing_keys"]), \
-        info["missing_keys"]
+    assert_encoder_weights_load(getattr(transformers, saved), loaded, _config(),
+                                ("embeddings.", "embeddings_project.", "encoder."),
+                                5 + 2 + 16 * TINY["num_hidden_layers"], tmp_path)
 
 
 def test_an_untied_generator_head_loads_its_own_weight_both_ways(tmp_path):
-    theirs = transformers.ElectraForMaskedLM(_config(tie_word_embeddings=False)).eval()
-    perturb(theirs)
-    theirs.save_pretrained(tmp_path / "theirs")
-    ours = ElectraForMaskedLM.from_pretrained(tmp_path / "theirs").eval()
-    head = ours.generator_lm_head.weight
-    assert head is not ours.electra.embeddings.word_embeddings.weight
-    assert torch.equal(head, theirs.generator_lm_head.weight)
-    batch = _batch()
-    real = batch["attention_mask"].bool()
-    with torch.no_grad():
-        assert_rel(call(ours, batch).logits[real], call(theirs, batch).logits[real], "untied logits")
-    ours.save_pretrained(tmp_path / "ours")
-    again = transformers.ElectraForMaskedLM.from_pretrained(tmp_path / "ours")
-    assert torch.equal(again.generator_lm_head.weight, head)
+    ours = assert_untied_head_loads_both_ways(ElectraForMaskedLM, transformers.ElectraForMaskedLM,
+                                              _config(tie_word_embeddings=False), _batch(), tmp_path)
+    assert ours.get_output_embeddings() is ours.generator_lm_head
+    assert ours.get_input_embeddings() is ours.electra.embeddings.word_embeddings
 
 
 # --- the deliberate differences (as BERT's) ------------------------------------------------------
 
 def test_token_labels_at_padding_are_ignored_and_outputs_there_are_zeros():
-    ours, theirs = _pair(ElectraForTokenClassification)
+    ours, theirs = same_weights(ElectraForTokenClassification, _config())
     batch = _batch()
     labels = torch.randint(3, batch["input_ids"].shape)  # labels at padding too, not -100
     padding = batch["attention_mask"] == 0
@@ -219,14 +133,8 @@ def test_token_labels_at_padding_are_ignored_and_outputs_there_are_zeros():
 
 
 def test_the_generator_in_training_builds_no_logits_unless_asked():
-    model = ElectraForMaskedLM(_config()).train()
-    batch = _batch()
-    fused = call(model, batch)
-    assert fused.logits is None
-    full = call(model, batch, return_logits=True)
-    assert full.logits.shape == (len(LENGTHS), max(LENGTHS), VOCAB)
-    assert_rel(fused.loss, full.loss, "loss")
-    assert call(model.eval(), batch).logits is not None
+    assert_no_logits_in_training_unless_asked(ElectraForMaskedLM(_config()), _batch(),
+                                              (len(LENGTHS), max(LENGTHS), VOCAB))
 
 
 # --- generator and discriminator trained together ------------------------------------------------
@@ -369,12 +277,7 @@ def test_sequence_classification_trains_and_the_cpu_backend_follows_the_referenc
 
 # --- errors ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("changes, name", [
-    ({"hidden_size": 30}, "hidden_size"),
-    ({"hidden_act": "relu"}, "hidden_act"),
-    ({"is_decoder": True}, "is_decoder"),
-    ({"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
-])
+@pytest.mark.parametrize("changes, name", REFUSED_SETTINGS)
 def test_settings_the_fused_path_cannot_honour_are_refused_by_name(changes, name):
     with pytest.raises(ValueError, match=name):
         ElectraModel(transformers.ElectraConfig(**{**TINY, **changes}))

@@ -809,6 +809,33 @@ const char* form_name(Form f) {
                                    : "RS, B MN-major";
 }
 
+// Stores A (64 x K, K-major) and B (K x N, as `form` reads it) in shared memory.
+void store_operands(Shared& s, Form form, const Matrix& A, const Matrix& B) {
+  store_a(s, A);
+  if (form == Form::ss_kmajor_b)
+    store_b_kmajor(s, B);
+  else
+    store_b_mnmajor(s, B);
+}
+
+// Issues k16 step `step` of D (+)= A B in `form`, the operands as store_operands puts them:
+// A through a_step's descriptor, or for RS from registers (its k16 columns as fragments);
+// B through its layout's descriptor.
+void wgmma_step(Form form, Type type, const Matrix& A, const Matrix& B, int step, int scale_d,
+                const Shared& s, Accumulators& acc) {
+  const int n = B.cols;
+  const uint64_t bd =
+      form == Form::ss_kmajor_b ? b_kmajor_step(n, step) : b_mnmajor_step(B.rows, step);
+  if (form == Form::rs_mnmajor_b) {
+    const auto regs = a_fragments(k_slice(A, step, true));
+    isa::wgmma(type, n, reinterpret_cast<const uint32_t (*)[4]>(regs.data()), 0, bd, true,
+               scale_d, s.window(), acc.pointers);
+  } else {
+    isa::wgmma(type, n, nullptr, a_step(step), bd, form == Form::ss_mnmajor_b, scale_d,
+               s.window(), acc.pointers);
+  }
+}
+
 // Runs D (+)= A B over K / 16 k16 steps as a kernel would (the first step with scale_d =
 // first_scale_d, the others accumulating) and returns the largest error relative to the
 // float-accumulation bound (<= 1 passes); D starts from d0.
@@ -816,27 +843,12 @@ double run_product(Form form, Type type, const Matrix& A, const Matrix& B,
                    const std::vector<double>& d0, int first_scale_d, std::string* where) {
   const int n = B.cols, steps = A.cols / 16;
   Shared s(kShared);
-  store_a(s, A);
-  if (form == Form::ss_kmajor_b)
-    store_b_kmajor(s, B);
-  else
-    store_b_mnmajor(s, B);
+  store_operands(s, form, A, B);
   Accumulators acc(n);
   for (int r = 0; r < 64; ++r)
     for (int c = 0; c < n; ++c) acc.at(r, c) = float(d0[size_t(r) * n + c]);
-  for (int step = 0; step < steps; ++step) {
-    const int scale_d = step == 0 ? first_scale_d : 1;
-    const uint64_t bd =
-        form == Form::ss_kmajor_b ? b_kmajor_step(n, step) : b_mnmajor_step(B.rows, step);
-    if (form == Form::rs_mnmajor_b) {
-      const auto regs = a_fragments(k_slice(A, step, true));
-      isa::wgmma(type, n, reinterpret_cast<const uint32_t (*)[4]>(regs.data()), 0, bd, true,
-                 scale_d, s.window(), acc.pointers);
-    } else {
-      isa::wgmma(type, n, nullptr, a_step(step), bd, form == Form::ss_mnmajor_b, scale_d,
-                 s.window(), acc.pointers);
-    }
-  }
+  for (int step = 0; step < steps; ++step)
+    wgmma_step(form, type, A, B, step, step == 0 ? first_scale_d : 1, s, acc);
   std::vector<double> magnitude;
   const std::vector<double> want = reference_product(A, B, d0, first_scale_d != 0, &magnitude);
   double worst = 0;
@@ -899,6 +911,17 @@ Matrix random_matrix(Type type, int rows, int cols, std::mt19937& rng) {
   return m;
 }
 
+// Random A (64 x 16) and B (16 x N), and shared memory holding them as `form` reads them:
+// the operands of one k16 step.
+struct StepOperands {
+  Matrix A, B;
+  Shared s;
+  StepOperands(Type type, int n, Form form, std::mt19937& rng)
+      : A(random_matrix(type, 64, 16, rng)), B(random_matrix(type, 16, n, rng)), s(kShared) {
+    store_operands(s, form, A, B);
+  }
+};
+
 EMU_TEST(isa_wgmma_accumulator_layout) {
   // A[m][0] = m, A[m][1] = 1, B[0][n] = 1, B[1][n] = 64 n, all else 0: D[m][n] = m + 64 n
   // exactly, which names the element each accumulator register holds (Figure 149). The
@@ -910,21 +933,11 @@ EMU_TEST(isa_wgmma_accumulator_layout) {
       for (int c = 0; c < n; ++c) B.at(0, c) = encode(type, 1), B.at(1, c) = encode(type, 64.0 * c);
       for (Form form : {Form::ss_kmajor_b, Form::ss_mnmajor_b, Form::rs_mnmajor_b}) {
         Shared s(kShared);
-        store_a(s, A);
-        if (form == Form::ss_kmajor_b)
-          store_b_kmajor(s, B);
-        else
-          store_b_mnmajor(s, B);
+        store_operands(s, form, A, B);
         Accumulators acc(n);
         for (auto& regs : acc.regs)
           std::fill(regs.begin(), regs.end(), std::numeric_limits<float>::quiet_NaN());
-        const auto frags = a_fragments(A);
-        const uint64_t bd = form == Form::ss_kmajor_b ? b_kmajor_step(n, 0) : b_mnmajor_step(16, 0);
-        isa::wgmma(type, n,
-                   form == Form::rs_mnmajor_b
-                       ? reinterpret_cast<const uint32_t (*)[4]>(frags.data())
-                       : nullptr,
-                   a_step(0), bd, form != Form::ss_kmajor_b, 0, s.window(), acc.pointers);
+        wgmma_step(form, type, A, B, 0, 0, s, acc);
         int wrong = 0;
         for (int t = 0; t < 128; ++t)
           for (int i = 0; i < n / 2; ++i) {
@@ -956,22 +969,11 @@ EMU_TEST(isa_wgmma_one_hot) {
           A.at(m, k) = encode(type, 2);
           B.at(k, n) = encode(type, 3);
           Shared s(kShared);
-          store_a(s, A);
-          if (form == Form::ss_kmajor_b)
-            store_b_kmajor(s, B);
-          else
-            store_b_mnmajor(s, B);
+          store_operands(s, form, A, B);
           Accumulators acc(n_total);
           for (int t = 0; t < 128; ++t)
             for (int i = 0; i < n_total / 2; ++i) acc.regs[t][i] = 0.5f * float(t + 128 * i);
-          const auto frags = a_fragments(A);
-          const uint64_t bd =
-              form == Form::ss_kmajor_b ? b_kmajor_step(n_total, 0) : b_mnmajor_step(16, 0);
-          isa::wgmma(type, n_total,
-                     form == Form::rs_mnmajor_b
-                         ? reinterpret_cast<const uint32_t (*)[4]>(frags.data())
-                         : nullptr,
-                     a_step(0), bd, form != Form::ss_kmajor_b, 1, s.window(), acc.pointers);
+          wgmma_step(form, type, A, B, 0, 1, s, acc);
           for (int t = 0; t < 128; ++t)
             for (int i = 0; i < n_total / 2; ++i) {
               const bool hit = wg_row(t, i) == m && wg_d_col(t, i) == n;
@@ -1021,16 +1023,13 @@ EMU_TEST(isa_wgmma_random_products) {
 EMU_TEST(isa_wgmma_scale_d) {
   std::mt19937 rng(7);
   const Type type = Type::f16;
-  const Matrix A = random_matrix(type, 64, 16, rng), B = random_matrix(type, 16, 64, rng);
-  Shared s(kShared);
-  store_a(s, A);
-  store_b_mnmajor(s, B);
-  const std::vector<double> product = reference_product(A, B, {}, false, nullptr);
+  const StepOperands ops(type, 64, Form::ss_mnmajor_b, rng);
+  const std::vector<double> product = reference_product(ops.A, ops.B, {}, false, nullptr);
   for (int scale_d : {0, 1, -3}) {
     Accumulators acc(64);
     for (int r = 0; r < 64; ++r)
       for (int c = 0; c < 64; ++c) acc.at(r, c) = float(r - c);
-    isa::wgmma(type, 64, nullptr, a_step(0), b_mnmajor_step(16, 0), true, scale_d, s.window(),
+    isa::wgmma(type, 64, nullptr, a_step(0), b_mnmajor_step(16, 0), true, scale_d, ops.s.window(),
                acc.pointers);
     for (int r = 0; r < 64; ++r)
       for (int c = 0; c < 64; ++c) {
@@ -1109,39 +1108,36 @@ EMU_TEST(isa_wgmma_wrong_layouts_are_never_silently_right) {
 EMU_TEST(isa_wgmma_rejects_bad_arguments) {
   std::mt19937 rng(9);
   const Type type = Type::bf16;
-  const Matrix A = random_matrix(type, 64, 16, rng), B = random_matrix(type, 16, 64, rng);
-  Shared s(kShared);
-  store_a(s, A);
-  store_b_kmajor(s, B);
+  const StepOperands ops(type, 64, Form::ss_kmajor_b, rng);
   Accumulators acc(64);
   for (auto& regs : acc.regs) std::fill(regs.begin(), regs.end(), 1.5f);
   for (int n : {0, 4, 12, 264, 512}) {
     Accumulators wide(512);
     EMU_CHECK_THROWS(isa::wgmma(type, n, nullptr, a_step(0), b_kmajor_step(64, 0), false, 0,
-                                s.window(), wide.pointers),
+                                ops.s.window(), wide.pointers),
                      "N = ");
   }
   // Operands past the end of shared memory.
   EMU_CHECK_THROWS(isa::wgmma(type, 64, nullptr, make_descriptor(kShared - 1024, 16, 1024),
-                              b_kmajor_step(64, 0), false, 0, s.window(), acc.pointers),
+                              b_kmajor_step(64, 0), false, 0, ops.s.window(), acc.pointers),
                    "outside shared memory");
   EMU_CHECK_THROWS(
       isa::wgmma(type, 64, nullptr, a_step(0), make_descriptor(kShared + 4096, 16, 1024), false, 0,
-                 s.window(), acc.pointers),
+                 ops.s.window(), acc.pointers),
       "outside shared memory");
   // A non-zero base offset; a start in the middle of a swizzle pattern.
   EMU_CHECK_THROWS(isa::wgmma(type, 64, nullptr, make_descriptor(kTileA, 16, 1024, 1, 2),
-                              b_kmajor_step(64, 0), false, 0, s.window(), acc.pointers),
+                              b_kmajor_step(64, 0), false, 0, ops.s.window(), acc.pointers),
                    "base offset");
   EMU_CHECK_THROWS(isa::wgmma(type, 64, nullptr, a_step(0), make_descriptor(kTileB + 384, 16, 1024),
-                              false, 0, s.window(), acc.pointers),
+                              false, 0, ops.s.window(), acc.pointers),
                    "boundary");
   // A missing accumulator pointer.
   float* pointers[128];
   std::copy(acc.pointers, acc.pointers + 128, pointers);
   pointers[77] = nullptr;
   EMU_CHECK_THROWS(isa::wgmma(type, 64, nullptr, a_step(0), b_kmajor_step(64, 0), false, 0,
-                              s.window(), pointers),
+                              ops.s.window(), pointers),
                    "thread 77");
   // None of the failed calls wrote an accumulator.
   bool untouched = true;

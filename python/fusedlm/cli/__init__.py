@@ -1,7 +1,8 @@
 """The ``fusedlm`` command: pretrain, finetune, fill-mask, generate, embed, bench, info
 (``fusedlm --help``).
 
-Each command is a module with ``add_parser(commands)`` and ``run(args) -> exit code``;
+Each command is a module with ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` (unless it
+takes none) and ``run(args) -> exit code``;
 what they know about the models is in :mod:`fusedlm.cli.registry`. Bad input raises
 :class:`UsageError`, printed here as one line with exit status 2.
 """
@@ -19,11 +20,13 @@ COMMANDS = ("pretrain", "finetune", "fill-mask", "generate", "embed", "bench", "
 def parser() -> argparse.ArgumentParser:
     import importlib
 
+    from .common import add_command
+
     p = argparse.ArgumentParser(prog="fusedlm", description="Pretrain, fine-tune and run BERT, "
                                 "GPT, ELECTRA and ELMo on fusedlm's fused kernels.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f".{name.replace('-', '_')}", __name__).add_parser(commands)
+        add_command(commands, name, importlib.import_module(f".{name.replace('-', '_')}", __name__))
     return p
 
 

@@ -7,20 +7,20 @@ import json
 import sys
 from pathlib import Path
 
-from .common import resolve_device
+from .common import add_device_argument, resolve_device
 from .errors import UsageError
 
 
-def add_parser(commands) -> None:
+HELP = "benchmark the fused ops and models against PyTorch"
+DESCRIPTION = """Times each fused op (on every fusedlm backend that takes it) and each model's
+step against PyTorch eager, torch.compile and SDPA, and prints time, speed-up, GB/s or TFLOP/s
+and the share of the device's measured peak. Without --ops or --models: all of both."""
+
+
+def add_arguments(p) -> None:
     from ..bench import MODELS, OPS
 
-    p = commands.add_parser("bench", help="benchmark the fused ops and models against PyTorch",
-                            description="Times each fused op (on every fusedlm backend that takes "
-                                        "it) and each model's step against PyTorch eager, "
-                                        "torch.compile and SDPA, and prints time, speed-up, "
-                                        "GB/s or TFLOP/s and the share of the device's measured "
-                                        "peak. Without --ops or --models: all of both.")
-    p.add_argument("--device", help="cpu or cuda (default cuda if present)")
+    add_device_argument(p, "cpu or cuda (default cuda if present)")
     p.add_argument("--ops", nargs="+", metavar="OP", help=f"among {', '.join(OPS)}")
     p.add_argument("--models", nargs="+", metavar="MODEL", help=f"among {', '.join(MODELS)}")
     p.add_argument("--json", type=Path, metavar="FILE", help="write every row, the device, "
@@ -29,7 +29,6 @@ def add_parser(commands) -> None:
                    help="a bar chart of the speed-ups (needs matplotlib)")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and few rounds: checks the benchmarks, measures nothing")
-    p.set_defaults(run=run)
 
 
 def _names(option: str, given, known: dict) -> list:

@@ -1,4 +1,5 @@
-"""Pieces the commands share: devices, dtypes, atomic writes, and loading a model folder."""
+"""Pieces the commands share: their parsers, devices, dtypes, atomic writes, and loading a
+model folder."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,22 @@ from . import tokenizer as tok
 from .errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE_HELP = "cpu, cuda or cuda:N (default cuda if present)"
+
+
+def add_command(commands, name: str, module) -> None:
+    """Adds the command ``name`` to ``commands`` (argparse's subparsers): its parser has the
+    module's HELP and DESCRIPTION and what its add_arguments(parser), if any, adds, and
+    runs the module's run(args)."""
+    p = commands.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(p)
+    p.set_defaults(run=module.run)
+
+
+def add_device_argument(p, help: str = DEVICE_HELP) -> None:
+    """--device, which resolve_device reads."""
+    p.add_argument("--device", help=help)
 
 
 def positive_int(text: str) -> int:

@@ -11,17 +11,19 @@ from pathlib import Path
 
 import torch
 
-from .common import atomic_write, load_model, positive_int, resolve_device
+from .common import add_device_argument, atomic_write, load_model, positive_int, resolve_device
 from .corpus import decode
 from .errors import UsageError
 
 WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a model folder's (or shard's)
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser("embed", help="vectors of the lines of a text file",
-                            description="Encodes each non-empty line of FILE and writes one "
-                                        "vector per line ([lines, hidden] float32) to --out.")
+HELP = "vectors of the lines of a text file"
+DESCRIPTION = """Encodes each non-empty line of FILE and writes one vector per line ([lines,
+hidden] float32) to --out."""
+
+
+def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="a BERT, ELECTRA or ELMo folder")
     p.add_argument("file", metavar="FILE", help="text, one sentence or passage per line")
@@ -30,8 +32,7 @@ def add_parser(commands) -> None:
                    help="mean of the token vectors, or the first token's ([CLS] for BERT) "
                         "(default mean)")
     p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
-    p.set_defaults(run=run)
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,22 +7,22 @@ import argparse
 import torch
 
 from . import tokenizer as tok
-from .common import load_model, positive_int, resolve_device
+from .common import add_device_argument, load_model, positive_int, resolve_device
 from .errors import UsageError
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser("fill-mask", help="predict the [MASK] tokens of a text",
-                            description="Prints, for each [MASK] in TEXT, the --top-k most "
-                                        "probable tokens and their probabilities, then TEXT "
-                                        "with the best of each filled in.")
+HELP = "predict the [MASK] tokens of a text"
+DESCRIPTION = """Prints, for each [MASK] in TEXT, the --top-k most probable tokens and their
+probabilities, then TEXT with the best of each filled in."""
+
+
+def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="a BERT folder with its masked-LM head (BertForMaskedLM, "
                         "BertForPreTraining) or an ELECTRA generator folder")
     p.add_argument("text", help='e.g. "Paris is the [MASK] of France."')
     p.add_argument("--top-k", type=positive_int, default=5, help="candidates per mask (default 5)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
-    p.set_defaults(run=run)
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ import torch
 
 from . import checkpoint
 from . import tokenizer as tok
-from .common import DTYPES, atomic_write, load_model, positive_int, resolve_device
+from .common import (DTYPES, add_device_argument, atomic_write, load_model, positive_int,
+                     resolve_device)
 from .distributed import Processes
 from .errors import UsageError
 from .labelled import accuracy, macro_f1, read_examples, tag_f1
@@ -27,16 +28,15 @@ LABELS_NAME = "labels.json"
 SCORES_NAME = "eval.json"
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser("finetune", help="fine-tune a pretrained encoder to classify or tag",
-                            description="Fine-tunes a BERT or ELECTRA folder (the task head "
-                                        "starts new, every other weight is the folder's) on "
-                                        "--train and "
-                                        "reports accuracy and F1 on --eval (macro F1 over the "
-                                        "classes for classify; micro F1 over the tags other than "
-                                        "O for tag). Files: CSV, TSV or JSONL with a text and a "
-                                        "label column; for tag, words and labels are lists or "
-                                        "space-separated strings of equal length.")
+HELP = "fine-tune a pretrained encoder to classify or tag"
+DESCRIPTION = """Fine-tunes a BERT or ELECTRA folder (the task head starts new, every other
+weight is the folder's) on --train and reports accuracy and F1 on --eval (macro F1 over the
+classes for classify; micro F1 over the tags other than O for tag). Files: CSV, TSV or JSONL
+with a text and a label column; for tag, words and labels are lists or space-separated strings
+of equal length."""
+
+
+def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="a BERT or ELECTRA folder (transformers' layout)")
     p.add_argument("--task", required=True, choices=("classify", "tag"))
@@ -55,9 +55,8 @@ def add_parser(commands) -> None:
     p.add_argument("--warmup", type=float, default=0.1, help="share of the steps (default 0.1)")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
+    add_device_argument(p)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,17 +5,17 @@ import argparse
 
 import torch
 
-from .common import load_model, positive_int, resolve_device
+from .common import add_device_argument, load_model, positive_int, resolve_device
 from .errors import UsageError
 from .loading import quiet
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser("generate", help="continue a prompt with a GPT checkpoint",
-                            description="Continues --prompt with the model in --model (greedy "
-                                        "with --temperature 0, else sampled) until "
-                                        "--max-new-tokens or the end-of-text token, and prints "
-                                        "the text.")
+HELP = "continue a prompt with a GPT checkpoint"
+DESCRIPTION = """Continues --prompt with the model in --model (greedy with --temperature 0, else
+sampled) until --max-new-tokens or the end-of-text token, and prints the text."""
+
+
+def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a GPT-2 folder")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=positive_int, default=50)
@@ -25,8 +25,7 @@ def add_parser(commands) -> None:
     p.add_argument("--top-p", type=float, help="sample among the most probable tokens of total "
                                                "probability p (nucleus sampling)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
-    p.set_defaults(run=run)
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:

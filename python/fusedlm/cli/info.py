@@ -5,13 +5,9 @@ import argparse
 import platform
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser("info", help="versions, backends and devices",
-                            description="Prints fusedlm's version, which backends can run and "
-                                        "why not, the CUDA architectures compiled in (or "
-                                        "emulated), the torch and triton versions and the "
-                                        "devices found.")
-    p.set_defaults(run=run)
+HELP = "versions, backends and devices"
+DESCRIPTION = """Prints fusedlm's version, which backends can run and why not, the CUDA
+architectures compiled in (or emulated), the torch and triton versions and the devices found."""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from . import checkpoint, registry
 from . import tokenizer as tok
-from .common import DTYPES, positive_int, resolve_device
+from .common import DTYPES, add_device_argument, positive_int, resolve_device
 from .corpus import default_corpus, read_corpus
 from .data import BlockOrder, fingerprint
 from .distributed import Processes
@@ -26,14 +26,14 @@ FIXED = {"model": None, "size": "tiny", "corpus": None, "tokenizer": None, "voca
          "dropout": None, "dtype": "fp32", "seed": 0, "fsdp": False}
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser(
-        "pretrain", help="train a model from scratch on a corpus",
-        description="Pretrains a model from scratch. Without --corpus it trains on the "
-                    "docstrings of Python's standard library. Writes checkpoints, "
-                    "metrics.jsonl and loss.png to --out. Under torchrun, every process "
-                    "trains on its share of each batch (DistributedDataParallel, or "
-                    "with --fsdp FSDP2).")
+HELP = "train a model from scratch on a corpus"
+DESCRIPTION = """Pretrains a model from scratch. Without --corpus it trains on the docstrings of
+Python's standard library. Writes checkpoints, metrics.jsonl and loss.png to --out. Under
+torchrun, every process trains on its share of each batch (DistributedDataParallel, or with
+--fsdp FSDP2)."""
+
+
+def add_arguments(p) -> None:
     p.add_argument("--model", choices=sorted(registry.SPECS), help="the model to train")
     p.add_argument("--size", choices=list(registry.SIZES),
                    help="tiny: 2 layers, hidden 128; small: 12 layers, hidden 256; base: "
@@ -54,7 +54,7 @@ def add_parser(commands) -> None:
     p.add_argument("--clip", type=float, help="gradient norm clip, 0 for none (default 1.0)")
     p.add_argument("--dropout", type=float, help="dropout probability (default the model's)")
     p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default cuda if present)")
+    add_device_argument(p)
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--fsdp", action="store_true", default=None,
                    help="shard parameters, gradients and optimizer state between the processes "
@@ -66,7 +66,6 @@ def add_parser(commands) -> None:
                    help="steps between checkpoints (default 500; one is always saved at the end)")
     p.add_argument("--log-every", type=positive_int, default=10,
                    help="steps between metrics records (default 10)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -328,18 +328,10 @@ class BertPreTrainedModel(PreTrainedModel):
             init.zeros_(module.token_type_ids)
 
 
-class BertModel(BertPreTrainedModel):
-    """Embeddings, encoder and (``add_pooling_layer``) pooler: transformers' BertModel.
-
-    ``output_attentions=True`` runs attention on the plain-PyTorch path, which computes
-    the weights (the fused kernels never materialise them)."""
-
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
-        super().__init__(config)
-        self.embeddings = BertEmbeddings(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.post_init()
+class EncoderModel:
+    """What BertModel and ElectraModel share: the word embeddings as transformers' input
+    embeddings, and transformers' forward: the inputs checked, the model's ``embed``, the
+    encoder, and the model's ``output`` object (or its tuple)."""
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -355,12 +347,32 @@ class BertModel(BertPreTrainedModel):
                      self.config.max_position_embeddings)
         attend = config_flag(self.config, "output_attentions", output_attentions, False)
         states = config_flag(self.config, "output_hidden_states", output_hidden_states, False)
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, H]
+        x = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, H]
         hidden, hidden_states, attentions = self.encoder(x, attention_mask, states, attend)
+        return finish(self.output(hidden, hidden_states, attentions), self.config, return_dict)
+
+    def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds) -> Tensor:
+        return self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
+
+
+class BertModel(EncoderModel, BertPreTrainedModel):
+    """Embeddings, encoder and (``add_pooling_layer``) pooler: transformers' BertModel.
+
+    ``output_attentions=True`` runs attention on the plain-PyTorch path, which computes
+    the weights (the fused kernels never materialise them)."""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def output(self, hidden: Tensor, hidden_states, attentions) -> BaseModelOutputWithPoolingAndCrossAttentions:
         pooled = None if self.pooler is None else self.pooler(hidden)
-        return finish(BaseModelOutputWithPoolingAndCrossAttentions(
+        return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden, pooler_output=pooled, hidden_states=hidden_states,
-            attentions=attentions), self.config, return_dict)
+            attentions=attentions)
 
 
 # --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
@@ -431,9 +443,14 @@ class EncoderTaskModel:
                                output_hidden_states=output_hidden_states, return_dict=True)
 
 
-class SequenceClassificationMixin(EncoderTaskModel):
-    """One label per sequence: the model's ``classify`` turns the encoder's output into
-    logits [B, num_labels]; the loss follows classification_loss."""
+class LabelledHeadMixin(EncoderTaskModel):
+    """A head of logits and their labels' loss: the model's ``classify`` turns the
+    encoder's output into logits (by default its ``classifier`` over the last hidden
+    state), ``labels_loss(logits, labels, attention_mask)`` gives the loss, and
+    ``output_class`` (loss, logits, hidden_states, attentions) is the output."""
+
+    def classify(self, out) -> Tensor:
+        return self.classifier(out.last_hidden_state)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
@@ -441,13 +458,24 @@ class SequenceClassificationMixin(EncoderTaskModel):
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                           output_attentions, output_hidden_states)
         logits = self.classify(out)
-        loss = None if labels is None else classification_loss(logits, labels, self.config)
-        return finish(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                               attentions=out.attentions), self.config, return_dict)
+        loss = None if labels is None else self.labels_loss(logits, labels, attention_mask)
+        return finish(self.output_class(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                        attentions=out.attentions), self.config, return_dict)
 
 
-class TokenClassificationMixin(EncoderTaskModel):
-    """dropout -> ``classifier`` per token: logits [B, T, num_labels]."""
+class SequenceClassificationMixin(LabelledHeadMixin):
+    """One label per sequence: ``classify`` turns the encoder's output into logits
+    [B, num_labels]; the loss follows classification_loss."""
+
+    output_class = SequenceClassifierOutput
+
+    def labels_loss(self, logits: Tensor, labels: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
+        return classification_loss(logits, labels, self.config)
+
+
+class LinearClassifierMixin:
+    """dropout -> ``classifier`` (hidden -> num_labels) over the model's ``classified(out)``
+    of the encoder's output."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -455,15 +483,19 @@ class TokenClassificationMixin(EncoderTaskModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None):
-        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                          output_attentions, output_hidden_states)
-        logits = self.classifier(self.dropout(out.last_hidden_state))
-        loss = None if labels is None else token_loss(logits, labels, attention_mask)
-        return finish(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                            attentions=out.attentions), self.config, return_dict)
+    def classify(self, out) -> Tensor:
+        return self.classifier(self.dropout(self.classified(out)))
+
+
+class TokenClassificationMixin(LinearClassifierMixin, LabelledHeadMixin):
+    """dropout -> ``classifier`` per token: logits [B, T, num_labels]."""
+
+    output_class = TokenClassifierOutput
+    labels_loss = staticmethod(token_loss)
+
+    @staticmethod
+    def classified(out) -> Tensor:
+        return out.last_hidden_state
 
 
 class QuestionAnsweringMixin(EncoderTaskModel):
@@ -490,6 +522,20 @@ class QuestionAnsweringMixin(EncoderTaskModel):
         return finish(QuestionAnsweringModelOutput(loss=loss, start_logits=start, end_logits=end,
                                                    hidden_states=out.hidden_states,
                                                    attentions=out.attentions), self.config, return_dict)
+
+
+class MaskedLMMixin(EncoderTaskModel):
+    """A masked-LM head alone: the model's ``predict_masked(hidden, labels, logits_wanted)``
+    gives (loss or None, logits or None) as masked_lm does."""
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, return_logits: bool = False):
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_attentions, output_hidden_states)
+        loss, logits = self.predict_masked(out.last_hidden_state, labels, return_logits)
+        return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                     attentions=out.attentions), self.config, return_dict)
 
 
 # --- the models --------------------------------------------------------------------------------
@@ -534,7 +580,7 @@ class BertForPreTraining(EncoderTaskModel, BertPreTrainedModel):
                                                hidden_states=out.hidden_states, attentions=out.attentions), self.config, return_dict)
 
 
-class BertForMaskedLM(EncoderTaskModel, BertPreTrainedModel):
+class BertForMaskedLM(MaskedLMMixin, BertPreTrainedModel):
     """The masked-LM head alone: transformers' BertForMaskedLM. In training with labels
     the loss comes from the labelled rows only and ``logits`` is None unless
     ``return_logits=True``; in eval, or without labels, the [B, T, V] logits are built."""
@@ -550,36 +596,28 @@ class BertForMaskedLM(EncoderTaskModel, BertPreTrainedModel):
     get_output_embeddings = BertForPreTraining.get_output_embeddings
     set_output_embeddings = BertForPreTraining.set_output_embeddings
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, return_logits: bool = False):
-        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                          output_attentions, output_hidden_states)
-        loss, logits = self.cls.predictions(out.last_hidden_state, labels, return_logits)
-        return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                     attentions=out.attentions), self.config, return_dict)
-
-
-class BertForSequenceClassification(SequenceClassificationMixin, BertPreTrainedModel):
-    """dropout -> linear over the pooled first token: logits [B, num_labels]."""
-
-    def __init__(self, config: BertConfig):
-        super().__init__(config)
-        self.bert = BertModel(config)
-        self.dropout = nn.Dropout(classifier_dropout(config))
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    def classify(self, out) -> Tensor:
-        return self.classifier(self.dropout(out.pooler_output))
+    def predict_masked(self, hidden: Tensor, labels: Optional[Tensor], logits_wanted: bool) -> tuple:
+        return self.cls.predictions(hidden, labels, logits_wanted)
 
 
 class BertTaskModel(BertPreTrainedModel):
-    """A BertModel without pooler under ``bert``, for the per-token heads."""
+    """A BertModel under ``bert``, for the heads; with its pooler when ``pooled``."""
+
+    pooled = False
 
     def __init__(self, config: BertConfig):
         super().__init__(config)
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, add_pooling_layer=self.pooled)
+
+
+class BertForSequenceClassification(LinearClassifierMixin, SequenceClassificationMixin, BertTaskModel):
+    """dropout -> linear over the pooled first token: logits [B, num_labels]."""
+
+    pooled = True
+
+    @staticmethod
+    def classified(out) -> Tensor:
+        return out.pooler_output
 
 
 class BertForTokenClassification(TokenClassificationMixin, BertTaskModel):

@@ -25,16 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import ElectraConfig
-from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, MaskedLMOutput
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.models.electra.modeling_electra import ElectraForPreTrainingOutput
 from transformers.utils import ModelOutput
 
 from .. import ops
 from ..nn import LinearCrossEntropyLoss, is_plain_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertEncoder,
-                   BertPredictionHeadTransform, BertPreTrainedModel, EncoderTaskModel,
-                   QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
-                   check_inputs, classifier_dropout, config_flag, dense_gelu, finish, masked_lm)
+                   BertPredictionHeadTransform, BertPreTrainedModel, EncoderModel, LabelledHeadMixin,
+                   MaskedLMMixin, QuestionAnsweringMixin, SequenceClassificationMixin,
+                   TokenClassificationMixin, classifier_dropout, dense_gelu, masked_lm)
 
 GENERATOR_SIZE = 0.25  # the paper's generator: 1/4 of the discriminator's width
 DISCRIMINATOR_WEIGHT = 50.0  # the paper's weight of the discriminator's loss
@@ -48,7 +48,7 @@ class ElectraPreTrainedModel(BertPreTrainedModel):
     base_model_prefix = "electra"
 
 
-class ElectraModel(ElectraPreTrainedModel):
+class ElectraModel(EncoderModel, ElectraPreTrainedModel):
     """Embeddings [B, T, E] -> ``embeddings_project`` to [B, T, H] (when E != H) -> BERT's
     encoder: transformers' ElectraModel (no pooler)."""
 
@@ -60,26 +60,15 @@ class ElectraModel(ElectraPreTrainedModel):
         self.encoder = BertEncoder(config)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embeddings.word_embeddings
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embeddings.word_embeddings = value
-
-    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
-                token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                inputs_embeds: Optional[Tensor] = None, output_attentions: Optional[bool] = None,
-                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None):
-        check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids,
-                     self.config.max_position_embeddings)
-        attend = config_flag(self.config, "output_attentions", output_attentions, False)
-        states = config_flag(self.config, "output_hidden_states", output_hidden_states, False)
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, E]
+    def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds) -> Tensor:
+        x = super().embed(input_ids, token_type_ids, position_ids, inputs_embeds)  # [B, T, E]
         if hasattr(self, "embeddings_project"):
             x = self.embeddings_project(x)  # [B, T, H]
-        hidden, hidden_states, attentions = self.encoder(x, attention_mask, states, attend)
-        return finish(BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden, hidden_states=hidden_states, attentions=attentions), self.config, return_dict)
+        return x
+
+    def output(self, hidden: Tensor, hidden_states, attentions) -> BaseModelOutputWithPastAndCrossAttentions:
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden, hidden_states=hidden_states,
+                                                         attentions=attentions)
 
 
 class ElectraTaskModel(ElectraPreTrainedModel):
@@ -140,28 +129,24 @@ class ElectraClassificationHead(nn.Module):
 
 # --- the models --------------------------------------------------------------------------------
 
-class ElectraForPreTraining(EncoderTaskModel, ElectraTaskModel):
+class ElectraForPreTraining(LabelledHeadMixin, ElectraTaskModel):
     """The discriminator: replaced-token detection, logits [B, T] (> 0: replaced);
     transformers' ElectraForPreTraining. ``labels`` [B, T]: 1 = replaced, 0 = original;
     the loss is their binary cross-entropy over the real tokens."""
+
+    output_class = ElectraForPreTrainingOutput
+    labels_loss = staticmethod(replaced_token_loss)
 
     def __init__(self, config: ElectraConfig):
         super().__init__(config)
         self.discriminator_predictions = ElectraDiscriminatorPredictions(config)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None):
-        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                          output_attentions, output_hidden_states)
-        logits = self.discriminator_predictions(out.last_hidden_state)
-        loss = None if labels is None else replaced_token_loss(logits, labels, attention_mask)
-        return finish(ElectraForPreTrainingOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                                  attentions=out.attentions), self.config, return_dict)
+    def classify(self, out) -> Tensor:
+        return self.discriminator_predictions(out.last_hidden_state)
 
 
-class ElectraForMaskedLM(EncoderTaskModel, ElectraTaskModel):
+class ElectraForMaskedLM(MaskedLMMixin, ElectraTaskModel):
     """The generator: ``generator_predictions`` (dense to E -> erf GELU -> LayerNorm) and
     ``generator_lm_head`` (E -> V, its weight tied to the word embeddings);
     transformers' ElectraForMaskedLM. In training with labels the loss comes from the
@@ -183,15 +168,9 @@ class ElectraForMaskedLM(EncoderTaskModel, ElectraTaskModel):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.generator_lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, return_logits: bool = False):
-        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                          output_attentions, output_hidden_states)
-        loss, logits = masked_lm(self.generator_predictions, self.generator_lm_head, out.last_hidden_state,
-                                 labels, self.masked_lm_loss, return_logits)
-        return finish(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                     attentions=out.attentions), self.config, return_dict)
+    def predict_masked(self, hidden: Tensor, labels: Optional[Tensor], logits_wanted: bool) -> tuple:
+        return masked_lm(self.generator_predictions, self.generator_lm_head, hidden, labels,
+                         self.masked_lm_loss, logits_wanted)
 
 
 class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):
@@ -201,9 +180,6 @@ class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskM
         super().__init__(config)
         self.classifier = ElectraClassificationHead(config)
         self.post_init()
-
-    def classify(self, out) -> Tensor:
-        return self.classifier(out.last_hidden_state)
 
 
 class ElectraForTokenClassification(TokenClassificationMixin, ElectraTaskModel):

@@ -48,6 +48,7 @@ from .. import ops
 from ..nn import LayerNorm, is_plain_linear, padding_of, run_layers
 from ..nn._autocast import lower
 from ..nn.attention import attention_with_weights
+from .bert import finish
 from .kv_cache import FusedKVCache
 
 IGNORE_INDEX = -100
@@ -290,7 +291,6 @@ class GPT2Model(GPT2PreTrainedModel):
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         if output_hidden_states is None:
             output_hidden_states = config.output_hidden_states
-        return_dict = config.return_dict if return_dict is None else return_dict
 
         if inputs_embeds is None:
             if input_ids.dim() != 2:
@@ -321,10 +321,9 @@ class GPT2Model(GPT2PreTrainedModel):
                                       output_hidden_states)
         if output_attentions:
             attentions = tuple(s[3] for s in states[1:])
-        out = BaseModelOutputWithPastAndCrossAttentions(
+        return finish(BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden, hidden_states=hidden_states, attentions=attentions,
-            **{CACHE: cache if use_cache else None})
-        return out if return_dict else out.to_tuple()
+            **{CACHE: cache if use_cache else None}), config, return_dict)
 
 
 class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
@@ -367,11 +366,9 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
                 raise ValueError("logits_to_keep must be an int or a 1-D tensor of positions")
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             logits = self.lm_head(hidden[:, kept])  # (B, T or as kept, V)
-        result = CausalLMOutputWithCrossAttentions(
+        return finish(CausalLMOutputWithCrossAttentions(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
-            **{CACHE: getattr(out, CACHE)})
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return result if return_dict else result.to_tuple()
+            **{CACHE: getattr(out, CACHE)}), self.config, return_dict)
 
     def _lm_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """The mean cross-entropy of position t's prediction of labels[:, t + 1]; hidden (B, T, C)."""
