@@ -45,7 +45,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_backward", &fusedlm::attention_backward);
   m.def("attention_varlen_forward", &fusedlm::attention_varlen_forward);
   m.def("attention_varlen_backward", &fusedlm::attention_varlen_backward);
-  m.def("attention_kvcache_forward", &fusedlm::attention_kvcache_forward);
+  m.def("attention_with_kvcache_forward", &fusedlm::attention_kvcache_forward);
   m.def("unpad_forward", &fusedlm::unpad_forward);
   m.def("pad_forward", &fusedlm::pad_forward);
   m.def("pad_backward", &fusedlm::pad_backward);

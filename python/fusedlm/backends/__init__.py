@@ -8,8 +8,11 @@ fastest backend that can run it on the tensors' device. A backend named that can
 run the call raises; it never falls back silently. :func:`explain` tells which backend
 a call would use and why.
 
-What each backend's kernel of an op takes is data (:class:`Supports`): the automatic
-choice, :func:`explain`, the tests and the benchmarks all read that one statement.
+A backend finds an op's kernels by name (``<op>_forward`` and ``<op>_backward``, see
+each backend's module); what each backend's kernel of an op takes is data
+(:class:`Supports`), the backend's default or what the op's file declares for it. The
+automatic choice, :func:`explain`, the tests and the benchmarks all read that one
+statement.
 
 Two backends can also run on CPU tensors, slowly, to test their kernels without a
 GPU: ``triton`` under ``TRITON_INTERPRET=1`` (Triton's interpreter) and ``cuda`` in a
@@ -102,6 +105,25 @@ class Kernel:
     supports: Supports = Supports()
 
 
+@dataclass(frozen=True)
+class OpInfo:
+    """What the backends need to know of a declared op: its name, the module of fusedlm.ops
+    that declares it (a kernel module of the same name holds its Triton kernels), and what
+    it takes on each backend where that differs from the backend's default."""
+
+    name: str
+    module: str
+    supports: dict
+
+
+_OPS: dict[str, OpInfo] = {}
+
+
+def declare(op: OpInfo) -> None:
+    """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op)."""
+    _OPS[op.name] = op
+
+
 def _native() -> Optional[str]:
     """A backend that runs on its device itself: no emulation."""
     return None
@@ -112,10 +134,29 @@ class Backend:
     name: str
     devices: tuple  # the device types whose tensors it runs on
     unavailable: Optional[str]  # why it cannot run at all, or None
-    kernels: dict = field(default_factory=dict)  # op name -> Kernel
+    # (forward, backward or None) of an op, or None where the backend has no kernel for it.
+    find: Callable[[OpInfo], Optional[tuple]]
+    supports: Supports = Supports()  # what its kernels take, unless an op says otherwise
     # How it runs where it only emulates its device on the CPU (then never chosen
     # automatically), e.g. "emulated on the CPU as sm_80"; None where it runs natively.
     emulated: Callable[[], Optional[str]] = _native
+    _kernels: dict = field(default_factory=dict, repr=False)
+    _ops_seen: int = field(default=0, repr=False)
+
+    @property
+    def kernels(self) -> dict:
+        """{op name: Kernel} of every declared op the backend has kernels for."""
+        if self._ops_seen != len(_OPS):  # found once, after the ops are declared
+            found = {name: self._kernel(op) for name, op in _OPS.items()}
+            self._kernels = {name: k for name, k in found.items() if k is not None}
+            self._ops_seen = len(_OPS)
+        return self._kernels
+
+    def _kernel(self, op: OpInfo) -> Optional[Kernel]:
+        found = None if self.unavailable else self.find(op)
+        if found is None:
+            return None
+        return Kernel(*found, op.supports.get(self.name, self.supports))
 
     def cannot_run(self, op: str, device: torch.device, features: dict) -> Optional[str]:
         if self.unavailable:

@@ -1,29 +1,18 @@
 """The cpu backend: fusedlm's C++ kernels (csrc/), vectorised per instruction set.
 
-Every op, every floating dtype (float64 for gradcheck), any shape.
+An op's kernels are fusedlm._C.<op>_forward and <op>_backward. They take every floating
+dtype (float64 for gradcheck) and any shape.
 """
 from .._extension import _C
-from . import Backend, Kernel, register
+from . import Backend, register
 
 
-def _kernel(op: str, forward: str = "forward", backward: str = "backward") -> Kernel:
-    return Kernel(getattr(_C, f"{op}_{forward}"),
-                  getattr(_C, f"{op}_{backward}") if backward else None)
+def _find(op):
+    forward = getattr(_C, f"{op.name}_forward", None)
+    return None if forward is None else (forward, getattr(_C, f"{op.name}_backward", None))
 
 
-BACKEND = register(Backend("cpu", ("cpu",), None, {
-    "bias_gelu": _kernel("bias_gelu"),
-    "gelu_ffn": _kernel("gelu_ffn"),
-    "cross_entropy": _kernel("cross_entropy"),
-    "masked_lm_loss": _kernel("masked_lm_loss"),
-    "attention": _kernel("attention"),
-    "attention_varlen": _kernel("attention_varlen"),
-    "attention_with_kvcache": _kernel("attention_kvcache", backward=None),
-    "unpad": _kernel("unpad", backward=None),  # its backward is the pad op
-    "pad": _kernel("pad"),
-    "add_layer_norm": _kernel("add_layer_norm"),
-    "lstm_cell": _kernel("lstm_cell"),
-}))
+BACKEND = register(Backend("cpu", ("cpu",), None, _find))
 
 
 def capability() -> str:

@@ -1,14 +1,11 @@
 """The cuda backend: fusedlm's hand-written CUDA kernels (kernels/cuda/), compiled into fusedlm._C.
 
 It has add_layer_norm, bias_gelu, cross_entropy and masked_lm_loss, for float32, bfloat16
-and float16. gelu_ffn (a tensor-core matrix product with the bias, GELU and dropout in its
-epilogue) takes bfloat16 and float16 with feature sizes that are multiples of 8; other
-calls fall through to triton.
-
-attention and attention_varlen (FlashAttention-2 on the tensor cores) take bfloat16 and
-float16 with a head_dim of 64 or 128 and no attn_bias; other calls fall through to
-triton. Their backward is deterministic: no atomics, each gradient element is written
-once, so equal inputs give equal gradients bit for bit.
+and float16; gelu_ffn (a tensor-core matrix product with the bias, GELU and dropout in its
+epilogue) and attention and attention_varlen (FlashAttention-2 on the tensor cores) take
+what their op files declare (fusedlm/ops/gelu.py, attention.py); other calls fall through
+to triton. The attention backward is deterministic: no atomics, each gradient element is
+written once, so equal inputs give equal gradients bit for bit.
 
 A FUSEDLM_CUDA=emulate build compiles the same kernels as C++ against a CPU emulator
 of CUDA, which acts as the GPU FUSEDLM_EMULATE_ARCH names (sm_80, the default, or
@@ -26,7 +23,7 @@ from typing import Optional
 import torch
 
 from .._extension import _C, _build_info
-from . import GPU_FLOATS, HALVES, Backend, Kernel, Supports, register
+from . import GPU_FLOATS, Backend, Supports, register
 
 # Whether the kernels run on the CPU emulator of CUDA (a FUSEDLM_CUDA=emulate build). An
 # extension compiled before it had the `cuda_emulated` attribute is not.
@@ -84,27 +81,12 @@ def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
     return _C.cuda.dropout_mask(seed, 0, list(shape), p, index)
 
 
-_SUPPORTS = {
-    "add_layer_norm": Supports(dtypes=GPU_FLOATS),
-    "bias_gelu": Supports(dtypes=GPU_FLOATS),
-    "cross_entropy": Supports(dtypes=GPU_FLOATS),
-    "masked_lm_loss": Supports(dtypes=GPU_FLOATS),
-    # The product's tiles load 16-byte vectors of 8 halves.
-    "gelu_ffn": Supports(dtypes=HALVES, multiple_of=8),
-    # One tile width per head_dim, instantiated for BERT's and GPT's; no bias operand.
-    "attention": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False),
-    "attention_varlen": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True),
-}
-
-
-def _kernels() -> dict:
-    if not _C.with_cuda:
-        return {}
-    ops = _C.cuda
-    return {name: Kernel(getattr(ops, f"{name}_forward"), getattr(ops, f"{name}_backward"), supports)
-            for name, supports in _SUPPORTS.items()}
+def _find(op):
+    """The kernels of an op are fusedlm._C.cuda.<op>_forward and <op>_backward."""
+    forward = getattr(_C.cuda, f"{op.name}_forward", None) if _C.with_cuda else None
+    return None if forward is None else (forward, getattr(_C.cuda, f"{op.name}_backward", None))
 
 
 BACKEND = register(Backend(
-    "cuda", ("cpu",) if EMULATED else ("cuda",), _unavailable(), _kernels(),
+    "cuda", ("cpu",) if EMULATED else ("cuda",), _unavailable(), _find, Supports(dtypes=GPU_FLOATS),
     emulated=lambda: f"emulated on the CPU as {emulated_arch()}" if EMULATED else None))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import reference
-from . import Backend, Kernel, register
+from . import Backend, register
 
 
 def _keep(seed: torch.Tensor, shape, p: float, device) -> Optional[torch.Tensor]:
@@ -258,20 +258,14 @@ def lstm_cell_backward(grad_h, grad_c, gates, c_prev, cell_clip):
                 (gates, c_prev), (grad_h, grad_c))
 
 
-def _kernel(forward: Callable, backward: Optional[Callable] = None) -> Kernel:
-    return Kernel(_owned(forward), _owned(backward) if backward else None)
+# The ops whose reference already takes the kernels' arguments.
+bias_gelu_forward, unpad_forward, pad_forward = reference.bias_gelu, reference.unpad, reference.pad
 
 
-BACKEND = register(Backend("reference", ("any",), None, {
-    "attention": _kernel(attention_forward, attention_backward),
-    "attention_varlen": _kernel(attention_varlen_forward, attention_varlen_backward),
-    "attention_with_kvcache": _kernel(attention_with_kvcache_forward),
-    "unpad": _kernel(reference.unpad),
-    "pad": _kernel(reference.pad, pad_backward),
-    "add_layer_norm": _kernel(add_layer_norm_forward, add_layer_norm_backward),
-    "bias_gelu": _kernel(reference.bias_gelu, bias_gelu_backward),
-    "gelu_ffn": _kernel(gelu_ffn_forward, gelu_ffn_backward),
-    "cross_entropy": _kernel(cross_entropy_forward, cross_entropy_backward),
-    "masked_lm_loss": _kernel(masked_lm_loss_forward, masked_lm_loss_backward),
-    "lstm_cell": _kernel(lstm_cell_forward, lstm_cell_backward),
-}))
+def _find(op):
+    """The kernels of an op are <op>_forward and <op>_backward here."""
+    forward, backward = globals().get(f"{op.name}_forward"), globals().get(f"{op.name}_backward")
+    return None if forward is None else (_owned(forward), _owned(backward) if backward else None)
+
+
+BACKEND = register(Backend("reference", ("any",), None, _find))

@@ -2,8 +2,7 @@
 
 Runs on CUDA tensors; with TRITON_INTERPRET=1 it also runs on CPU tensors when
 asked for by name (how the kernels are tested without a GPU). Every op but unpad and
-pad, for float32, bfloat16 and float16; attention and attention_varlen take head dims
-up to 256.
+pad, for float32, bfloat16 and float16.
 """
 import importlib
 import importlib.util
@@ -13,9 +12,11 @@ from pathlib import Path
 
 import torch
 
-from . import GPU_FLOATS, Backend, Kernel, Supports, register
+from . import GPU_FLOATS, Backend, Supports, register
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
+# The kernels in a source tree that was not installed (installed: fusedlm.triton_kernels).
+_SOURCE = Path(__file__).resolve().parents[3] / "kernels" / "triton"
 
 
 def _unavailable():
@@ -26,13 +27,18 @@ def _unavailable():
     return None
 
 
+def _kernels_folder() -> Path:
+    installed = importlib.util.find_spec("fusedlm.triton_kernels")
+    return Path(installed.submodule_search_locations[0]) if installed else _SOURCE
+
+
 def _kernels_module(name: str):
     """fusedlm.triton_kernels.<name>, imported on first use (importing triton is slow, and
     triton may be absent). In a source tree that was not installed, kernels/triton is
     loaded as that package."""
     package = "fusedlm.triton_kernels"
     if importlib.util.find_spec(package) is None:
-        source = Path(__file__).resolve().parents[3] / "kernels" / "triton" / "__init__.py"
+        source = _SOURCE / "__init__.py"
         spec = importlib.util.spec_from_file_location(
             package, source, submodule_search_locations=[str(source.parent)])
         module = importlib.util.module_from_spec(spec)
@@ -54,25 +60,13 @@ def keep_mask(seed, shape, p: float, device="cpu"):
     return _kernels_module("_common").keep_mask(seed, shape, p, device)
 
 
-_FLOATS = Supports(dtypes=GPU_FLOATS)
-# The attention kernels hold a row block of q and of the output in registers: BLOCK_D and
-# BLOCK_DV, the head dims rounded up to a power of two, at most 256 (MAX_HEAD_DIM there).
-_ATTENTION = Supports(dtypes=GPU_FLOATS, max_head_dim=256)
+def _find(op):
+    """The kernels of the ops declared in fusedlm/ops/<module>.py are <op>_forward and
+    <op>_backward in kernels/triton/<module>.py, where that file exists."""
+    if not (_kernels_folder() / f"{op.module}.py").exists():
+        return None
+    return _lazy(op.module, f"{op.name}_forward"), _lazy(op.module, f"{op.name}_backward")
 
 
-def _kernel(op: str, module: str, supports: Supports = _FLOATS, backward: bool = True) -> Kernel:
-    return Kernel(_lazy(module, f"{op}_forward"),
-                  _lazy(module, f"{op}_backward") if backward else None, supports)
-
-
-BACKEND = register(Backend("triton", ("cuda", "cpu") if INTERPRETED else ("cuda",), _unavailable(), {
-    "add_layer_norm": _kernel("add_layer_norm", "layer_norm"),
-    "bias_gelu": _kernel("bias_gelu", "gelu"),
-    "gelu_ffn": _kernel("gelu_ffn", "gelu"),
-    "cross_entropy": _kernel("cross_entropy", "cross_entropy"),
-    "masked_lm_loss": _kernel("masked_lm_loss", "cross_entropy"),
-    "attention": _kernel("attention", "attention", _ATTENTION),
-    "attention_varlen": _kernel("attention_varlen", "attention", _ATTENTION),
-    "attention_with_kvcache": _kernel("attention_with_kvcache", "attention_kvcache", backward=False),
-    "lstm_cell": _kernel("lstm_cell", "lstm"),
-}))
+BACKEND = register(Backend("triton", ("cuda", "cpu") if INTERPRETED else ("cuda",), _unavailable(),
+                           _find, Supports(dtypes=GPU_FLOATS)))

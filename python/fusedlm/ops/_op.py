@@ -18,10 +18,12 @@ a decoding step at batch 1, and nothing could observe the difference.
 """
 from typing import Callable, Optional
 
+import sys
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..backends import kernel
+from ..backends import OpInfo, declare, kernel
 
 
 def _with_backend(schema: str) -> str:
@@ -45,8 +47,15 @@ def _may_call_kernel() -> bool:
 class Op:
     """``fusedlm::<name>`` (and ``fusedlm::<name>_backward`` once :meth:`differentiable`)."""
 
-    def __init__(self, name: str, schema: str, fake: Callable, *, mutates: tuple = ()):
+    def __init__(self, name: str, schema: str, fake: Callable, *, mutates: tuple = (),
+                 supports: Optional[dict] = None):
+        """``supports``: {backend: Supports} where the op's kernels on a backend take less than
+        that backend's default (fusedlm.backends)."""
         self.name = name
+        # The module of fusedlm.ops declaring the op (fusedlm.backends.triton finds its
+        # kernels in the Triton module of the same name).
+        module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
+        declare(OpInfo(name, module, supports or {}))
         self._arguments = len(torch._C.parse_schema(f"fusedlm::{name}{_with_backend(schema)}").arguments)
         self._forward = self._register(name, schema, fake, lambda backend: kernel(backend, name).forward,
                                        mutates)

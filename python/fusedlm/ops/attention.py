@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import check_index_data, choose, planner
+from ..backends import GPU_FLOATS, HALVES, Supports, check_index_data, choose, planner
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
@@ -22,6 +22,15 @@ from ._op import Op
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# The cuda kernels instantiate one tile width per head_dim (BERT's and GPT's 64, and 128)
+# and have no bias operand. The triton kernels hold a block of q's rows and of the output
+# in registers: head dims up to 256.
+_SUPPORTS = {
+    "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False),
+    "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256),
+}
 
 
 def _like(ref: Tensor, shape, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -153,6 +162,7 @@ ATTENTION = Op(
     "attention",
     "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_bias, bool causal, "
     "float dropout_p, float scale, Tensor seed) -> (Tensor, Tensor)", _attention_fake,
+    supports=_SUPPORTS,
 ).differentiable(
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? key_padding_mask, Tensor? attn_bias, bool causal, float dropout_p, float scale, "
@@ -255,7 +265,7 @@ ATTENTION_VARLEN = Op(
     "attention_varlen",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
     "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float dropout_p, float scale, "
-    "Tensor seed) -> (Tensor, Tensor)", _varlen_fake,
+    "Tensor seed) -> (Tensor, Tensor)", _varlen_fake, supports=_SUPPORTS,
 ).differentiable(
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "

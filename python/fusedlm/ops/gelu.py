@@ -8,7 +8,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from ..backends import choose, planner
+from ..backends import HALVES, Supports, choose, planner
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
@@ -122,6 +122,8 @@ GELU_FFN = Op(
     "gelu_ffn",
     "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str approximate, float dropout_p, "
     "Tensor seed) -> (Tensor, Tensor)", _gelu_ffn_fake,
+    # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves.
+    supports={"cuda": Supports(dtypes=HALVES, multiple_of=8)},
 ).differentiable(
     "(Tensor grad, Tensor x, Tensor pre, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
     "str approximate, float dropout_p, Tensor seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
