@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
+from helpers import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
                       skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -4,7 +4,7 @@ import torch
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import assert_close, backend_device, backends_for, fresh
+from helpers import assert_close, backend_device, backends_for, fresh
 
 CASES = {
     # name: (batch, heads, seq_q, seq_new, max_len, head_dim, cached lengths, left padding)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
+from helpers import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]

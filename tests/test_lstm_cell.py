@@ -4,7 +4,7 @@ import torch
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
+from helpers import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -10,7 +10,7 @@ import torch
 from fusedlm.backends import _REGISTRY
 from fusedlm.backends import cuda as cuda_backend
 from fusedlm.backends import triton as triton_backend
-from conftest import skip_if_refused  # noqa: F401  (tests/conftest.py's, for the GPU tests too)
+from helpers import skip_if_refused  # noqa: F401  (tests/helpers.py's, for the GPU tests too)
 
 needs_cuda = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
