@@ -80,7 +80,7 @@ def test_attention_with_kvcache_low_precision(backend):
 def test_attention_with_kvcache_equals_attention_over_the_sequence(backend):
     # Each sequence's step is causal attention of its queries over its own keys
     # [leftpad, total), written out explicitly.
-    device = backend_device(backend) if backend != "reference" else torch.device("cpu")
+    device = backend_device(backend)
     q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded_prefill",
                                                                 torch.float32, device)
     out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,

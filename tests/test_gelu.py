@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import cpu_keep_mask, next_seed
-from helpers import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
-                      skip_if_refused, slow_backend)
+from helpers import (as_reference, assert_close, backend_device, backends_for, first_taken, fresh,
+                     keep_mask, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -188,11 +188,16 @@ def test_gelu_ffn_gradcheck():
     assert torch.autograd.gradcheck(lambda *a: fusedlm.ops.gelu_ffn(*a, backend="cpu"), tuple(inputs))
 
 
+def _widest_taken(backend, dtypes, **kwargs):
+    """The first of `dtypes` whose gelu_ffn inputs the backend takes."""
+    return first_taken(backend, "gelu_ffn", dtypes,
+                       lambda dtype: (_ffn_inputs(dtype, backend_device(backend)), kwargs))
+
+
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 def test_gelu_ffn_dropout_replays_its_mask(backend):
-    # The widest dtype the backend takes: float64 on the cpu (exact comparisons), bfloat16
-    # for the cuda kernel's tensor cores.
-    dtype = {"cpu": torch.float64, "cuda": torch.bfloat16}.get(backend, torch.float32)
+    # The widest dtype the backend takes (float64: exact comparisons).
+    dtype = _widest_taken(backend, (torch.float64, torch.float32, torch.bfloat16))
     scale = 3 if dtype == torch.bfloat16 else 1
     inputs = _ffn_inputs(dtype, backend_device(backend))
     p = 0.3
@@ -258,7 +263,7 @@ def test_gelu_ffn_compiles_without_graph_breaks():
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 def test_gelu_ffn_empty_batch(backend):
     device = backend_device(backend)
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    dtype = _widest_taken(backend, (torch.float32, torch.bfloat16))
     x, w1, b1, w2, b2 = _ffn_inputs(dtype, device)
     x = torch.randn(0, 48, dtype=dtype, device=device, requires_grad=True)
     out = fusedlm.ops.gelu_ffn(x, w1, b1, w2, b2, backend=backend)
@@ -271,7 +276,7 @@ def test_gelu_ffn_empty_batch(backend):
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_gelu_ffn_outputs_are_not_views(backend, dropout_p):
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    dtype = _widest_taken(backend, (torch.float32, torch.bfloat16), dropout_p=dropout_p)
     x, w1, b1, w2, b2 = _ffn_inputs(dtype, backend_device(backend))
     seed = next_seed(dropout_p)
     with torch.no_grad():

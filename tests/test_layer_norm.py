@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from helpers import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
-                      slow_backend)
+from helpers import (as_reference, assert_close, backend_device, backends_for, first_taken, fresh,
+                     keep_mask, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRAD_NAMES = ("dx", "dresidual", "dweight", "dbias")
@@ -220,7 +220,8 @@ def test_add_layer_norm_compiles_post_ln():
 
 def _dropout_dtype(backend):
     """float64 where the backend takes it (exact comparisons), else float32."""
-    return torch.float64 if backend == "cpu" else torch.float32
+    return first_taken(backend, "add_layer_norm", (torch.float64, torch.float32),
+                       lambda dtype: (_inputs((2, 8), dtype, backend_device(backend)), {}))
 
 
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
@@ -321,8 +322,6 @@ def test_add_layer_norm_large_values(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_add_layer_norm_constant_rows(backend, dtype):
     # Variance 0: out is the bias, and the gradient is rstd = 1 / sqrt(eps) times the centred g.
-    if dtype == torch.float64 and backend != "cpu":
-        pytest.skip(f"{backend} takes no float64 (test_add_layer_norm_rejects_float64)")
     device = backend_device(backend)
     rows = torch.randn(5, 1, dtype=torch.float64)
     x = (rows * 3).expand(5, 768).to(dtype=dtype, device=device).requires_grad_()
@@ -330,6 +329,7 @@ def test_add_layer_norm_constant_rows(backend, dtype):
     r.requires_grad_()
     w = fresh((768,), dtype, device)
     b = fresh((768,), dtype, device)
+    skip_if_refused(backend, "add_layer_norm", x, r, w, b)
     out, summed, _ = _compare((x, r, w, b), backend, eps=1e-5)
     assert_close(out, b.detach().double().expand(5, 768), name="out = bias")
 
