@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from helpers import (as_reference, assert_close, backend_device, backends_for, first_taken, fresh,
-                     keep_mask, skip_if_refused, slow_backend)
+from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
+                     backend_device, backends_for, first_taken, fresh, grads, keep_mask,
+                     poison_memory, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -709,3 +710,175 @@ def test_attention_varlen_rejects_bad_input(backend):
         args = ok | change
         with pytest.raises(error, match=name):
             fusedlm.ops.attention_varlen(*args.values(), backend=backend)
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+# BERT-base (12 heads of 64, seq 128 and 512, mixed padding), GPT-2 small (seq 1024,
+# causal), long causal sequences, the head dims of common models, and packed sequences.
+# The cuda backend's sequences up to 512 take its resident path and longer ones its
+# streamed path: both are here, with padding, causal masks and dropout. Half-precision
+# products and the probabilities rounded before P V bound the error at 1e-2 norm-wise for
+# both bfloat16 and float16.
+
+REAL_DTYPES = [torch.bfloat16, torch.float16]
+REAL_BOUND = 1e-2
+
+REAL_CASES = {
+    # name: (batch, heads, seq_q, seq_k, head_dim, options)
+    "bert-base-128": (32, 12, 128, 128, 64, {"mask": True}),
+    "bert-base-512": (8, 12, 512, 512, 64, {"mask": True, "layout": "bshd"}),
+    "gpt2-small-1024": (8, 12, 1024, 1024, 64, {"causal": True, "layout": "bshd"}),
+    "long-2048-dim128": (2, 16, 2048, 2048, 128, {"causal": True}),
+    "long-4096": (1, 16, 4096, 4096, 64, {"causal": True}),
+    "long-8192": (1, 4, 8192, 8192, 64, {"causal": True}),
+    "dim-32": (4, 8, 256, 256, 32, {"mask": True}),
+    "dim-80": (4, 8, 256, 300, 80, {"causal": True}),
+    "dim-96": (4, 8, 333, 256, 96, {"mask": True, "causal": True}),
+    "dim-128": (4, 8, 256, 256, 128, {}),
+    "padded-640x768": (4, 12, 768, 640, 64, {"mask": True}),
+    "bias-per-head": (4, 12, 128, 128, 64, {"bias": (12, 128, 128)}),
+    "bias-full": (2, 4, 200, 180, 64, {"bias": (2, 4, 200, 180), "causal": True}),
+}
+
+
+def _real_padding(batch, seq):
+    """Lengths between seq / 2 and seq, the first full; True = padding."""
+    lengths = torch.randint(seq // 2, seq + 1, (batch,), device="cuda")
+    lengths[0] = seq
+    return torch.arange(seq, device="cuda")[None, :] >= lengths[:, None]
+
+
+def _check_real_shapes(backend, batch, heads, seq_q, seq_k, head_dim, dtype, opts, dropout_p=0.0):
+    """attention at a real shape in poisoned memory, against the float32 reference."""
+    opts = dict(opts)
+    layout = opts.pop("layout", "bhsd")
+    shapes = [(seq_q, head_dim), (seq_k, head_dim), (seq_k, head_dim)]
+    leaves = [fresh((batch, s, heads, d) if layout == "bshd" else (batch, heads, s, d), dtype,
+                    "cuda") for s, d in shapes]
+    if opts.pop("mask", False):
+        opts["key_padding_mask"] = _real_padding(batch, seq_k)
+    bias_shape = opts.pop("bias", None)
+    bias = fresh(bias_shape, dtype, "cuda") if bias_shape else None
+    wrt = leaves + ([bias] if bias is not None else [])
+    skip_if_refused(backend, "attention", *_views(leaves, layout), attn_bias=bias,
+                    dropout_p=dropout_p, **opts)
+    torch.manual_seed(7)
+    seed = next_seed(dropout_p)
+    keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), dropout_p) if dropout_p else None
+    poison_memory()
+    torch.manual_seed(7)
+    out = fusedlm.ops.attention(*_views(leaves, layout), attn_bias=bias, dropout_p=dropout_p,
+                                backend=backend, **opts)
+    upstream = torch.randn_like(out)
+    got = grads(out, wrt, upstream)
+
+    ref = as_reference(*wrt, dtype=torch.float32)
+    expected = reference.attention(*_views(ref[:3], layout), attn_bias=ref[3] if bias is not None
+                                   else None, dropout_p=dropout_p, dropout_mask=keep, **opts)
+    expected_grads = grads(expected, ref, upstream.float())
+    assert_relative_error(out, expected, dtype, "out", REAL_BOUND)
+    for name, a, e in zip(("dq", "dk", "dv", "dbias"), got, expected_grads):
+        assert a.dtype == dtype and a.shape == e.shape
+        assert_relative_error(a, e, dtype, name, REAL_BOUND)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention", shapes="real"))
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+@pytest.mark.parametrize("case", list(REAL_CASES))
+def test_attention_real_shapes(backend, dtype, case):
+    batch, heads, seq_q, seq_k, head_dim, opts = REAL_CASES[case]
+    _check_real_shapes(backend, batch, heads, seq_q, seq_k, head_dim, dtype, opts)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention", shapes="real"))
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+@pytest.mark.parametrize("seq", [256, 640])
+def test_attention_dropout_replays_its_mask_at_real_shapes(backend, dtype, seq):
+    _check_real_shapes(backend, 4, 12, seq, seq, 64, dtype, {"mask": True, "causal": True},
+                       dropout_p=0.1)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_varlen", shapes="real"))
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+@pytest.mark.parametrize("seq,causal", [(128, False), (512, False), (1024, True)])
+def test_attention_varlen_real_shapes(backend, dtype, seq, causal):
+    batch, heads, head_dim = 4096 // seq, 12, 64
+    lengths = torch.randint(1, seq + 1, (batch,)).tolist()
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (fresh((sum(lengths), heads, head_dim), dtype, "cuda") for _ in range(3))
+    skip_if_refused(backend, "attention_varlen", q, k, v, cu, cu, seq, seq, causal=causal)
+    poison_memory()
+    out = fusedlm.ops.attention_varlen(q, k, v, cu, cu, seq, seq, causal=causal, backend=backend)
+    upstream = torch.randn_like(out)
+    got = grads(out, [q, k, v], upstream)
+    ref = as_reference(q, k, v, dtype=torch.float32)
+    expected = reference.attention_varlen(*ref, cu, cu, seq, seq, causal=causal)
+    expected_grads = grads(expected, ref, upstream.float())
+    assert_relative_error(out, expected, dtype, "out", REAL_BOUND)
+    for name, a, e in zip(("dq", "dk", "dv"), got, expected_grads):
+        assert_relative_error(a, e, dtype, name, REAL_BOUND)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention", shapes="real"))
+def test_attention_gradients_repeat_bit_for_bit(backend):
+    leaves = [fresh((8, 12, 512, 64), torch.bfloat16, "cuda") for _ in range(3)]
+    bias = fresh((12, 512, 512), torch.bfloat16, "cuda")
+    mask = _real_padding(8, 512)
+    # (Where a backend takes no bias, test_cuda_attention_backward_repeats_bit_for_bit
+    # repeats its gradients without one.)
+    skip_if_refused(backend, "attention", *leaves, key_padding_mask=mask, attn_bias=bias,
+                    causal=True)
+
+    def step():
+        out = fusedlm.ops.attention(*leaves, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                    backend=backend)
+        return grads(out, leaves + [bias], torch.ones_like(out))
+
+    first = step()
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(first, step()))
+
+
+def _with_and_without(path, cuda_paths, backend, leaves, seed, **kwargs):
+    """attention's output and gradients with the cuda kernels' `path` on, then off, from
+    the same dropout seed."""
+    runs = []
+    for enabled in (True, False):
+        cuda_paths(path, enabled)
+        torch.manual_seed(seed)
+        out = fusedlm.ops.attention(*leaves, **kwargs, backend=backend)
+        runs.append([out] + grads(out, leaves, torch.ones_like(out)))
+    return runs
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("attention", shapes="real")
+                                     if p.id == "cuda"])
+@pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.1)])
+def test_attention_resident_path_matches_the_streamed_one(backend, causal, dropout_p, cuda_paths):
+    """Up to 512 tokens the cuda kernels hold a sequence's tiles in shared memory; every
+    row still meets the same tiles in the same order, so the results are the streamed
+    path's bit for bit, dropout included."""
+    leaves = [fresh((4, 12, 320, 64), torch.bfloat16, "cuda") for _ in range(3)]
+    resident, streamed = _with_and_without(
+        "attention_resident", cuda_paths, backend, leaves, 11,
+        key_padding_mask=_real_padding(4, 320), causal=causal, dropout_p=dropout_p)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), resident, streamed):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("attention", shapes="real")
+                                     if p.id == "cuda"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+def test_attention_wgmma_forward_matches_mma_sync(backend, head_dim, dtype, cuda_paths):
+    """On sm_90 the streamed forward runs on warpgroup products; it must agree with the
+    mma.sync forward (the same scores in another summation order) to the output's rounding,
+    and its backward, which reads the saved log-sum-exp, must agree as well."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma forward runs on sm_90 devices only")
+    leaves = [fresh((2, 8, 1000, head_dim), dtype, "cuda") for _ in range(3)]
+    wgmma, mma_sync = _with_and_without(
+        "attention_wgmma", cuda_paths, backend, leaves, 5,
+        key_padding_mask=_real_padding(2, 1000), causal=True, dropout_p=0.1)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), wgmma, mma_sync):
+        assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)
