@@ -7,8 +7,9 @@
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
 #           ptxas's resource report of every kernel (OUTDIR/ptxas.txt)
-# test      the gpu-marked tests and the triton/cuda cases of every op's tests, on CUDA
-#           (over TEST_WORKERS=12 processes where pytest-xdist is installed)
+# test      the triton/cuda cases of every op's tests on CUDA, small shapes and the
+#           gpu-marked real ones (over TEST_WORKERS=12 processes where pytest-xdist is
+#           installed)
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
 #           backend's resident path off (rows "fusedlm[cuda] streamed"), and the attention
@@ -77,8 +78,8 @@ PYEOF
 
 stage_test() {
   # The op tests' cuda cases first (small shapes, no compiling: quick), then the gpu-marked
-  # tests and the triton cases, which without TRITON_INTERPRET run on CUDA tensors at
-  # their full shapes. Compiling the triton kernels' specializations takes most of the
+  # tests (every op's real shapes, BERT-base and GPT-2 small, on each GPU backend) and the
+  # triton cases, which without TRITON_INTERPRET run on CUDA tensors. Compiling the triton kernels' specializations takes most of the
   # time: pytest-xdist, where installed, spreads them over the machine's cores.
   local status=0 workers=()
   run_stage test-cuda "$PY" -m pytest -q -p no:cacheprovider tests -m "not gpu and not triton" \

@@ -1,5 +1,6 @@
 """attention and attention_varlen against the reference, on every backend that has them."""
 import math
+import re
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
-                      skip_if_refused, slow_backend)
+from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
+                     backend_device, backends_for, first_taken, fresh, grads, keep_mask,
+                     poison_memory, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -28,8 +30,8 @@ def backends_with_paths(op):
     """pytest params (backend, path): backends_for(op), with the cuda backend once per way
     its kernels walk the key (or query) tiles: "resident", the default, which holds every
     tile of a sequence of up to 512 rows in shared memory at once (longer ones stream),
-    and "streamed" (FUSEDLM_ATTENTION_RESIDENT=0), one tile at a time at any length, the
-    path of long sequences and, on sm_90a, of the wgmma forward."""
+    and "streamed" (set_path("attention_resident", False)), one tile at a time at any
+    length, the path of long sequences and, on sm_90a, of the wgmma forward."""
     params = []
     for param in backends_for(op):
         (name,) = param.values
@@ -39,10 +41,10 @@ def backends_with_paths(op):
     return params
 
 
-def _take(path, monkeypatch):
-    """Sends the cuda kernels down `path` (they read the setting on every call)."""
+def _take(path, cuda_paths):
+    """Sends the cuda kernels down `path` for the rest of the test (the cuda_paths fixture)."""
     if path == "streamed":
-        monkeypatch.setenv("FUSEDLM_ATTENTION_RESIDENT", "0")
+        cuda_paths("attention_resident", False)
 
 
 def _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, device, *, layout="bhsd", head_dim_v=None,
@@ -148,8 +150,8 @@ SLOW_CASES = {
 @pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_reference(backend, path, dtype, case, monkeypatch):
-    _take(path, monkeypatch)
+def test_attention_matches_reference(backend, path, dtype, case, cuda_paths):
+    _take(path, cuda_paths)
     device = backend_device(backend)
     cases = SLOW_CASES if slow_backend(backend) and case in SLOW_CASES else CASES
     batch, heads, seq_q, seq_k, head_dim, opts = cases[case]
@@ -171,8 +173,8 @@ def test_attention_matches_reference(backend, path, dtype, case, monkeypatch):
 
 @pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
-def test_attention_rows_with_every_key_masked_are_zero(backend, path, dtype, head_dim, monkeypatch):
-    _take(path, monkeypatch)
+def test_attention_rows_with_every_key_masked_are_zero(backend, path, dtype, head_dim, cuda_paths):
+    _take(path, cuda_paths)
     device = backend_device(backend)
     leaves, (q, k, v) = _inputs(3, 2, 9, 6, head_dim, dtype, device)
     mask = _padding_mask(3, 6, device, empty_row=True)
@@ -195,9 +197,9 @@ def test_attention_rows_with_every_key_masked_are_zero(backend, path, dtype, hea
 @pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seq_k", [24, 300])
-def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, monkeypatch):
+def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, cuda_paths):
     # Scores in the hundreds: exp would overflow even float32 without subtracting the row max.
-    _take(path, monkeypatch)
+    _take(path, cuda_paths)
     device = backend_device(backend)
     batch = 1 if slow_backend(backend) else 2
     q = fresh((batch, 2, 24, 64), dtype, device, 12.0)
@@ -235,15 +237,23 @@ def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, mon
                                  f"{low_error / eps:.1f} eps in {str(dtype)[6:]} itself)")
 
 
-@pytest.mark.parametrize("backend", [b for b in backends_for("attention") if b.id == "triton"])
-def test_triton_attention_refuses_head_dims_past_256(backend):
+@pytest.mark.parametrize("backend", backends_for("attention"))
+@pytest.mark.parametrize("head_dim, head_dim_v", [(264, 16), (16, 300)], ids=["q", "v"])
+def test_attention_a_refused_call_says_why_and_runs_elsewhere(backend, head_dim, head_dim_v):
+    # Head dims past what a backend's kernels take (the triton kernels hold a row block in
+    # registers): asked for by name, the backend raises what its limits refuse; left to
+    # the automatic choice, the call runs on a backend that takes it.
     device = backend_device(backend)
-    q, k = (torch.randn(1, 1, 4, 264, device=device) for _ in range(2))
-    with pytest.raises(RuntimeError, match="head_dim up to 256, got 264"):
-        fusedlm.ops.attention(q, k, torch.randn(1, 1, 4, 16, device=device), backend=backend)
-    with pytest.raises(RuntimeError, match="v's head_dim up to 256, got 300"):
-        fusedlm.ops.attention(q[..., :16], k[..., :16], torch.randn(1, 1, 4, 300, device=device),
-                              backend=backend)
+    q, k = (torch.randn(1, 1, 4, head_dim, device=device) for _ in range(2))
+    v = torch.randn(1, 1, 4, head_dim_v, device=device)
+    try:
+        fusedlm.explain("attention", q, k, v, backend=backend)
+        pytest.skip(f"{backend} takes head dims {head_dim} and {head_dim_v}")
+    except RuntimeError as error:
+        refusal = str(error)
+    with pytest.raises(RuntimeError, match=re.escape(refusal)):
+        fusedlm.ops.attention(q, k, v, backend=backend)
+    assert_close(fusedlm.ops.attention(q, k, v), reference.attention(q.double(), k.double(), v.double()))
 
 
 def test_attention_gradcheck():
@@ -327,9 +337,9 @@ def test_attention_empty_batch():
 
 @pytest.mark.parametrize("backend, path",
                          [p for p in backends_with_paths("attention") if p.values[0] == "cuda"])
-def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, monkeypatch):
+def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, cuda_paths):
     # No atomics: dK/dV per key block and dQ per query block, each element written once.
-    _take(path, monkeypatch)
+    _take(path, cuda_paths)
     batch, heads, seq_q, seq_k = (1, 1, 70, 130) if slow_backend(backend) else (2, 3, 200, 260)
     device = backend_device(backend)
     leaves, (q, k, v) = _inputs(batch, heads, seq_q, seq_k, 64, torch.bfloat16, device,
@@ -407,27 +417,31 @@ def _replay_seed(p, seed=4321):
     return drawn
 
 
-def _dropout_dtype(backend):
-    """float64 where the backend takes it, so the replay compares at a tight tolerance."""
-    return torch.float64 if backend == "cpu" else torch.float32
+def _widest_taken(backend, op, call, dtypes=(torch.float64, torch.float32)):
+    """The first of `dtypes` whose call(dtype) -> (args, kwargs) of `op` the backend takes:
+    float64 where it can, so a replay compares at a tight tolerance."""
+    return first_taken(backend, op, dtypes, call)
 
 
 @pytest.mark.parametrize("backend", backends_for("attention"))
 def test_attention_dropout_replays_its_mask(backend):
     p = 0.3
     batch, heads, seq_q, seq_k = 2, 3, 20, 27
-    device, dtype = backend_device(backend), _dropout_dtype(backend)
-    leaves, _ = _inputs(batch, heads, seq_q, seq_k, 16, dtype, device, layout="bshd")
-    bias = fresh((heads, 1, seq_k), dtype, device)
+    device = backend_device(backend)
     # Padding not only at the end: kept keys are gathered, and must meet their own stream elements.
     mask = _padding_mask(batch, seq_k, device)
-    q, k, v = _views(leaves, "bshd")
-    skip_if_refused(backend, "attention", q, k, v, key_padding_mask=mask, attn_bias=bias,
-                    causal=True, dropout_p=p)
+
+    def inputs(dtype):
+        leaves, views = _inputs(batch, heads, seq_q, seq_k, 16, dtype, device, layout="bshd")
+        bias = fresh((heads, 1, seq_k), dtype, device)
+        return (leaves, bias), (views, dict(key_padding_mask=mask, attn_bias=bias, causal=True,
+                                            dropout_p=p))
+
+    dtype = _widest_taken(backend, "attention", lambda dtype: inputs(dtype)[1])
+    (leaves, bias), ((q, k, v), options) = inputs(dtype)
     seed = _replay_seed(p)
     keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), p)
-    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
-                                dropout_p=p, backend=backend)
+    out = fusedlm.ops.attention(q, k, v, **options, backend=backend)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves + [bias], grad)
     ref = as_reference(*leaves, bias)
@@ -439,11 +453,9 @@ def test_attention_dropout_replays_its_mask(backend):
         assert_close(g, r, scale=4 if name == "dbias" else 2, name=name)
     # The same seed repeats the output; the next seed does not.
     torch.manual_seed(4321)
-    again = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
-                                  dropout_p=p, backend=backend)
+    again = fusedlm.ops.attention(q, k, v, **options, backend=backend)
     assert torch.equal(again, out)
-    other = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
-                                  dropout_p=p, backend=backend)
+    other = fusedlm.ops.attention(q, k, v, **options, backend=backend)
     assert not torch.equal(other, out)
 
 
@@ -451,14 +463,20 @@ def test_attention_dropout_replays_its_mask(backend):
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_attention_dropout_keeps_one_minus_p_and_scales_by_its_inverse(backend, p):
     # With v = identity over the keys the output is the probability matrix itself, so each
-    # entry is either dropped (0) or the undropped probability times 1 / (1 - p). The cuda
-    # kernels take bfloat16 and q's head_dim for v's (64 keys).
+    # entry is either dropped (0) or the undropped probability times 1 / (1 - p): v's
+    # head_dim is the 64 keys, so q's is 16 or, where v must have q's, 64.
     batch, heads, seq = (2, 2, 64) if slow_backend(backend) else (4, 4, 64)
     device = backend_device(backend)
-    dtype, head_dim = (torch.bfloat16, 64) if backend == "cuda" else (_dropout_dtype(backend), 16)
-    q, k = (fresh((batch, heads, seq, head_dim), dtype, device, requires_grad=False)
-            for _ in range(2))
-    v = torch.eye(seq, dtype=dtype, device=device).expand(batch, heads, seq, seq)
+
+    def inputs(dtype, head_dim):
+        q, k = (fresh((batch, heads, seq, head_dim), dtype, device, requires_grad=False)
+                for _ in range(2))
+        v = torch.eye(seq, dtype=dtype, device=device).expand(batch, heads, seq, seq)
+        return (q, k, v), dict(dropout_p=p)
+
+    options = [(dtype, head_dim) for dtype in (torch.float64, torch.float32, torch.bfloat16)
+               for head_dim in (16, 64)]
+    q, k, v = inputs(*first_taken(backend, "attention", options, lambda o: inputs(*o)))[0]
     probs = fusedlm.ops.attention(q, k, v, backend=backend)
     out = fusedlm.ops.attention(q, k, v, dropout_p=p, backend=backend)
     kept = out != 0
@@ -468,10 +486,10 @@ def test_attention_dropout_keeps_one_minus_p_and_scales_by_its_inverse(backend, 
 
 
 @pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
-def test_attention_dropout_is_the_backends_stream(backend, path, monkeypatch):
+def test_attention_dropout_is_the_backends_stream(backend, path, cuda_paths):
     # Each backend's own stream, element (b, h, i, j) of [batch, heads, seq_q, seq_k], over
     # several query and key blocks, with padding and the causal diagonal.
-    _take(path, monkeypatch)
+    _take(path, cuda_paths)
     p = 0.2
     batch, heads, seq_q, seq_k = 2, 2, 70, 90
     device = backend_device(backend)
@@ -488,42 +506,38 @@ def test_attention_dropout_is_the_backends_stream(backend, path, monkeypatch):
         out_scale=2, grad_scale=4)
 
 
+VARLEN_DROPOUT_CASES = {
+    # name: (lengths_q, lengths_k, max_q, max_k, head_dim, dtypes, out_scale, grad_scale); the
+    # max lengths larger than the longest: the stream's pitch follows these.
+    "short": ([5, 0, 11], [7, 3, 9], 12, 10, 8, (torch.float64, torch.float32), 1, 2),
+    # Several query and key blocks, at the head dim of the cuda kernels.
+    "blocks": ([5, 0, 80], [70, 3, 9], 81, 75, 64, (torch.bfloat16,), 2, 4),
+}
+
+
 @pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
-def test_attention_varlen_dropout_is_the_backends_stream(backend, path, monkeypatch):
-    _take(path, monkeypatch)
+@pytest.mark.parametrize("case", list(VARLEN_DROPOUT_CASES))
+def test_attention_varlen_dropout_replays_its_mask(backend, path, case, cuda_paths):
+    # Each backend's own stream, element (b, h, i, j) of [batch, heads, max_q, max_k].
+    _take(path, cuda_paths)
     p = 0.25
-    lengths_q, lengths_k = [5, 0, 80], [70, 3, 9]
-    max_q, max_k = 81, 75  # larger than the longest: the stream's pitch follows these
+    lengths_q, lengths_k, max_q, max_k, head_dim, dtypes, out_scale, grad_scale = (
+        VARLEN_DROPOUT_CASES[case])
     heads = 2
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, 64, torch.bfloat16,
-                                  backend_device(backend))
-    skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
-                     dropout_p=p)
+
+    def build(dtype):
+        q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, head_dim, dtype,
+                                      backend_device(backend))
+        return (q, k, v, cu_q, cu_k, max_q, max_k), dict(causal=True, dropout_p=p)
+
+    (q, k, v, cu_q, cu_k, *_), _ = build(_widest_taken(backend, "attention_varlen", build, dtypes))
     seed = _replay_seed(p)
     keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
     out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
                                        backend=backend)
     _assert_matches(out, (q, k, v), lambda *ref: reference.attention_varlen(
         *ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p, dropout_mask=keep),
-        out_scale=2, grad_scale=4)
-
-
-@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
-def test_attention_varlen_dropout_replays_its_mask(backend):
-    p = 0.25
-    lengths_q, lengths_k = [5, 0, 11], [7, 3, 9]
-    max_q, max_k = 12, 10  # larger than the longest: the stream's pitch follows these
-    heads = 2
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, 8, _dropout_dtype(backend),
-                                  backend_device(backend))
-    skip_if_refused(backend, "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
-                    dropout_p=p)
-    seed = _replay_seed(p)
-    keep = keep_mask(backend, seed, (3, heads, max_q, max_k), p)
-    out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p,
-                                       backend=backend)
-    _assert_matches(out, (q, k, v), lambda *ref: reference.attention_varlen(
-        *ref, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=p, dropout_mask=keep), grad_scale=2)
+        out_scale=out_scale, grad_scale=grad_scale)
 
 
 # --- attention_varlen ----------------------------------------------------------------------------
@@ -549,9 +563,9 @@ VARLEN_CASES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
-def test_attention_varlen_matches_reference(backend, path, dtype, causal, case, monkeypatch):
+def test_attention_varlen_matches_reference(backend, path, dtype, causal, case, cuda_paths):
     # Sequences of their own lengths for q and k, one with no queries, one with no keys.
-    _take(path, monkeypatch)
+    _take(path, cuda_paths)
     lengths_q, lengths_k, head_dim, head_dim_v = VARLEN_CASES[case]
     heads = 2 if slow_backend(backend) else 3
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, head_dim, dtype,
@@ -696,3 +710,175 @@ def test_attention_varlen_rejects_bad_input(backend):
         args = ok | change
         with pytest.raises(error, match=name):
             fusedlm.ops.attention_varlen(*args.values(), backend=backend)
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+# BERT-base (12 heads of 64, seq 128 and 512, mixed padding), GPT-2 small (seq 1024,
+# causal), long causal sequences, the head dims of common models, and packed sequences.
+# The cuda backend's sequences up to 512 take its resident path and longer ones its
+# streamed path: both are here, with padding, causal masks and dropout. Half-precision
+# products and the probabilities rounded before P V bound the error at 1e-2 norm-wise for
+# both bfloat16 and float16.
+
+REAL_DTYPES = [torch.bfloat16, torch.float16]
+REAL_BOUND = 1e-2
+
+REAL_CASES = {
+    # name: (batch, heads, seq_q, seq_k, head_dim, options)
+    "bert-base-128": (32, 12, 128, 128, 64, {"mask": True}),
+    "bert-base-512": (8, 12, 512, 512, 64, {"mask": True, "layout": "bshd"}),
+    "gpt2-small-1024": (8, 12, 1024, 1024, 64, {"causal": True, "layout": "bshd"}),
+    "long-2048-dim128": (2, 16, 2048, 2048, 128, {"causal": True}),
+    "long-4096": (1, 16, 4096, 4096, 64, {"causal": True}),
+    "long-8192": (1, 4, 8192, 8192, 64, {"causal": True}),
+    "dim-32": (4, 8, 256, 256, 32, {"mask": True}),
+    "dim-80": (4, 8, 256, 300, 80, {"causal": True}),
+    "dim-96": (4, 8, 333, 256, 96, {"mask": True, "causal": True}),
+    "dim-128": (4, 8, 256, 256, 128, {}),
+    "padded-640x768": (4, 12, 768, 640, 64, {"mask": True}),
+    "bias-per-head": (4, 12, 128, 128, 64, {"bias": (12, 128, 128)}),
+    "bias-full": (2, 4, 200, 180, 64, {"bias": (2, 4, 200, 180), "causal": True}),
+}
+
+
+def _real_padding(batch, seq):
+    """Lengths between seq / 2 and seq, the first full; True = padding."""
+    lengths = torch.randint(seq // 2, seq + 1, (batch,), device="cuda")
+    lengths[0] = seq
+    return torch.arange(seq, device="cuda")[None, :] >= lengths[:, None]
+
+
+def _check_real_shapes(backend, batch, heads, seq_q, seq_k, head_dim, dtype, opts, dropout_p=0.0):
+    """attention at a real shape in poisoned memory, against the float32 reference."""
+    opts = dict(opts)
+    layout = opts.pop("layout", "bhsd")
+    shapes = [(seq_q, head_dim), (seq_k, head_dim), (seq_k, head_dim)]
+    leaves = [fresh((batch, s, heads, d) if layout == "bshd" else (batch, heads, s, d), dtype,
+                    "cuda") for s, d in shapes]
+    if opts.pop("mask", False):
+        opts["key_padding_mask"] = _real_padding(batch, seq_k)
+    bias_shape = opts.pop("bias", None)
+    bias = fresh(bias_shape, dtype, "cuda") if bias_shape else None
+    wrt = leaves + ([bias] if bias is not None else [])
+    skip_if_refused(backend, "attention", *_views(leaves, layout), attn_bias=bias,
+                    dropout_p=dropout_p, **opts)
+    torch.manual_seed(7)
+    seed = next_seed(dropout_p)
+    keep = keep_mask(backend, seed, (batch, heads, seq_q, seq_k), dropout_p) if dropout_p else None
+    poison_memory()
+    torch.manual_seed(7)
+    out = fusedlm.ops.attention(*_views(leaves, layout), attn_bias=bias, dropout_p=dropout_p,
+                                backend=backend, **opts)
+    upstream = torch.randn_like(out)
+    got = grads(out, wrt, upstream)
+
+    ref = as_reference(*wrt, dtype=torch.float32)
+    expected = reference.attention(*_views(ref[:3], layout), attn_bias=ref[3] if bias is not None
+                                   else None, dropout_p=dropout_p, dropout_mask=keep, **opts)
+    expected_grads = grads(expected, ref, upstream.float())
+    assert_relative_error(out, expected, dtype, "out", REAL_BOUND)
+    for name, a, e in zip(("dq", "dk", "dv", "dbias"), got, expected_grads):
+        assert a.dtype == dtype and a.shape == e.shape
+        assert_relative_error(a, e, dtype, name, REAL_BOUND)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention", shapes="real"))
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+@pytest.mark.parametrize("case", list(REAL_CASES))
+def test_attention_real_shapes(backend, dtype, case):
+    batch, heads, seq_q, seq_k, head_dim, opts = REAL_CASES[case]
+    _check_real_shapes(backend, batch, heads, seq_q, seq_k, head_dim, dtype, opts)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention", shapes="real"))
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+@pytest.mark.parametrize("seq", [256, 640])
+def test_attention_dropout_replays_its_mask_at_real_shapes(backend, dtype, seq):
+    _check_real_shapes(backend, 4, 12, seq, seq, 64, dtype, {"mask": True, "causal": True},
+                       dropout_p=0.1)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_varlen", shapes="real"))
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+@pytest.mark.parametrize("seq,causal", [(128, False), (512, False), (1024, True)])
+def test_attention_varlen_real_shapes(backend, dtype, seq, causal):
+    batch, heads, head_dim = 4096 // seq, 12, 64
+    lengths = torch.randint(1, seq + 1, (batch,)).tolist()
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (fresh((sum(lengths), heads, head_dim), dtype, "cuda") for _ in range(3))
+    skip_if_refused(backend, "attention_varlen", q, k, v, cu, cu, seq, seq, causal=causal)
+    poison_memory()
+    out = fusedlm.ops.attention_varlen(q, k, v, cu, cu, seq, seq, causal=causal, backend=backend)
+    upstream = torch.randn_like(out)
+    got = grads(out, [q, k, v], upstream)
+    ref = as_reference(q, k, v, dtype=torch.float32)
+    expected = reference.attention_varlen(*ref, cu, cu, seq, seq, causal=causal)
+    expected_grads = grads(expected, ref, upstream.float())
+    assert_relative_error(out, expected, dtype, "out", REAL_BOUND)
+    for name, a, e in zip(("dq", "dk", "dv"), got, expected_grads):
+        assert_relative_error(a, e, dtype, name, REAL_BOUND)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention", shapes="real"))
+def test_attention_gradients_repeat_bit_for_bit(backend):
+    leaves = [fresh((8, 12, 512, 64), torch.bfloat16, "cuda") for _ in range(3)]
+    bias = fresh((12, 512, 512), torch.bfloat16, "cuda")
+    mask = _real_padding(8, 512)
+    # (Where a backend takes no bias, test_cuda_attention_backward_repeats_bit_for_bit
+    # repeats its gradients without one.)
+    skip_if_refused(backend, "attention", *leaves, key_padding_mask=mask, attn_bias=bias,
+                    causal=True)
+
+    def step():
+        out = fusedlm.ops.attention(*leaves, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                    backend=backend)
+        return grads(out, leaves + [bias], torch.ones_like(out))
+
+    first = step()
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(first, step()))
+
+
+def _with_and_without(path, cuda_paths, backend, leaves, seed, **kwargs):
+    """attention's output and gradients with the cuda kernels' `path` on, then off, from
+    the same dropout seed."""
+    runs = []
+    for enabled in (True, False):
+        cuda_paths(path, enabled)
+        torch.manual_seed(seed)
+        out = fusedlm.ops.attention(*leaves, **kwargs, backend=backend)
+        runs.append([out] + grads(out, leaves, torch.ones_like(out)))
+    return runs
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("attention", shapes="real")
+                                     if p.id == "cuda"])
+@pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.1)])
+def test_attention_resident_path_matches_the_streamed_one(backend, causal, dropout_p, cuda_paths):
+    """Up to 512 tokens the cuda kernels hold a sequence's tiles in shared memory; every
+    row still meets the same tiles in the same order, so the results are the streamed
+    path's bit for bit, dropout included."""
+    leaves = [fresh((4, 12, 320, 64), torch.bfloat16, "cuda") for _ in range(3)]
+    resident, streamed = _with_and_without(
+        "attention_resident", cuda_paths, backend, leaves, 11,
+        key_padding_mask=_real_padding(4, 320), causal=causal, dropout_p=dropout_p)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), resident, streamed):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("attention", shapes="real")
+                                     if p.id == "cuda"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", REAL_DTYPES)
+def test_attention_wgmma_forward_matches_mma_sync(backend, head_dim, dtype, cuda_paths):
+    """On sm_90 the streamed forward runs on warpgroup products; it must agree with the
+    mma.sync forward (the same scores in another summation order) to the output's rounding,
+    and its backward, which reads the saved log-sum-exp, must agree as well."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma forward runs on sm_90 devices only")
+    leaves = [fresh((2, 8, 1000, head_dim), dtype, "cuda") for _ in range(3)]
+    wgmma, mma_sync = _with_and_without(
+        "attention_wgmma", cuda_paths, backend, leaves, 5,
+        key_padding_mask=_real_padding(2, 1000), causal=True, dropout_p=0.1)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), wgmma, mma_sync):
+        assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)

@@ -1,10 +1,13 @@
-"""attention_with_kvcache against the reference, on every backend that has it."""
+"""attention_with_kvcache against the reference, on every backend that has it: small
+cases, and GPT-2-small decoding shapes on a GPU (with one decoding step captured in a CUDA
+graph)."""
 import pytest
 import torch
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import assert_close, backend_device, backends_for, fresh
+from helpers import (assert_close, assert_relative_error, backend_device, backends_for, fresh,
+                     poison_memory)
 
 CASES = {
     # name: (batch, heads, seq_q, seq_new, max_len, head_dim, cached lengths, left padding)
@@ -80,7 +83,7 @@ def test_attention_with_kvcache_low_precision(backend):
 def test_attention_with_kvcache_equals_attention_over_the_sequence(backend):
     # Each sequence's step is causal attention of its queries over its own keys
     # [leftpad, total), written out explicitly.
-    device = backend_device(backend) if backend != "reference" else torch.device("cpu")
+    device = backend_device(backend)
     q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded_prefill",
                                                                 torch.float32, device)
     out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
@@ -168,3 +171,76 @@ def test_attention_with_kvcache_rejects_bad_input(backend):
     with torch.no_grad():  # no grad mode: a tensor that requires grad is fine
         fusedlm.ops.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, seqlens,
                                            backend=backend)
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+
+BATCH, HEADS, HEAD_DIM, MAX_LEN = 8, 12, 64, 1024  # GPT-2 small decoding
+
+
+def _real_step(dtype, seq_q, seq_new, leftpad):
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda").to(dtype)
+
+    caches = [randn(BATCH, MAX_LEN, HEADS, HEAD_DIM) for _ in range(2)]
+    seqlens = torch.randint(0, MAX_LEN - seq_new + 1, (BATCH,), device="cuda", dtype=torch.int32)
+    seqlens[0], seqlens[1] = 0, MAX_LEN - seq_new  # empty and full
+    pad = None
+    if leftpad:
+        pad = (torch.rand(BATCH, device="cuda") * (seqlens + seq_new).float()).to(torch.int32)
+    new = [randn(BATCH, seq_new, HEADS, HEAD_DIM) for _ in range(2)] if seq_new else [None, None]
+    return randn(BATCH, seq_q, HEADS, HEAD_DIM), caches, new, seqlens, pad
+
+
+def _float(t):
+    return None if t is None else t.float()
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache", shapes="real"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seq_q,seq_new", [(1, 1), (128, 128), (4, 0)], ids=["decode", "prefill", "read"])
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+def test_attention_with_kvcache_real_shapes(backend, dtype, seq_q, seq_new, leftpad):
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _real_step(dtype, seq_q, seq_new, leftpad)
+    ref_caches = [k_cache.float(), v_cache.float()]
+    poison_memory()
+    out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                             cache_leftpad=pad, backend=backend)
+    expected = reference.attention_with_kvcache(q.float(), *ref_caches, seqlens, _float(k_new),
+                                                _float(v_new), cache_leftpad=pad)
+    assert_relative_error(out, expected, dtype, "out")
+    assert torch.equal(k_cache.float(), ref_caches[0]) and torch.equal(v_cache.float(), ref_caches[1])
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache", shapes="real"))
+def test_a_decoding_step_replays_from_a_cuda_graph(backend):
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _real_step(torch.bfloat16, 1, 1, True)
+    seqlens.clamp_(max=MAX_LEN - 2)
+    step = lambda: fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                                      cache_leftpad=pad, backend=backend)
+    step()  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    # New lengths and inputs, same buffers: the replay follows them.
+    seqlens += 1
+    q.normal_()
+    k_new.normal_()
+    ref_caches = [k_cache.float(), v_cache.float()]
+    graph.replay()
+    expected = reference.attention_with_kvcache(q.float(), *ref_caches, seqlens, k_new.float(),
+                                                v_new.float(), cache_leftpad=pad)
+    assert_relative_error(out, expected, torch.bfloat16, "out")
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache", shapes="real"))
+def test_lengths_past_the_cache_write_nothing_outside_it(backend):
+    # Unchecked on the GPU (without FUSEDLM_DEBUG): sequence 0's append past its end must
+    # not land at sequence 1's first positions, which follow it in memory.
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, _ = _real_step(torch.float32, 1, 1, False)
+    seqlens[0] = MAX_LEN
+    before = k_cache.clone()
+    out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
+                                             backend=backend)
+    assert int(seqlens[1]) > 0 and torch.equal(k_cache[1, 0], before[1, 0])
+    assert torch.equal(k_cache[0], before[0]) and out[0].isfinite().all()

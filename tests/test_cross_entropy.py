@@ -1,4 +1,5 @@
-"""cross_entropy and masked_lm_loss against the reference, on every backend that has them."""
+"""cross_entropy and masked_lm_loss against the reference, on every backend that has them:
+small cases, and BERT-base and GPT-2-small shapes on a GPU."""
 import importlib
 
 import pytest
@@ -7,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
+from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
+                     fresh, grads, poison_memory, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -484,3 +486,58 @@ def test_masked_lm_loss_rejects_bad_input():
         fusedlm.ops.masked_lm_loss(hidden, weight.to("meta"), bias, labels)
     with pytest.raises(ValueError, match="reduction"):
         fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, reduction="avg")
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+
+REAL_SHAPES = {"bert-base": (32 * 128, 30522), "gpt2-small": (8 * 1024, 50257)}  # (tokens, vocab)
+
+
+def _real_labels(tokens, vocab, ignored):
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    return labels.masked_fill(torch.rand(tokens, device="cuda") < ignored, -100)
+
+
+@pytest.mark.parametrize("backend", backends_for("cross_entropy", shapes="real"))
+@pytest.mark.parametrize("shape", REAL_SHAPES.values(), ids=REAL_SHAPES.keys())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_real_shapes(backend, shape, dtype, label_smoothing, reduction):
+    tokens, vocab = shape
+    logits = fresh(shape, dtype, "cuda", scale=3.0)
+    labels = _real_labels(tokens, vocab, ignored=0.1)
+    poison_memory()
+    loss = fusedlm.ops.cross_entropy(logits, labels, label_smoothing=label_smoothing,
+                                     reduction=reduction, backend=backend)
+    upstream = torch.rand_like(loss) + 0.5
+    (got,) = grads([loss], [logits], [upstream])
+    (ref,) = as_reference(logits, dtype=torch.float32)
+    expected = reference.cross_entropy(ref, labels, label_smoothing=label_smoothing,
+                                       reduction=reduction)
+    (expected_grad,) = grads([expected], [ref], [upstream])
+    # The loss is float32 whatever the logits' dtype.
+    assert_relative_error(loss, expected, torch.float32, "loss")
+    assert_relative_error(got, expected_grad, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("backend", backends_for("masked_lm_loss", shapes="real"))
+@pytest.mark.parametrize("shape", REAL_SHAPES.values(), ids=REAL_SHAPES.keys())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_masked_lm_loss_real_shapes(backend, shape, dtype, reduction):
+    tokens, vocab = shape
+    inputs = [fresh((tokens, 768), dtype, "cuda"), fresh((vocab, 768), dtype, "cuda", scale=768 ** -0.5),
+              fresh((vocab,), dtype, "cuda")]
+    labels = _real_labels(tokens, vocab, ignored=0.85)
+    poison_memory()
+    loss = fusedlm.ops.masked_lm_loss(*inputs, labels, reduction=reduction, backend=backend)
+    upstream = torch.rand_like(loss) + 0.5
+    got = grads([loss], inputs, [upstream])
+    ref_inputs = as_reference(*inputs, dtype=torch.float32)
+    expected = reference.masked_lm_loss(*ref_inputs, labels, reduction=reduction)
+    expected_grads = grads([expected], ref_inputs, [upstream])
+    # bf16 logits are rounded products: the loss is as exact as the dtype's logits.
+    assert_relative_error(loss, expected, dtype, "loss")
+    for name, a, e in zip(("dhidden", "dweight", "dbias"), got, expected_grads):
+        assert_relative_error(a, e, dtype, name)

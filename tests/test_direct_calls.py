@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm.ops as F
-from conftest import backends_for
+from helpers import backends_for
 
 
 class Recorder(TorchDispatchMode):

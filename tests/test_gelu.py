@@ -1,4 +1,5 @@
-"""bias_gelu and gelu_ffn against the reference, on every backend that has them."""
+"""bias_gelu and gelu_ffn against the reference, on every backend that has them: small
+cases, and BERT-base and GPT-2-small shapes on a GPU."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -6,8 +7,9 @@ from hypothesis import given, settings, strategies as st
 import fusedlm
 from fusedlm.ops import reference
 from fusedlm.ops._dropout import cpu_keep_mask, next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
-                      skip_if_refused, slow_backend)
+from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
+                     backend_device, backends_for, first_taken, fresh, grads, keep_mask,
+                     poison_memory, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -188,11 +190,16 @@ def test_gelu_ffn_gradcheck():
     assert torch.autograd.gradcheck(lambda *a: fusedlm.ops.gelu_ffn(*a, backend="cpu"), tuple(inputs))
 
 
+def _widest_taken(backend, dtypes, **kwargs):
+    """The first of `dtypes` whose gelu_ffn inputs the backend takes."""
+    return first_taken(backend, "gelu_ffn", dtypes,
+                       lambda dtype: (_ffn_inputs(dtype, backend_device(backend)), kwargs))
+
+
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 def test_gelu_ffn_dropout_replays_its_mask(backend):
-    # The widest dtype the backend takes: float64 on the cpu (exact comparisons), bfloat16
-    # for the cuda kernel's tensor cores.
-    dtype = {"cpu": torch.float64, "cuda": torch.bfloat16}.get(backend, torch.float32)
+    # The widest dtype the backend takes (float64: exact comparisons).
+    dtype = _widest_taken(backend, (torch.float64, torch.float32, torch.bfloat16))
     scale = 3 if dtype == torch.bfloat16 else 1
     inputs = _ffn_inputs(dtype, backend_device(backend))
     p = 0.3
@@ -258,7 +265,7 @@ def test_gelu_ffn_compiles_without_graph_breaks():
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 def test_gelu_ffn_empty_batch(backend):
     device = backend_device(backend)
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    dtype = _widest_taken(backend, (torch.float32, torch.bfloat16))
     x, w1, b1, w2, b2 = _ffn_inputs(dtype, device)
     x = torch.randn(0, 48, dtype=dtype, device=device, requires_grad=True)
     out = fusedlm.ops.gelu_ffn(x, w1, b1, w2, b2, backend=backend)
@@ -271,7 +278,7 @@ def test_gelu_ffn_empty_batch(backend):
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_gelu_ffn_outputs_are_not_views(backend, dropout_p):
-    dtype = torch.bfloat16 if backend == "cuda" else torch.float32
+    dtype = _widest_taken(backend, (torch.float32, torch.bfloat16), dropout_p=dropout_p)
     x, w1, b1, w2, b2 = _ffn_inputs(dtype, backend_device(backend))
     seed = next_seed(dropout_p)
     with torch.no_grad():
@@ -291,3 +298,114 @@ def test_gelu_ffn_rejects_bad_input():
         fusedlm.ops.gelu_ffn(x, w1, b1, w2.half(), b2)
     with pytest.raises(ValueError, match="dropout_p"):
         fusedlm.ops.gelu_ffn(x, w1, b1, w2, b2, dropout_p=1.0)
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+
+REAL_TOKENS = {"bert-base": 32 * 128, "gpt2-small": 8 * 1024}
+# BERT-base's and GPT-2's FFN width, and an odd one (one element per load in the cuda kernels).
+REAL_WIDTHS = {"ffn-3072": 3072, "odd-3001": 3001}
+
+
+@pytest.mark.parametrize("backend", backends_for("bias_gelu", shapes="real"))
+@pytest.mark.parametrize("tokens", REAL_TOKENS.values(), ids=REAL_TOKENS.keys())
+@pytest.mark.parametrize("width", REAL_WIDTHS.values(), ids=REAL_WIDTHS.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_real_shapes(backend, tokens, width, dtype, approximate):
+    inputs = [fresh((tokens, width), dtype, "cuda", scale=3.0), fresh((width,), dtype, "cuda")]
+    skip_if_refused(backend, "bias_gelu", *inputs, approximate)
+    upstream = torch.randn(tokens, width, device="cuda", dtype=dtype)
+    poison_memory()
+    out = fusedlm.ops.bias_gelu(*inputs, approximate, backend=backend)
+    got = grads([out], inputs, [upstream])
+    ref_inputs = as_reference(*inputs, dtype=torch.float32)
+    expected = reference.bias_gelu(*ref_inputs, approximate)
+    expected_grads = grads([expected], ref_inputs, [upstream.float()])
+    assert_relative_error(out, expected, dtype, "out")
+    for name, a, e in zip(("dx", "dbias"), got, expected_grads):
+        assert_relative_error(a, e, dtype, name)
+
+
+# The FFN's tokens also at a count that leaves the cuda product's last 128-row block partial.
+REAL_FFN_TOKENS = {**REAL_TOKENS, "odd-1000": 1000}
+
+
+def _real_ffn_inputs(tokens, dtype, d_in=768, d_ff=3072, d_out=768):
+    return [fresh((tokens, d_in), dtype, "cuda"), fresh((d_ff, d_in), dtype, "cuda", scale=d_in ** -0.5),
+            fresh((d_ff,), dtype, "cuda"), fresh((d_out, d_ff), dtype, "cuda", scale=d_ff ** -0.5),
+            fresh((d_out,), dtype, "cuda")]
+
+
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn", shapes="real"))
+@pytest.mark.parametrize("tokens", REAL_FFN_TOKENS.values(), ids=REAL_FFN_TOKENS.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_gelu_ffn_real_shapes(backend, tokens, dtype, approximate, dropout_p):
+    inputs = _real_ffn_inputs(tokens, dtype)
+    skip_if_refused(backend, "gelu_ffn", *inputs)
+    upstream = torch.randn(tokens, 768, device="cuda", dtype=dtype)
+    torch.manual_seed(11)
+    seed = next_seed(dropout_p)
+    keep = keep_mask(backend, seed, (tokens, 3072), dropout_p) if dropout_p else None
+    poison_memory()
+    torch.manual_seed(11)
+    out = fusedlm.ops.gelu_ffn(*inputs, approximate=approximate, dropout_p=dropout_p,
+                               backend=backend)
+    got = grads([out], inputs, [upstream])
+    ref_inputs = as_reference(*inputs, dtype=torch.float32)
+    expected = reference.gelu_ffn(*ref_inputs, approximate=approximate, dropout_p=dropout_p,
+                                  dropout_mask=keep)
+    expected_grads = grads([expected], ref_inputs, [upstream.float()])
+    assert_relative_error(out, expected, dtype, "out")
+    for name, a, e in zip(("dx", "dw1", "db1", "dw2", "db2"), got, expected_grads):
+        assert_relative_error(a, e, dtype, name)
+
+
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn", shapes="real"))
+def test_gelu_ffn_gradients_repeat_bit_for_bit(backend):
+    inputs = [fresh((1000, 768), torch.bfloat16, "cuda"),
+              fresh((3072, 768), torch.bfloat16, "cuda", scale=0.03),
+              fresh((3072,), torch.bfloat16, "cuda"),
+              fresh((768, 3072), torch.bfloat16, "cuda", scale=0.02),
+              fresh((768,), torch.bfloat16, "cuda")]
+    skip_if_refused(backend, "gelu_ffn", *inputs)
+    upstream = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
+    runs = [grads([fusedlm.ops.gelu_ffn(*inputs, backend=backend)], inputs, [upstream])
+            for _ in range(2)]
+    for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), *runs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("gelu_ffn", shapes="real")
+                                     if p.id == "cuda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gelu_ffn_wgmma_product_matches_mma_sync(backend, dtype, cuda_paths):
+    """On sm_90 the fused product runs on warpgroup products. At sizes that leave every tile
+    partial (rows, d_ff, and both products' K, d_in and d_out, off the 128 x 128 x 64
+    tiles) it must agree with the float32 reference, and with the mma.sync product (the
+    same sums in another order) to half that bound."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma product runs on sm_90 devices only")
+    tokens, d_in, d_ff, d_out = 1000, 776, 3000, 520
+    inputs = _real_ffn_inputs(tokens, dtype, d_in, d_ff, d_out)
+    upstream = torch.randn(tokens, d_out, device="cuda", dtype=dtype)
+    torch.manual_seed(11)
+    keep = keep_mask(backend, next_seed(0.1), (tokens, d_ff), 0.1)
+
+    def step():
+        torch.manual_seed(11)
+        out = fusedlm.ops.gelu_ffn(*inputs, dropout_p=0.1, backend=backend)
+        return [out] + grads([out], inputs, [upstream])
+
+    cuda_paths("ffn_wgmma", True)
+    wgmma = step()
+    cuda_paths("ffn_wgmma", False)
+    mma_sync = step()
+    ref_inputs = as_reference(*inputs, dtype=torch.float32)
+    expected = reference.gelu_ffn(*ref_inputs, dropout_p=0.1, dropout_mask=keep)
+    expected = [expected] + grads([expected], ref_inputs, [upstream.float()])
+    for name, a, b, e in zip(("out", "dx", "dw1", "db1", "dw2", "db2"), wgmma, mma_sync, expected):
+        assert_relative_error(a, e, dtype, name)
+        assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)

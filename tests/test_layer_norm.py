@@ -1,13 +1,15 @@
-"""add_layer_norm against the reference, on every backend that has it."""
+"""add_layer_norm against the reference, on every backend that has it: small cases, and
+BERT-base and GPT-2-small shapes on a GPU."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
 from fusedlm.ops import reference
-from fusedlm.ops._dropout import next_seed
-from conftest import (as_reference, assert_close, backend_device, backends_for, fresh, keep_mask,
-                      slow_backend)
+from fusedlm.ops._dropout import cpu_keep_mask, next_seed
+from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
+                     first_taken, fresh, grads, keep_mask, poison_memory, skip_if_refused,
+                     slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRAD_NAMES = ("dx", "dresidual", "dweight", "dbias")
@@ -220,7 +222,8 @@ def test_add_layer_norm_compiles_post_ln():
 
 def _dropout_dtype(backend):
     """float64 where the backend takes it (exact comparisons), else float32."""
-    return torch.float64 if backend == "cpu" else torch.float32
+    return first_taken(backend, "add_layer_norm", (torch.float64, torch.float32),
+                       lambda dtype: (_inputs((2, 8), dtype, backend_device(backend)), {}))
 
 
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
@@ -321,8 +324,6 @@ def test_add_layer_norm_large_values(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_add_layer_norm_constant_rows(backend, dtype):
     # Variance 0: out is the bias, and the gradient is rstd = 1 / sqrt(eps) times the centred g.
-    if dtype == torch.float64 and backend != "cpu":
-        pytest.skip(f"{backend} takes no float64 (test_add_layer_norm_rejects_float64)")
     device = backend_device(backend)
     rows = torch.randn(5, 1, dtype=torch.float64)
     x = (rows * 3).expand(5, 768).to(dtype=dtype, device=device).requires_grad_()
@@ -330,6 +331,7 @@ def test_add_layer_norm_constant_rows(backend, dtype):
     r.requires_grad_()
     w = fresh((768,), dtype, device)
     b = fresh((768,), dtype, device)
+    skip_if_refused(backend, "add_layer_norm", x, r, w, b)
     out, summed, _ = _compare((x, r, w, b), backend, eps=1e-5)
     assert_close(out, b.detach().double().expand(5, 768), name="out = bias")
 
@@ -396,3 +398,63 @@ def test_add_layer_norm_rejects_bad_input():
         op(x, r, w, b, float("nan"))
     with pytest.raises(ValueError, match="dropout_p"):
         op(x, r, w, b, dropout_p=1.0)
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+
+REAL_SHAPES = {"bert-base": (32, 128, 768), "gpt2-small": (8, 1024, 768), "hidden-1024": (64, 1024),
+               # Rows longer than the cuda kernels hold in registers (8192 float32 elements
+               # forward, 4096 backward), and an odd width (one element per load).
+               "hidden-20000": (48, 20000), "hidden-1001": (300, 1001)}
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm", shapes="real"))
+@pytest.mark.parametrize("shape", REAL_SHAPES.values(), ids=REAL_SHAPES.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_add_layer_norm_real_shapes(backend, shape, dtype, dropout_p):
+    hidden = shape[-1]
+    inputs = [fresh(shape, dtype, "cuda"), fresh(shape, dtype, "cuda"), fresh((hidden,), dtype, "cuda"),
+              fresh((hidden,), dtype, "cuda")]
+    skip_if_refused(backend, "add_layer_norm", *inputs, dropout_p=dropout_p)
+    upstream = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2)]
+    torch.manual_seed(7)
+    seed = next_seed(dropout_p)
+    keep = keep_mask(backend, seed, shape, dropout_p) if dropout_p else None
+    poison_memory()
+    torch.manual_seed(7)
+    outs = fusedlm.ops.add_layer_norm(*inputs, dropout_p=dropout_p, backend=backend)
+    got = grads(outs, inputs, upstream)
+
+    ref_inputs = as_reference(*inputs, dtype=torch.float32)
+    expected = reference.add_layer_norm(*ref_inputs, dropout_p=dropout_p, dropout_mask=keep)
+    expected_grads = grads(expected, ref_inputs, [g.float() for g in upstream])
+    for name, a, e in zip(("out", "summed"), outs, expected):
+        assert_relative_error(a, e, dtype, name)
+    for name, a, e in zip(GRAD_NAMES, got, expected_grads):
+        assert_relative_error(a, e, dtype, name)
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm", shapes="real"))
+def test_add_layer_norm_parameter_gradients_repeat_bit_for_bit(backend):
+    shape = (32, 128, 768)
+    inputs = [fresh(shape, torch.bfloat16, "cuda"), fresh(shape, torch.bfloat16, "cuda"),
+              fresh((768,), torch.bfloat16, "cuda"), fresh((768,), torch.bfloat16, "cuda")]
+    upstream = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    runs = [grads(fusedlm.ops.add_layer_norm(*inputs, backend=backend), inputs, upstream)
+            for _ in range(3)]
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("add_layer_norm", shapes="real")
+                                     if p.id == "cuda"])
+def test_cuda_dropout_stream_is_the_cpu_stream(backend):
+    # Both draw Philox-4x32-10 keyed by element index: the masks agree bit for bit, at an
+    # offset and a length that are not multiples of the 4 elements a Philox call decides.
+    import fusedlm._C as C
+    seed = torch.tensor(123456789012345)
+    for p in (0.1, 0.5):
+        gpu = C.cuda.dropout_mask(seed, 7, [1001, 37], p, torch.cuda.current_device())
+        assert torch.equal(gpu.cpu(), cpu_keep_mask(seed, (1001, 37), p, offset=7))

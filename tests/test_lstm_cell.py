@@ -1,10 +1,14 @@
-"""lstm_cell against the reference, on every backend that has it."""
+"""lstm_cell against the reference, on every backend that has it: small cases, and ELMo's
+shapes on a GPU (with the ELMo model on CUDA tensors)."""
 import pytest
 import torch
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
+from fusedlm.models import ELMo, ElmoConfig
+from fusedlm.models.elmo import batch_to_ids
+from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
+                     fresh, gpu_test, grads, poison_memory, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -124,3 +128,40 @@ def test_lstm_cell_rejects_bad_input():
             fusedlm.ops.lstm_cell(gates, c_prev, cell_clip=bad)
     with pytest.raises(ValueError, match="c_prev"):
         fusedlm.ops.lstm_cell(gates, c_prev.to("meta"))
+
+
+# --- real shapes (a GPU) -------------------------------------------------------------------------
+
+# ELMo's cell at a training batch of 128 sentences and at 3000 rows (a step over a batch of
+# packed tokens), and an odd cell (no vector-width rows).
+REAL_SHAPES = {"elmo-128": (128, 4096), "elmo-3000": (3000, 4096), "odd-1001": (77, 1001)}
+
+
+@pytest.mark.parametrize("backend", backends_for("lstm_cell", shapes="real"))
+@pytest.mark.parametrize("shape", REAL_SHAPES.values(), ids=REAL_SHAPES.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell_clip", [None, 3.0])
+def test_lstm_cell_real_shapes(backend, shape, dtype, cell_clip):
+    rows, cell = shape
+    inputs = [fresh((rows, 4 * cell), dtype, "cuda", scale=2.0),
+              fresh((rows, cell), dtype, "cuda", scale=3.0)]
+    upstream = [torch.randn(rows, cell, device="cuda", dtype=dtype) for _ in range(2)]
+    poison_memory()
+    outs = fusedlm.ops.lstm_cell(*inputs, cell_clip=cell_clip, backend=backend)
+    got = grads(outs, inputs, upstream)
+    ref_inputs = as_reference(*inputs, dtype=torch.float32)
+    expected = reference.lstm_cell(*ref_inputs, cell_clip=cell_clip)
+    expected_grads = grads(expected, ref_inputs, [u.float() for u in upstream])
+    for name, a, e in zip(("h", "c", "dgates", "dc_prev"), [*outs, *got], [*expected, *expected_grads]):
+        assert_relative_error(a, e, dtype, name)
+
+
+@gpu_test
+def test_elmo_on_cuda_matches_the_cpu():
+    config = ElmoConfig(filters=[[1, 32], [2, 32], [3, 64]], lstm_dim=256, projection_dim=64,
+                        dropout=0.0)
+    model = ELMo(config).eval()
+    ids = batch_to_ids([["A", "small", "test", "."], ["Another", "one"]])
+    expected = model(ids).last_hidden_state
+    got = model.cuda()(ids.cuda()).last_hidden_state
+    assert_relative_error(got, expected, torch.float32, "elmo")

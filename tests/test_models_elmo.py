@@ -14,7 +14,7 @@ import fusedlm
 from fusedlm.models.elmo import ELMo, ElmoBiLM, ElmoConfig, batch_to_ids, word_to_char_ids
 from fusedlm.ops import reference
 from fusedlm.ops.lstm import lstm_cell_stepper
-from conftest import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
+from helpers import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
 
 h5py = pytest.importorskip("h5py")
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedlm.nn
-from conftest import assert_close
+from helpers import assert_close
 
 
 def test_layer_norm_matches_torch():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fusedlm.nn
-from conftest import assert_close, fresh
+from helpers import assert_close, fresh
 
 BATCH, SEQ_Q, SEQ_K, EMBED, HEADS, KDIM = 3, 9, 11, 32, 4, 24
 

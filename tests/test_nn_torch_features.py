@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fusedlm
-from conftest import fresh
+from helpers import fresh
 
 D_MODEL, HEADS, D_FF, SEQ = 16, 2, 32, 8
 

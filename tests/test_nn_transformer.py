@@ -6,7 +6,7 @@ from torch import nn
 
 import fusedlm
 import fusedlm.nn
-from conftest import assert_close, fresh
+from helpers import assert_close, fresh
 
 BATCH, SEQ, D_MODEL, HEADS, D_FF = 4, 10, 32, 4, 48
 

@@ -4,7 +4,7 @@ import torch
 
 import fusedlm
 from fusedlm.ops import reference
-from conftest import backend_device, backends_for, fresh
+from helpers import backend_device, backends_for, fresh
 
 
 def _mask(batch, seq, device):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fusedlm
-from conftest import fresh
+from helpers import fresh
 
 
 def _model():
