@@ -6,7 +6,7 @@
 
 #include "attention.cuh"
 #include "cuda/common.h"
-#include "cuda/ops.h"
+#include "ops.h"
 #include "cuda/runtime.h"
 
 namespace fusedlm::cuda {
@@ -219,10 +219,10 @@ void launch_blocks(void (*kernel)(Params<T>), int64_t blocks, int threads, size_
 }
 
 // Whether a kernel takes the resident path: when the rows it walks (keys, or queries for
-// dK/dV) number at most kResidentMax and their tiles fit in shared memory, unless
-// FUSEDLM_ATTENTION_RESIDENT=0 sends every sequence down the streamed path.
+// dK/dV) number at most kResidentMax and their tiles fit in shared memory, unless the
+// attention_resident switch is off, which sends every sequence down the streamed path.
 bool takes_resident_path(int64_t walked, size_t resident_smem) {
-  return path_enabled("FUSEDLM_ATTENTION_RESIDENT") && walked <= kResidentMax &&
+  return kernel_paths().attention_resident && walked <= kResidentMax &&
          resident_smem <= max_shared_memory();
 }
 
@@ -251,7 +251,7 @@ void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
     p.lse = stat_rows(lse, pb.varlen);
 #if defined(FUSEDLM_SM90A)
     if (!takes_resident_path(pb.seq_k, forward_smem<D, true>(pb.seq_k)) &&
-        hopper_path("FUSEDLM_ATTENTION_WGMMA")) {
+        hopper_path(kernel_paths().attention_wgmma)) {
       launch_blocks<T>(attention_forward_sm90_kernel<T, D>, ceil_div(pb.seq_q, kSm90Rows),
                        kSm90Threads, sm90_forward_smem<D>(), pb, p);
       return;

@@ -2,7 +2,7 @@
 // kernels/cuda/bias_gelu.cuh (which describes them).
 #include "bias_gelu.cuh"
 #include "cuda/common.h"
-#include "cuda/ops.h"
+#include "ops.h"
 #include "cuda/runtime.h"
 
 namespace fusedlm::cuda {

@@ -5,7 +5,7 @@
 
 #include "cross_entropy.cuh"
 #include "cuda/common.h"
-#include "cuda/ops.h"
+#include "ops.h"
 #include "cuda/runtime.h"
 
 namespace fusedlm::cuda {

@@ -1,6 +1,6 @@
 // dropout_mask on CUDA, the host side of kernels/cuda/dropout.cuh.
 #include "cuda/common.h"
-#include "cuda/ops.h"
+#include "ops.h"
 #include "cuda/runtime.h"
 #include "dropout.cuh"
 

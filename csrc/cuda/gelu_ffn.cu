@@ -2,7 +2,7 @@
 // kernels in kernels/cuda/gelu_ffn.cuh (which describes them), and the products and
 // reductions left to cuBLAS and ATen.
 #include "cuda/common.h"
-#include "cuda/ops.h"
+#include "ops.h"
 #include "cuda/runtime.h"
 #include "gelu_ffn.cuh"
 
@@ -15,7 +15,7 @@ using namespace kernels::gelu_ffn;
 template <typename T, bool kBackward>
 void run_product(const Params<T>& p, bool approx_tanh) {
   if (p.m == 0 || p.n == 0) return;
-  const bool hopper = hopper_path("FUSEDLM_FFN_WGMMA");
+  const bool hopper = hopper_path(kernel_paths().ffn_wgmma);
   auto kernel = hopper ? (approx_tanh ? ffn_product_sm90_kernel<T, kBackward, true>
                                       : ffn_product_sm90_kernel<T, kBackward, false>)
                        : (approx_tanh ? ffn_product_kernel<T, kBackward, true>

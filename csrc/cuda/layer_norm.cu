@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "cuda/common.h"
-#include "cuda/ops.h"
+#include "ops.h"
 #include "cuda/runtime.h"
 #include "layer_norm.cuh"
 

@@ -3,7 +3,6 @@
 // emulator must catch: a missing __syncthreads, a missing cp.async wait, out-of-bounds
 // stores, a wrong swizzle, a missing fence, lanes that leave a warp-wide instruction.
 // This file is compiled with ThreadSanitizer's instrumentation, as the kernels are.
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -19,7 +18,7 @@ namespace emu = fusedlm::emu;
 // Runs f with the emulator acting as `arch`, then ends the op's exposures.
 template <typename F>
 void on(const char* arch, F&& f) {
-  setenv("FUSEDLM_EMULATE_ARCH", arch, 1);
+  emu::set_arch(arch);
   try {
     f();
   } catch (...) {
