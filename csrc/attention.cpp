@@ -25,6 +25,7 @@
 #include <numeric>
 #include <vector>
 
+#include "attention_problem.h"
 #include "common.h"
 #include "cpu/attention.h"
 #include "ops.h"
@@ -66,21 +67,34 @@ Rows packed_rows(const at::Tensor& t) {  // [tokens, heads, dim]
 }
 
 // One call: the sequences, their layout, and the keys each may attend to.
-struct Problem {
+struct Problem : AttentionProblem {
   cpu::DType dtype;
   at::ScalarType acc;
-  int64_t batch = 0, heads = 0, dk = 0, dv = 0;
   std::vector<int64_t> q_row0, q_len, k_row0, k_len;
-  // The dropout stream is laid out as [batch, heads, pitch_q, pitch_k], each sequence
-  // in its top-left corner.
-  int64_t pitch_q = 0, pitch_k = 0;
-  bool causal = false;
-  double p = 0.0, scale = 1.0;
+  // The dropout stream is laid out as [batch, heads, seq_q, seq_k] (the longest
+  // sequences for varlen), each sequence in its top-left corner.
   uint64_t seed = 0;
   Rows q, k, v, bias;
   bool has_bias = false;
   // The products may read the inputs in place: their element type is the accumulation type.
   bool direct = false;
+
+  // The layout of q, k and v (padded_rows or packed_rows of each), each sequence from
+  // row 0 (padded) until the offsets say otherwise, and the dropout seed.
+  Problem(const AttentionProblem& shape, const Rows& q_rows, const Rows& k_rows,
+          const Rows& v_rows, at::ScalarType dtype_of_q, const at::Tensor& seed_tensor)
+      : AttentionProblem(shape),
+        dtype(kernel_dtype(dtype_of_q)),
+        acc(acc_dtype(dtype_of_q)),
+        q_row0(batch, 0),
+        q_len(batch, seq_q),
+        k_row0(batch, 0),
+        k_len(batch, seq_k),
+        seed(dropout_p > 0 ? seed_value(seed_tensor) : 0),
+        q(q_rows),
+        k(k_rows),
+        v(v_rows),
+        direct(dtype_of_q == acc) {}
 
   // The gathered keys of sequence b: key_pos[key_start[b] + j] is the position of its
   // j-th valid key; slot[slot_start[b] + t] is the gathered index of position t (-1
@@ -208,7 +222,7 @@ struct Workspace {
     }
     limit.resize(kBlockQ);
     relative.resize(kBlockQ);
-    if (pb.p > 0) {
+    if (pb.dropout_p > 0) {
       keep.resize(tile);
       scratch.resize(*std::max_element(pb.k_len.begin(), pb.k_len.end()));
     }
@@ -266,16 +280,16 @@ struct Workspace {
       relative[r] = static_cast<int32_t>(std::clamp<int64_t>(limit[r] - k0, 0, cols));
     const int32_t* key_pos = pb.positions(b) + k0;
     const uint8_t* mask = nullptr;
-    if (pb.p > 0) {
+    if (pb.dropout_p > 0) {
       // The stream's elements [b, h, i0 + r, key_pos[j]].
-      const auto offset = static_cast<uint64_t>(((b * pb.heads + h) * pb.pitch_q + i0) * pb.pitch_k);
-      cpu_kernels().attn_dropout_keep(pb.seed, pb.p, offset, pb.pitch_k, rows, key_pos, cols,
+      const auto offset = static_cast<uint64_t>(((b * pb.heads + h) * pb.seq_q + i0) * pb.seq_k);
+      cpu_kernels().attn_dropout_keep(pb.seed, pb.dropout_p, offset, pb.seq_k, rows, key_pos, cols,
                                       scratch.data(), keep.data());
       mask = keep.data();
     }
     return {pb.dtype, rows, cols, relative.data(), pb.scale,
             pb.has_bias ? pb.bias.at(b, h, i0) : nullptr, pb.bias.row, pb.bias.col, key_pos, mask,
-            pb.p};
+            pb.dropout_p};
   }
 };
 
@@ -429,118 +443,51 @@ void backward(const Problem& pb, const Grads& g) {
   });
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ndim) {
-  check_cpu(q, "q");
-  check_cpu(k, "k");
-  check_cpu(v, "v");
-  TORCH_CHECK_VALUE(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim, "q, k and v must have ",
-                    ndim, " dimensions");
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                   "q, k and v must have one dtype");
-  kernel_dtype(q);
-}
-
 Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& key_padding_mask,
                        const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
                        double scale, const at::Tensor& seed) {
-  check_inputs(q, k, v, 4);
-  Problem pb;
-  pb.dtype = kernel_dtype(q);
-  pb.acc = acc_dtype(q.scalar_type());
-  pb.batch = q.size(0);
-  pb.heads = q.size(1);
-  pb.dk = q.size(3);
-  pb.dv = v.size(3);
-  const int64_t seq_q = q.size(2), seq_k = k.size(2);
-  TORCH_CHECK_VALUE(k.size(0) == pb.batch && k.size(1) == pb.heads && k.size(3) == pb.dk,
-                    "k must have shape ", at::IntArrayRef{pb.batch, pb.heads, seq_k, pb.dk});
-  TORCH_CHECK_VALUE(v.sizes().slice(0, 3).equals(k.sizes().slice(0, 3)),
-                    "v must match k in batch, heads and seq");
-  pb.q_row0.assign(pb.batch, 0);
-  pb.k_row0.assign(pb.batch, 0);
-  pb.q_len.assign(pb.batch, seq_q);
-  pb.k_len.assign(pb.batch, seq_k);
-  pb.pitch_q = seq_q;
-  pb.pitch_k = seq_k;
-  pb.causal = causal;
-  pb.p = dropout_p;
-  pb.scale = scale;
-  pb.seed = dropout_p > 0 ? seed_value(seed) : 0;
-  pb.q = padded_rows(q);
-  pb.k = padded_rows(k);
-  pb.v = padded_rows(v);
-  pb.direct = q.scalar_type() == pb.acc;
-  at::Tensor mask;
-  if (key_padding_mask && key_padding_mask->defined()) {
-    mask = *key_padding_mask;
-    check_cpu(mask, "key_padding_mask");
-    TORCH_CHECK_VALUE(mask.scalar_type() == at::kBool && mask.dim() == 2 &&
-                          mask.size(0) == pb.batch && mask.size(1) == seq_k,
-                      "key_padding_mask must be bool [batch, seq_k]");
-  }
-  pb.gather_keys(mask);
-  if (attn_bias && attn_bias->defined()) {
+  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, dropout_p, scale, check_cpu),
+             padded_rows(q), padded_rows(k), padded_rows(v), q.scalar_type(), seed);
+  pb.gather_keys(present(key_padding_mask) ? *key_padding_mask : at::Tensor());
+  if (present(attn_bias)) {
     check_cpu(*attn_bias, "attn_bias");
     TORCH_CHECK_TYPE(attn_bias->scalar_type() == q.scalar_type(), "attn_bias must have q's dtype");
     // Broadcast dimensions become stride 0: the bias is read in place, never expanded.
-    pb.bias = padded_rows(attn_bias->expand({pb.batch, pb.heads, seq_q, seq_k}));
+    pb.bias = padded_rows(attn_bias->expand({pb.batch, pb.heads, pb.seq_q, pb.seq_k}));
     pb.has_bias = true;
   }
   return pb;
+}
+
+// The first row and length of each sequence from offsets cu (int32 [batch + 1]), checked
+// against the tensor's `total` rows and the longest length the call gave.
+void read_offsets(const at::Tensor& cu, const char* name, int64_t total, int64_t max_len,
+                  const char* max_name, std::vector<int64_t>& row0, std::vector<int64_t>& len) {
+  const int32_t* c = cu.data_ptr<int32_t>();
+  const int64_t st = cu.stride(0), n = cu.size(0) - 1;
+  TORCH_CHECK_VALUE(c[0] == 0 && c[n * st] == total, name, " must run from 0 to ", total);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t len_b = int64_t(c[(b + 1) * st]) - c[b * st];
+    TORCH_CHECK_VALUE(0 <= len_b && len_b <= max_len,
+                      name, ": sequence ", b, " has ", len_b, " tokens, outside [0, ", max_name,
+                      " = ", max_len, "]");
+    row0[b] = c[b * st];
+    len[b] = len_b;
+  }
 }
 
 Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
                        double scale, const at::Tensor& seed) {
-  check_inputs(q, k, v, 3);
-  Problem pb;
-  pb.dtype = kernel_dtype(q);
-  pb.acc = acc_dtype(q.scalar_type());
-  pb.heads = q.size(1);
-  pb.dk = q.size(2);
-  pb.dv = v.size(2);
-  TORCH_CHECK_VALUE(k.size(1) == pb.heads && k.size(2) == pb.dk && v.size(0) == k.size(0) &&
-                        v.size(1) == pb.heads,
-                    "k and v must be [total_k, heads, head_dim] with q's heads");
-  // Each sequence is checked against the tensors here, on the CPU tensors' data.
-  auto offsets = [&](const at::Tensor& cu, const char* name, int64_t total, int64_t max_len,
-                     const char* max_name, std::vector<int64_t>& row0, std::vector<int64_t>& len) {
-    check_cpu(cu, name);
-    TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) >= 1, name,
-                      " must be a 1-d int32 tensor [batch + 1]");
-    const int32_t* c = cu.data_ptr<int32_t>();
-    const int64_t st = cu.stride(0), n = cu.size(0) - 1;
-    TORCH_CHECK_VALUE(c[0] == 0, name, " must start at 0, got ", c[0]);
-    for (int64_t b = 0; b < n; ++b) {
-      const int64_t len_b = int64_t(c[(b + 1) * st]) - c[b * st];
-      TORCH_CHECK_VALUE(len_b >= 0, name, " must be non-decreasing, but entry ", b + 1,
-                        " is below entry ", b);
-      TORCH_CHECK_VALUE(len_b <= max_len, name, ": sequence ", b, " has ", len_b, " tokens, more than ",
-                        max_name, " = ", max_len);
-      row0.push_back(c[b * st]);
-      len.push_back(len_b);
-    }
-    TORCH_CHECK_VALUE(c[n * st] == total, name, " must end at the number of tokens, ", total,
-                      ", got ", c[n * st]);
-    return n;
-  };
-  pb.batch = offsets(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q",
-                     pb.q_row0, pb.q_len);
-  const int64_t batch_k = offsets(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k,
-                                  "max_seqlen_k", pb.k_row0, pb.k_len);
-  TORCH_CHECK_VALUE(batch_k == pb.batch, "cu_seqlens_k must have as many entries as cu_seqlens_q");
-  pb.pitch_q = max_seqlen_q;
-  pb.pitch_k = max_seqlen_k;
-  pb.causal = causal;
-  pb.p = dropout_p;
-  pb.scale = scale;
-  pb.seed = dropout_p > 0 ? seed_value(seed) : 0;
-  pb.q = packed_rows(q);
-  pb.k = packed_rows(k);
-  pb.v = packed_rows(v);
-  pb.direct = q.scalar_type() == pb.acc;
+  Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, dropout_p, scale, check_cpu),
+             packed_rows(q), packed_rows(k), packed_rows(v), q.scalar_type(), seed);
+  read_offsets(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q", pb.q_row0,
+               pb.q_len);
+  read_offsets(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k, "max_seqlen_k", pb.k_row0,
+               pb.k_len);
   pb.gather_keys(at::Tensor());
   return pb;
 }
@@ -549,14 +496,6 @@ Rows lse_rows(const at::Tensor& lse, bool varlen) {
   // Padded: [batch, heads, seq_q]. Varlen: [heads, total_q], rows indexed by token.
   return {static_cast<char*>(lse.data_ptr()), static_cast<int64_t>(lse.element_size()),
           varlen ? 0 : lse.stride(0), lse.stride(varlen ? 0 : 1), 1, 0};
-}
-
-void check_saved(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad,
-                 const Problem& pb) {
-  TORCH_CHECK_VALUE(out.scalar_type() == grad.scalar_type() && out.sizes().equals(grad.sizes()),
-                    "grad must match the attention output");
-  TORCH_CHECK_VALUE(lse.scalar_type() == pb.acc && lse.stride(-1) == 1,
-                    "lse must be the forward's log-sum-exp");
 }
 
 // attention_with_kvcache: appends k_new/v_new to the caches at each sequence's length,
@@ -568,58 +507,44 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                         const std::optional<at::Tensor>& v_new,
                         const std::optional<at::Tensor>& cache_leftpad, double scale) {
-  check_inputs(q, k_cache, v_cache, 4);
-  const int64_t batch = q.size(0), seq_q = q.size(1), heads = q.size(2), dk = q.size(3);
-  const int64_t max_len = k_cache.size(1), dv = v_cache.size(3);
-  TORCH_CHECK_VALUE(k_cache.size(0) == batch && k_cache.size(2) == heads && k_cache.size(3) == dk,
-                    "k_cache must have shape [batch, max_cache_len, heads, head_dim] = ",
-                    at::IntArrayRef{batch, max_len, heads, dk});
-  TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3).equals(k_cache.sizes().slice(0, 3)),
-                    "v_cache must match k_cache in batch, max_cache_len and heads");
+  TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+                    "q and the caches must have 4 dimensions");
+  const auto qt = q.transpose(1, 2), kt = k_cache.transpose(1, 2), vt = v_cache.transpose(1, 2);
+  Problem pb(padded_attention(qt, kt, vt, std::nullopt, true, 0.0, scale, check_cpu),
+             padded_rows(qt), padded_rows(kt), padded_rows(vt), q.scalar_type(), at::Tensor());
+  const int64_t batch = pb.batch, max_len = pb.seq_k;
   auto lengths = [&](const at::Tensor& t, const char* name) {
     check_cpu(t, name);
     TORCH_CHECK_VALUE(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == batch, name,
-                      " must be a 1-d int32 tensor [batch] = [", batch, "]");
+                      " must be int32 [batch]");
     std::vector<int64_t> values(batch);
     for (int64_t b = 0; b < batch; ++b) values[b] = t.data_ptr<int32_t>()[b * t.stride(0)];
     return values;
   };
   const std::vector<int64_t> cached = lengths(cache_seqlens, "cache_seqlens");
-  const bool append = k_new.has_value() && k_new->defined();
-  TORCH_CHECK_VALUE(append == (v_new.has_value() && v_new->defined()),
-                    "k_new and v_new must be given together");
+  const bool append = present(k_new);
+  TORCH_CHECK_VALUE(append == present(v_new), "k_new and v_new must be given together");
   const int64_t seq_new = append ? k_new->size(1) : 0;
-  if (append) {
-    check_cpu(*k_new, "k_new");
-    check_cpu(*v_new, "v_new");
-    TORCH_CHECK_TYPE(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type(),
-                     "k_new and v_new must have q's dtype");
-    TORCH_CHECK_VALUE(k_new->dim() == 4 && k_new->size(0) == batch && k_new->size(2) == heads &&
-                          k_new->size(3) == dk,
-                      "k_new must have shape [batch, seqlen_new, heads, head_dim]");
-    TORCH_CHECK_VALUE(v_new->dim() == 4 && v_new->size(0) == batch && v_new->size(1) == seq_new &&
-                          v_new->size(2) == heads && v_new->size(3) == dv,
-                      "v_new must have shape [batch, seqlen_new, heads, v's head_dim]");
-  }
-  Problem pb;
-  pb.dtype = kernel_dtype(q);
-  pb.acc = acc_dtype(q.scalar_type());
-  pb.batch = batch;
-  pb.heads = heads;
-  pb.dk = dk;
-  pb.dv = dv;
+  if (append)
+    for (auto [t, cache, name] : {std::tuple{&*k_new, &k_cache, "k_new"},
+                                  std::tuple{&*v_new, &v_cache, "v_new"}}) {
+      check_cpu(*t, name);
+      TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, " must have q's dtype");
+      TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == batch && t->size(1) == seq_new &&
+                            t->size(2) == pb.heads && t->size(3) == cache->size(3),
+                        name, " must be [batch, seqlen_new, heads, head_dim] like its cache");
+    }
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK_VALUE(cached[b] >= 0 && cached[b] + seq_new <= max_len, "cache_seqlens[", b,
-                      "] + seqlen_new = ", cached[b], " + ", seq_new,
-                      " must lie in [0, max_cache_len = ", max_len, "]");
-    pb.k_len.push_back(cached[b] + seq_new);
+                      "] + seqlen_new must lie in [0, max_cache_len]");
+    pb.k_len[b] = cached[b] + seq_new;
   }
   at::Tensor mask;
-  if (cache_leftpad && cache_leftpad->defined()) {
+  if (present(cache_leftpad)) {
     const std::vector<int64_t> pad = lengths(*cache_leftpad, "cache_leftpad");
     for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK_VALUE(pad[b] >= 0 && pad[b] <= pb.k_len[b], "cache_leftpad[", b, "] = ", pad[b],
-                        " must lie in [0, cache_seqlens[", b, "] + seqlen_new = ", pb.k_len[b], "]");
+      TORCH_CHECK_VALUE(pad[b] >= 0 && pad[b] <= pb.k_len[b], "cache_leftpad[", b,
+                        "] must lie in [0, cache_seqlens[", b, "] + seqlen_new]");
     mask = at::arange(max_len, cache_leftpad->options().dtype(at::kLong)).unsqueeze(0) <
            cache_leftpad->unsqueeze(1);
   }
@@ -629,15 +554,6 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
       k_cache[b].narrow(0, cached[b], seq_new).copy_((*k_new)[b]);
       v_cache[b].narrow(0, cached[b], seq_new).copy_((*v_new)[b]);
     }
-  pb.q_row0.assign(batch, 0);
-  pb.k_row0.assign(batch, 0);
-  pb.q_len.assign(batch, seq_q);
-  pb.causal = true;
-  pb.scale = scale;
-  pb.q = padded_rows(q.transpose(1, 2));
-  pb.k = padded_rows(k_cache.transpose(1, 2));
-  pb.v = padded_rows(v_cache.transpose(1, 2));
-  pb.direct = q.scalar_type() == pb.acc;
   pb.gather_keys(mask);
   return pb;
 }
@@ -663,7 +579,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& seed, bool bias_grad) {
   const Problem pb =
       padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
-  check_saved(out, lse, grad, pb);
+  check_saved(pb, q, grad, out, lse, pb.acc, check_cpu);
   auto dq = empty_like_layout(q, q.sizes(), q.scalar_type());
   auto dk = empty_like_layout(k, k.sizes(), k.scalar_type());
   auto dv = empty_like_layout(v, v.sizes(), v.scalar_type());
@@ -708,7 +624,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     double dropout_p, double scale, const at::Tensor& seed) {
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, dropout_p, scale, seed);
-  check_saved(out, lse, grad, pb);
+  check_saved(pb, q, grad, out, lse, pb.acc, check_cpu);
   auto dq = empty_like_layout(q, q.sizes(), q.scalar_type());
   auto dk = empty_like_layout(k, k.sizes(), k.scalar_type());
   auto dv = empty_like_layout(v, v.sizes(), v.scalar_type());
@@ -717,7 +633,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   return {dq, dk, dv};
 }
 
-at::Tensor attention_kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache,
+at::Tensor attention_with_kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                      const std::optional<at::Tensor>& k_new,
                                      const std::optional<at::Tensor>& v_new,

@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include "common.h"
+
 namespace fusedlm {
 namespace {
 
@@ -93,7 +95,8 @@ LayerNormGradInputs add_layer_norm_grad_inputs(const at::Tensor& grad_out,
                                                const at::Tensor& summed, const at::Tensor& mean,
                                                const at::Tensor& rstd,
                                                const std::optional<at::Tensor>& weight,
-                                               DeviceCheck device) {
+                                               at::ScalarType stat_dtype, bool dropout,
+                                               bool has_residual, DeviceCheck device) {
   device(summed, "summed");
   check_rows(summed, "summed");
   check_like(grad_out, summed, "grad_out", "summed", device);
@@ -103,27 +106,29 @@ LayerNormGradInputs add_layer_norm_grad_inputs(const at::Tensor& grad_out,
     in.grad_summed = as_rows(*grad_summed);
   }
   in.weight = param(weight, summed, "weight", device);
+  in.grad_out = as_rows(grad_out);
+  in.summed = as_rows(summed);
   for (auto [t, name] : {std::pair{&mean, "mean"}, std::pair{&rstd, "rstd"}}) {
     device(*t, name);
     check_same_device(*t, summed, name, "summed");
+    TORCH_CHECK_VALUE(t->numel() == in.summed.size(0) && t->scalar_type() == stat_dtype &&
+                          t->is_contiguous(),
+                      name, " must be the forward's statistics");
   }
-  in.grad_out = as_rows(grad_out);
-  in.summed = as_rows(summed);
+  // Without dropout dx is dsummed itself (the caller hands one tensor to both x and
+  // residual); with it, dsummed is written only for a residual.
+  if (!dropout || has_residual) in.dsummed = at::empty(summed.sizes(), in.summed.options());
+  if (dropout) in.dx = at::empty(summed.sizes(), in.summed.options());
   return in;
 }
 
-bool gelu_tanh(const std::string& approximate) {
-  TORCH_CHECK_VALUE(approximate == "none" || approximate == "tanh",
-                    "approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return approximate == "tanh";
-}
+bool gelu_tanh(const std::string& approximate) { return approximate == "tanh"; }
 
 BiasGeluInputs bias_gelu_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                 const std::string& approximate, DeviceCheck device) {
   device(x, "x");
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must have at least one dimension");
-  const bool tanh = gelu_tanh(approximate);
-  return {as_rows(x), param(bias, x, "bias", device), at::Tensor(), tanh};
+  return {as_rows(x), param(bias, x, "bias", device), at::Tensor(), gelu_tanh(approximate)};
 }
 
 BiasGeluInputs bias_gelu_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
@@ -156,13 +161,25 @@ at::Tensor ffn_output(const at::Tensor& x, const at::Tensor& act, const at::Tens
   return y;
 }
 
+FfnGrads ffn_backward_products(const GeluFfnInputs& in, const at::Tensor& x, const at::Tensor& g2,
+                               const at::Tensor& act, const at::Tensor& dpre) {
+  FfnGrads g;
+  g.dw2 = at::mm(g2.t(), act);
+  if (in.b2.defined())
+    g.db2 = g2.sum(0, false, acc_dtype(g2.scalar_type())).to(in.b2.scalar_type());
+  g.dx = at::empty(x.sizes(), in.x.options());
+  auto dx_rows = g.dx.view(in.x.sizes());
+  at::mm_out(dx_rows, dpre, in.w1);
+  g.dw1 = at::mm(dpre.t(), in.x);
+  return g;
+}
+
 GeluFfnInputs gelu_ffn_inputs(const at::Tensor& x, const at::Tensor& w1,
                               const std::optional<at::Tensor>& b1, const at::Tensor& w2,
                               const std::optional<at::Tensor>& b2, const std::string& approximate,
                               DeviceCheck device) {
   device(x, "x");
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must have at least one dimension");
-  const bool tanh = gelu_tanh(approximate);
   check_operand(w1, x, "w1", device);
   TORCH_CHECK_VALUE(w1.dim() == 2 && w1.size(1) == x.size(-1), "w1 must have shape [d_ff, ",
                     x.size(-1), "], got ", w1.sizes());
@@ -177,7 +194,7 @@ GeluFfnInputs gelu_ffn_inputs(const at::Tensor& x, const at::Tensor& w1,
           vector_param(b2, x, w2.size(0), "b2", device),
           at::Tensor(),
           at::Tensor(),
-          tanh};
+          gelu_tanh(approximate)};
 }
 
 GeluFfnInputs gelu_ffn_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
@@ -201,8 +218,6 @@ GeluFfnInputs gelu_ffn_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
 }
 
 Reduction parse_reduction(const std::string& reduction) {
-  TORCH_CHECK_VALUE(reduction == "none" || reduction == "mean" || reduction == "sum",
-                    "reduction must be 'none', 'mean' or 'sum', got '", reduction, "'");
   if (reduction == "none") return Reduction::kNone;
   return reduction == "sum" ? Reduction::kSum : Reduction::kMean;
 }

@@ -39,21 +39,25 @@ LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<a
                                       const std::optional<at::Tensor>& weight,
                                       const std::optional<at::Tensor>& bias, DeviceCheck device);
 
-// The backward's: grad_out, grad_summed and summed as [rows, hidden], weight [hidden];
-// mean and rstd are checked for their device only (their dtype is the backend's).
+// The backward's: grad_out, grad_summed and summed as [rows, hidden], weight [hidden],
+// mean and rstd contiguous [rows] of stat_dtype; and its outputs, summed's shape: dx under
+// dropout, dsummed without dropout or with a residual (else undefined).
 struct LayerNormGradInputs {
   at::Tensor grad_out, grad_summed, summed, weight;
+  at::Tensor dsummed, dx;
 };
 LayerNormGradInputs add_layer_norm_grad_inputs(const at::Tensor& grad_out,
                                                const std::optional<at::Tensor>& grad_summed,
                                                const at::Tensor& summed, const at::Tensor& mean,
                                                const at::Tensor& rstd,
                                                const std::optional<at::Tensor>& weight,
-                                               DeviceCheck device);
+                                               at::ScalarType stat_dtype, bool dropout,
+                                               bool has_residual, DeviceCheck device);
 
 // --- bias_gelu ----------------------------------------------------------------------------
 
-// Whether `approximate` asks for GELU's tanh form ("tanh") rather than erf ("none").
+// Whether `approximate` asks for GELU's tanh form ("tanh") rather than erf ("none"; the
+// Python layer refuses other names).
 bool gelu_tanh(const std::string& approximate);
 
 // x (and, for the backward, grad, x's shape) as [rows, hidden], bias [hidden] or
@@ -93,9 +97,19 @@ GeluFfnInputs gelu_ffn_grad_inputs(const at::Tensor& grad, const at::Tensor& x,
 at::Tensor ffn_output(const at::Tensor& x, const at::Tensor& act, const at::Tensor& w2,
                       const at::Tensor& b2);
 
+// The FFN backward's products, both backends' (ATen's): from the gradient g2 [rows, d_out],
+// the activation act [rows, d_ff] and the pre-activation's gradient dpre [rows, d_ff].
+// db2 is undefined without b2; dx has x's shape.
+struct FfnGrads {
+  at::Tensor dx, dw1, dw2, db2;
+};
+FfnGrads ffn_backward_products(const GeluFfnInputs& in, const at::Tensor& x, const at::Tensor& g2,
+                               const at::Tensor& act, const at::Tensor& dpre);
+
 // --- cross_entropy and masked_lm_loss -----------------------------------------------------
 
 enum class Reduction { kNone, kMean, kSum };
+// "none", "sum", else "mean" (the Python layer refuses other names).
 Reduction parse_reduction(const std::string& reduction);
 
 // logits as [rows, classes] and labels (int64, logits' shape but the last) as [rows].

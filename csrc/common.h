@@ -16,17 +16,19 @@ namespace fusedlm {
 // The kernel table for this processor (csrc/cpu_dispatch.cpp).
 const cpu::KernelTable& cpu_kernels();
 
-inline cpu::DType kernel_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+inline cpu::DType kernel_dtype(at::ScalarType dtype) {
+  switch (dtype) {
     case at::kFloat: return cpu::DType::kF32;
     case at::kDouble: return cpu::DType::kF64;
     case at::kBFloat16: return cpu::DType::kBF16;
     case at::kHalf: return cpu::DType::kF16;
     default:
       TORCH_CHECK_TYPE(false, "fusedlm CPU kernels take float32, float64, bfloat16 or float16, got ",
-                       t.scalar_type());
+                       dtype);
   }
 }
+
+inline cpu::DType kernel_dtype(const at::Tensor& t) { return kernel_dtype(t.scalar_type()); }
 
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());

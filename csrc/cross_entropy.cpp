@@ -4,17 +4,14 @@
 // buffer, d(loss)/d(logits), already divided by the number of labelled rows for
 // "mean". The backward only scales that buffer by grad_output.
 //
-// masked_lm_loss: rows whose label is ignore_index never reach the vocabulary
-// projection. The labelled rows are gathered and projected chunk_rows at a time into
-// one reused [chunk_rows, vocab] logits buffer; the fused kernel overwrites a chunk's
-// logits with their gradient (and sums its columns, the bias gradient), and ATen's
-// matrix products fold that into d_hidden and d_weight before the next chunk. Only one
-// chunk of logits ever exists.
+// masked_lm_loss: the loop of csrc/masked_lm.cpp, with the fused kernel for each chunk
+// (which also sums the gradient's columns, the bias gradient).
 #include <algorithm>
 #include <vector>
 
 #include "checks.h"
 #include "common.h"
+#include "masked_lm.h"
 #include "ops.h"
 
 namespace fusedlm {
@@ -23,19 +20,18 @@ namespace {
 // Rows of a [rows, cols] tensor each task takes; keeps tasks near 64 KiB of input.
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
-// The flat positions whose label is not ignore_index, in order. Every other label must
-// be a class index: the kernel reads logits[label] unchecked.
-std::vector<int64_t> labelled_rows(const at::Tensor& labels1, int64_t classes, int64_t ignore_index) {
+// How many labels are not ignore_index. Every other label must be a class index: the
+// kernel reads logits[label] unchecked.
+int64_t count_labelled(const at::Tensor& labels1, int64_t classes, int64_t ignore_index) {
   const int64_t* y = labels1.data_ptr<int64_t>();
-  std::vector<int64_t> rows;
+  int64_t count = 0;
   for (int64_t i = 0; i < labels1.numel(); ++i) {
     if (y[i] == ignore_index) continue;
-    TORCH_CHECK_VALUE(0 <= y[i] && y[i] < classes, "labels must be class indices in [0, ",
-                      classes, ") or ignore_index (", ignore_index, "), got ", y[i],
-                      " at flat position ", i);
-    rows.push_back(i);
+    TORCH_CHECK_VALUE(0 <= y[i] && y[i] < classes, "labels: ", y[i], " at flat position ", i,
+                      " is no class index in [0, ", classes, ") nor ignore_index");
+    ++count;
   }
-  return rows;
+  return count;
 }
 
 // The fused kernel over logits2 [rows, classes] (contiguous). loss (rows elements,
@@ -78,17 +74,23 @@ void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::
   });
 }
 
-// The loss a reduction returns from the per-row losses (contiguous, accumulation dtype).
-// Sums run in float64 and in row order, so they do not depend on the thread count.
+// The sum of the losses (contiguous, accumulation dtype) as a float64 scalar tensor,
+// summed in row order, so that it does not depend on the thread count.
+at::Tensor total(const at::Tensor& losses) {
+  double sum = 0.0;
+  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "total", [&] {
+    const scalar_t* l = losses.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < losses.numel(); ++i) sum += l[i];
+  });
+  return at::scalar_tensor(sum, losses.options().dtype(at::kDouble));
+}
+
+// The loss a reduction returns from the per-row losses.
 at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
   if (reduction == Reduction::kNone) return losses;
-  double total = 0.0;
-  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "reduce_losses", [&] {
-    const scalar_t* l = losses.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < losses.numel(); ++i) total += l[i];
-  });
-  if (reduction == Reduction::kMean) total /= std::max<int64_t>(labelled, 1);
-  return at::scalar_tensor(total, losses.options());
+  auto sum = total(losses);
+  if (reduction == Reduction::kMean) sum = sum / double(std::max<int64_t>(labelled, 1));
+  return sum.to(losses.scalar_type());
 }
 
 // src * scale in src's dtype, rounded once. scale (accumulation dtype) holds one value,
@@ -117,89 +119,26 @@ at::Tensor scaled(const at::Tensor& src, const at::Tensor& scale) {
   return out;
 }
 
-// The masked-LM head's inputs, checked, with the labelled rows found.
-MlmInputs cpu_mlm_inputs(const at::Tensor& hidden, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias, const at::Tensor& labels,
-                         int64_t ignore_index, double label_smoothing, int64_t chunk_rows) {
-  auto in = mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing, chunk_rows,
-                       check_cpu);
-  kernel_dtype(hidden);
-  auto rows = labelled_rows(in.labels, weight.size(0), ignore_index);
-  in.labelled = at::empty({static_cast<int64_t>(rows.size())}, labels.options());
-  std::copy(rows.begin(), rows.end(), in.labelled.data_ptr<int64_t>());
-  return in;
+at::Tensor labelled_positions(const at::Tensor& labels1, int64_t classes, int64_t ignore_index) {
+  count_labelled(labels1, classes, ignore_index);
+  return at::nonzero(labels1 != ignore_index).view(-1);
 }
 
-// Gradients folded in chunk by chunk; a gradient not asked for stays undefined.
-struct MlmGrads {
-  at::Tensor dhidden;  // hidden's shape, zero on the rows that are not labelled
-  at::Tensor dweight;  // [V, H]
-  at::Tensor dbias;    // [V], accumulation dtype
-};
-
-// Projects the labelled rows chunk by chunk and runs the fused kernel on each chunk.
-// Returns their losses [n] (accumulation dtype). With grads, each chunk's gradient,
-// grad_scale * row_scale[row] * d(loss_row)/d(logits), is folded into the gradients
-// asked for (row_scale: undefined, or [rows] in the accumulation dtype).
-at::Tensor project_chunks(const MlmInputs& in, double grad_scale, const at::Tensor& row_scale,
-                          MlmGrads* grads) {
-  const int64_t n = in.labelled.numel(), vocab = in.weight.size(0);
-  const auto acc = acc_dtype(in.hidden.scalar_type());
-  auto losses = at::empty({n}, in.hidden.options().dtype(acc));
-  if (n == 0) return losses;
-  const int64_t chunk = std::min(in.chunk_rows, n);
-  auto buffer = at::empty({chunk, vocab}, in.hidden.options());
-  const auto weight_t = in.weight.t();
-  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
-    const int64_t m = std::min(chunk, n - c0);
-    const auto rows = in.labelled.narrow(0, c0, m);
-    const auto h = in.hidden.index_select(0, rows);
-    auto logits = buffer.narrow(0, 0, m);
-    if (in.bias.defined())
-      at::addmm_out(logits, in.bias, h, weight_t);
-    else
-      at::mm_out(logits, h, weight_t);
-    const bool dbias = grads && grads->dbias.defined();
-    auto partial = dbias ? at::empty({(m + kReduceBlockRows - 1) / kReduceBlockRows, vocab},
-                                     in.hidden.options().dtype(acc))
-                         : at::Tensor();
-    run_kernel(logits, in.labels.index_select(0, rows), losses.narrow(0, c0, m),
-               grads ? logits : at::Tensor(), partial, in.ignore_index, in.label_smoothing,
-               grad_scale, row_scale.defined() ? row_scale.index_select(0, rows) : at::Tensor());
-    if (!grads) continue;
-    // logits now holds the chunk's gradient.
-    if (grads->dhidden.defined())
-      grads->dhidden.view(in.hidden.sizes()).index_copy_(0, rows, at::mm(logits, in.weight));
-    if (grads->dweight.defined()) {
-      if (c0 == 0)
-        at::mm_out(grads->dweight, logits.t(), h);
-      else
-        grads->dweight.addmm_(logits.t(), h);
-    }
-    if (dbias) grads->dbias.add_(sum_partials(partial, acc));
-  }
-  return losses;
+// The fused kernel on one chunk of masked_lm_loss, summing its gradient's columns per
+// block of rows, then over the blocks.
+at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& labels1,
+                               const at::Tensor& losses, bool with_grad, bool col_sum,
+                               int64_t ignore_index, double label_smoothing, double grad_scale,
+                               const at::Tensor& row_scale) {
+  const auto acc = losses.scalar_type();
+  const int64_t blocks = (logits.size(0) + kReduceBlockRows - 1) / kReduceBlockRows;
+  auto partial = col_sum ? at::empty({blocks, logits.size(1)}, losses.options()) : at::Tensor();
+  run_kernel(logits, labels1, losses, with_grad ? logits : at::Tensor(), partial, ignore_index,
+             label_smoothing, grad_scale, row_scale);
+  return col_sum ? sum_partials(partial, acc) : at::Tensor();
 }
 
-// The gradients asked for, allocated in their final shapes: an op's output must not be a view.
-MlmGrads mlm_grads(const MlmInputs& in, at::IntArrayRef hidden_shape, bool dhidden, bool dweight,
-                   bool dbias) {
-  const auto acc = acc_dtype(in.hidden.scalar_type());
-  MlmGrads g;
-  if (dhidden) g.dhidden = at::zeros(hidden_shape, in.hidden.options());
-  // Written whole by the first chunk's product; zeros when no row is labelled.
-  if (dweight) g.dweight = in.labelled.numel() ? at::empty_like(in.weight) : at::zeros_like(in.weight);
-  if (dbias && in.bias.defined()) g.dbias = at::zeros({in.weight.size(0)}, in.hidden.options().dtype(acc));
-  return g;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grads_out(const MlmGrads& g, const at::Tensor& hidden,
-                                                         const at::Tensor& weight,
-                                                         const std::optional<at::Tensor>& bias) {
-  return {g.dhidden.defined() ? g.dhidden : nothing(hidden),
-          g.dweight.defined() ? g.dweight : nothing(weight),
-          g.dbias.defined() ? g.dbias.to(bias->scalar_type()) : nothing(weight)};
-}
+const MlmBackend kCpuMlm{check_cpu, labelled_positions, chunk_cross_entropy, total, scaled};
 
 }  // namespace
 
@@ -211,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
                                                          bool with_grad) {
   const auto in = cross_entropy_inputs(logits, labels, reduction, check_cpu);
   kernel_dtype(logits);
-  const int64_t labelled = labelled_rows(in.labels, in.logits.size(1), ignore_index).size();
+  const int64_t labelled = count_labelled(in.labels, in.logits.size(1), ignore_index);
   // Outputs in their final shapes, contiguous (the kernel writes them as rows): an op's
   // output must not be a view.
   auto losses = at::empty(labels.sizes(), in.logits.options().dtype(acc_dtype(logits.scalar_type())));
@@ -234,25 +173,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forwar
     const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
     const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
     bool need_dbias) {
-  const auto red = parse_reduction(reduction);
-  const auto in = cpu_mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing,
-                                 chunk_rows);
-  const int64_t labelled = in.labelled.numel();
-  // With reduction "none" grad_output weighs each row: the gradients wait for the backward.
-  const bool with_grads = red != Reduction::kNone && (need_dhidden || need_dweight || need_dbias);
-  MlmGrads g = with_grads ? mlm_grads(in, hidden.sizes(), need_dhidden, need_dweight, need_dbias)
-                          : MlmGrads();
-  const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
-  auto losses = project_chunks(in, grad_scale, at::Tensor(), with_grads ? &g : nullptr);
-  at::Tensor loss;
-  if (red == Reduction::kNone) {
-    loss = at::zeros(labels.sizes(), losses.options());
-    loss.view(in.labels.sizes()).index_copy_(0, in.labelled, losses);
-  } else {
-    loss = reduce_losses(losses, red, labelled);
-  }
-  auto [dh, dw, db] = grads_out(g, hidden, weight, bias);
-  return {loss, dh, dw, db};
+  kernel_dtype(hidden);
+  return masked_lm_loss_forward_on(kCpuMlm, hidden, weight, bias, labels, ignore_index,
+                                   label_smoothing, reduction, chunk_rows, need_dhidden,
+                                   need_dweight, need_dbias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
@@ -261,20 +185,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
     double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
     bool need_dweight, bool need_dbias) {
-  const auto acc = acc_dtype(hidden.scalar_type());
-  if (parse_reduction(reduction) != Reduction::kNone) {
-    TORCH_CHECK_VALUE(grad.numel() == 1, "grad must have one element, got ", grad.numel());
-    const auto s = grad.to(acc).contiguous();
-    return {scaled(dhidden, s), scaled(dweight, s), scaled(dbias, s)};
-  }
-  // Per-row grad_output: redo the chunks, each row's gradient scaled by its grad_output.
-  const auto in = cpu_mlm_inputs(hidden, weight, bias, labels, ignore_index, label_smoothing,
-                                 chunk_rows);
-  TORCH_CHECK_VALUE(grad.numel() == in.labels.numel(), "grad must have ", in.labels.numel(),
-                    " elements, got ", grad.numel());
-  MlmGrads g = mlm_grads(in, hidden.sizes(), need_dhidden, need_dweight, need_dbias);
-  project_chunks(in, 1.0, grad.to(acc).contiguous().view(-1), &g);
-  return grads_out(g, hidden, weight, bias);
+  kernel_dtype(hidden);
+  return masked_lm_loss_backward_on(kCpuMlm, grad, hidden, weight, bias, labels, dhidden,
+                                    dweight, dbias, ignore_index, label_smoothing, reduction,
+                                    chunk_rows, need_dhidden, need_dweight, need_dbias);
 }
 
 }  // namespace fusedlm

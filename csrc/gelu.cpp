@@ -123,18 +123,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
   // The activation is recomputed from the saved pre-activation rather than stored.
   auto act = at::empty_like(in.pre_activation);
   gelu_rows(in.pre_activation, in.b1, act, kind, dropout_p, s);
-  auto dw2 = at::mm(g2.t(), act);
-  auto db2 = in.b2.defined()
-                 ? g2.sum(0, false, acc_dtype(g2.scalar_type())).to(in.b2.scalar_type())
-                 : at::Tensor();
-  auto dact = at::mm(g2, in.w2);
   auto dpre = at::empty_like(in.pre_activation);
-  auto db1 = gelu_rows_backward(dact, in.pre_activation, in.b1, dpre, kind, dropout_p, s);
-  auto dx = at::empty(x.sizes(), in.x.options());
-  auto dx2 = dx.view(in.x.sizes());
-  at::mm_out(dx2, dpre, in.w1);
-  auto dw1 = at::mm(dpre.t(), in.x);
-  return {dx, dw1, db1, dw2, db2};
+  auto db1 = gelu_rows_backward(at::mm(g2, in.w2), in.pre_activation, in.b1, dpre, kind, dropout_p, s);
+  const auto g = ffn_backward_products(in, x, g2, act, dpre);
+  return {g.dx, g.dw1, db1, g.dw2, g.db2};
 }
 
 }  // namespace fusedlm

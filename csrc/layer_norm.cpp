@@ -45,7 +45,7 @@ void for_blocks(int64_t rows, int64_t cols, uint64_t seed, double p, F&& f) {
 }
 
 const char* bytes(const at::Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
-char* bytes_mut(at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+char* bytes_mut(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 }  // namespace
 
@@ -84,22 +84,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
     const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
     const at::Tensor& seed) {
-  const auto in = add_layer_norm_grad_inputs(grad_out, grad_summed, summed, mean, rstd, weight,
-                                             check_cpu);
-  const auto dtype = kernel_dtype(summed);
   const auto acc = acc_dtype(summed.scalar_type());
-  const uint64_t s = dropout_p > 0 ? seed_value(seed) : 0;
+  const bool dropout = dropout_p > 0;
+  const auto in = add_layer_norm_grad_inputs(grad_out, grad_summed, summed, mean, rstd, weight,
+                                             acc, dropout, has_residual, check_cpu);
+  const auto dtype = kernel_dtype(summed);
+  const uint64_t s = dropout ? seed_value(seed) : 0;
 
   const int64_t rows = in.summed.size(0), cols = in.summed.size(1);
-  for (auto [t, name] : {std::pair{&mean, "mean"}, std::pair{&rstd, "rstd"}})
-    TORCH_CHECK_VALUE(t->numel() == rows && t->scalar_type() == acc && t->is_contiguous(), name,
-                      " must be a contiguous [", rows, "] ", acc, " tensor");
-  // Without dropout dx is dsummed itself (the caller hands one tensor to both
-  // x and residual); with it, dsummed is written only for a residual.
-  const bool dropout = dropout_p > 0;
   const auto options = in.summed.options();
-  auto dsummed = !dropout || has_residual ? at::empty(summed.sizes(), options) : at::Tensor();
-  auto dx = dropout ? at::empty(summed.sizes(), options) : at::Tensor();
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   const bool has_weight = in.weight.defined();
   auto partial_options = options.dtype(acc);
@@ -111,8 +104,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
   const char *gp = bytes(in.grad_out), *sp = bytes(in.summed);
   const char* gsp = in.grad_summed.defined() ? bytes(in.grad_summed) : nullptr;
   const char *mp = bytes(mean), *vp = bytes(rstd);
-  char* dsp = dsummed.defined() ? bytes_mut(dsummed) : nullptr;
-  char* dxp = dx.defined() ? bytes_mut(dx) : nullptr;
+  char* dsp = in.dsummed.defined() ? bytes_mut(in.dsummed) : nullptr;
+  char* dxp = in.dx.defined() ? bytes_mut(in.dx) : nullptr;
   char* dwp = has_weight ? bytes_mut(dw_part) : nullptr;
   char* dbp = has_bias ? bytes_mut(db_part) : nullptr;
   const void* wp = has_weight ? in.weight.data_ptr() : nullptr;
@@ -125,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
         dwp ? dwp + blk * part_bytes : nullptr, dbp ? dbp + blk * part_bytes : nullptr,
         end - begin, cols, keep, dropout_p);
   });
-  return {dsummed, dx,
+  return {in.dsummed, in.dx,
           has_weight ? sum_partials(dw_part, summed.scalar_type()) : at::Tensor(),
           has_bias ? sum_partials(db_part, summed.scalar_type()) : at::Tensor()};
 }

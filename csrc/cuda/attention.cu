@@ -5,24 +5,15 @@
 #include <utility>
 
 #include "attention.cuh"
+#include "attention_problem.h"
 #include "cuda/common.h"
-#include "cuda/ops.h"
 #include "cuda/runtime.h"
+#include "ops.h"
 
 namespace fusedlm::cuda {
 namespace {
 
 using namespace kernels::attention;
-
-// One call's inputs, checked, with the kernels' layout (see kernel_layout).
-struct Problem {
-  at::Tensor q, k, v, key_padding, cu_q, cu_k;
-  bool varlen = false;
-  int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
-  bool causal = false;
-  double dropout_p = 0.0, scale = 1.0;
-  at::Tensor seed;
-};
 
 // Whether the kernels can read or write t in place: head_dim contiguous and every row
 // 16-byte aligned (cp.async and the paired stores).
@@ -51,116 +42,56 @@ struct Output {
   }
 };
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ndim) {
-  check_device_tensor(q, "q");
-  check_device_tensor(k, "k");
-  check_device_tensor(v, "v");
-  check_same_device(k, q, "k", "q");
-  check_same_device(v, q, "v", "q");
-  TORCH_CHECK_VALUE(q.dim() == ndim && k.dim() == ndim && v.dim() == ndim, "q, k and v must have ",
-                    ndim, " dimensions, got ", q.dim(), ", ", k.dim(), " and ", v.dim());
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-                   "the cuda attention takes bfloat16 or float16; q is ", q.scalar_type());
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                   "k and v must have q's dtype (", q.scalar_type(), "), got ", k.scalar_type(),
-                   " and ", v.scalar_type());
-  const int64_t d = q.size(-1);
-  TORCH_CHECK_VALUE(d == 64 || d == 128, "the cuda attention takes a head_dim of 64 or 128; q has ",
-                    d);
-  TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "k and v must have q's head_dim (", d,
-                    "), got ", k.size(-1), " and ", v.size(-1));
-}
+// One call's inputs, checked, in the kernels' layout (see kernel_layout).
+struct Problem : AttentionProblem {
+  at::Tensor q, k, v, key_padding, cu_q, cu_k, seed;
 
-void check_grid(const Problem& pb) {
-  TORCH_CHECK_VALUE(pb.batch <= 65535 && pb.heads <= 65535,
-                    "the cuda attention takes at most 65535 sequences and heads, got ", pb.batch,
-                    " and ", pb.heads);
-  TORCH_CHECK_VALUE(pb.seq_q < (int64_t(1) << 31) && pb.seq_k < (int64_t(1) << 31),
-                    "sequences must be shorter than 2^31 tokens");
-}
+  Problem(const AttentionProblem& shape, const at::Tensor& q_, const at::Tensor& k_,
+          const at::Tensor& v_, const at::Tensor& seed_)
+      : AttentionProblem(shape),
+        q(with_kernel_layout(q_)),
+        k(with_kernel_layout(k_)),
+        v(with_kernel_layout(v_)),
+        seed(seed_) {
+    check_kernel_limits(q_);
+  }
+
+ private:
+  // What the kernels are compiled for, and the grid's limits.
+  void check_kernel_limits(const at::Tensor& q_) const {
+    TORCH_CHECK_TYPE(q_.scalar_type() == at::kBFloat16 || q_.scalar_type() == at::kHalf,
+                     "the cuda attention takes bfloat16 or float16");
+    TORCH_CHECK_VALUE((dk == 64 || dk == 128) && dv == dk,
+                      "the cuda attention takes a head_dim of 64 or 128 for q, k and v alike");
+    TORCH_CHECK_VALUE(batch <= 65535 && heads <= 65535 && seq_q < (int64_t(1) << 31) &&
+                          seq_k < (int64_t(1) << 31),
+                      "the cuda attention's grid takes at most 65535 sequences and heads");
+  }
+};
 
 Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& key_padding_mask,
                        const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
                        double scale, const at::Tensor& seed) {
-  check_qkv(q, k, v, 4);
-  TORCH_CHECK_VALUE(!(attn_bias && attn_bias->defined()),
-                    "the cuda attention takes no attn_bias (the triton and cpu backends do)");
-  Problem pb;
-  pb.batch = q.size(0);
-  pb.heads = q.size(1);
-  pb.seq_q = q.size(2);
-  pb.seq_k = k.size(2);
-  pb.head_dim = q.size(3);
-  TORCH_CHECK_VALUE(k.size(0) == pb.batch && k.size(1) == pb.heads,
-                    "k must have q's batch and heads, got shape ", k.sizes());
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
-                    v.sizes());
-  if (key_padding_mask && key_padding_mask->defined()) {
-    const auto& mask = *key_padding_mask;
-    check_device_tensor(mask, "key_padding_mask");
-    check_same_device(mask, q, "key_padding_mask", "q");
-    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "key_padding_mask must be bool, got ",
-                     mask.scalar_type());
-    TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == pb.batch && mask.size(1) == pb.seq_k,
-                      "key_padding_mask must have shape [batch, seq_k] = [", pb.batch, ", ",
-                      pb.seq_k, "], got ", mask.sizes());
-    pb.key_padding = mask.contiguous();
-  }
-  pb.q = with_kernel_layout(q);
-  pb.k = with_kernel_layout(k);
-  pb.v = with_kernel_layout(v);
-  pb.causal = causal;
-  pb.dropout_p = dropout_p;
-  pb.scale = scale;
-  pb.seed = seed;
-  check_grid(pb);
+  TORCH_CHECK_VALUE(!present(attn_bias), "the cuda attention takes no attn_bias");
+  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, dropout_p, scale,
+                              check_device_tensor),
+             q, k, v, seed);
+  if (present(key_padding_mask)) pb.key_padding = key_padding_mask->contiguous();
   return pb;
 }
 
+// The offsets are not checked against the tensors here: that would copy them to the host.
+// A sequence longer than max_seqlen gets rows no block covers.
 Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
                        double scale, const at::Tensor& seed) {
-  check_qkv(q, k, v, 3);
-  Problem pb;
-  pb.varlen = true;
-  pb.heads = q.size(1);
-  pb.head_dim = q.size(2);
-  TORCH_CHECK_VALUE(k.size(1) == pb.heads, "k must have q's heads (", pb.heads, "), got ",
-                    k.size(1));
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v must have k's shape ", k.sizes(), ", got ",
-                    v.sizes());
-  for (const auto* cu : {&cu_seqlens_q, &cu_seqlens_k}) {
-    const char* name = cu == &cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
-    check_device_tensor(*cu, name);
-    check_same_device(*cu, q, name, "q");
-    TORCH_CHECK_TYPE(cu->scalar_type() == at::kInt, name, " must be int32, got ",
-                     cu->scalar_type());
-    TORCH_CHECK_VALUE(cu->dim() == 1 && cu->size(0) >= 1, name,
-                      " must be a 1-d tensor of batch + 1 offsets, got shape ", cu->sizes());
-  }
-  TORCH_CHECK_VALUE(cu_seqlens_k.size(0) == cu_seqlens_q.size(0),
-                    "cu_seqlens_k must have as many entries as cu_seqlens_q (",
-                    cu_seqlens_q.size(0), "), got ", cu_seqlens_k.size(0));
-  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0,
-                    "max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
-                    max_seqlen_k);
-  // The offsets are not checked against the tensors here: that would copy them to the
-  // host. A sequence longer than max_seqlen gets rows no block covers.
+  Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, dropout_p, scale, check_device_tensor),
+             q, k, v, seed);
   pb.cu_q = cu_seqlens_q.contiguous();
   pb.cu_k = cu_seqlens_k.contiguous();
-  pb.batch = cu_seqlens_q.size(0) - 1;
-  pb.seq_q = max_seqlen_q;
-  pb.seq_k = max_seqlen_k;
-  pb.q = with_kernel_layout(q);
-  pb.k = with_kernel_layout(k);
-  pb.v = with_kernel_layout(v);
-  pb.causal = causal;
-  pb.dropout_p = dropout_p;
-  pb.scale = scale;
-  pb.seed = seed;
-  check_grid(pb);
   return pb;
 }
 
@@ -201,7 +132,7 @@ Params<T> params(const Problem& pb) {
 template <typename F>
 void dispatch_attention(const Problem& pb, F&& f) {
   auto with_dim = [&](auto tag) {
-    if (pb.head_dim == 64) f(tag, std::integral_constant<int, 64>{});
+    if (pb.dk == 64) f(tag, std::integral_constant<int, 64>{});
     else f(tag, std::integral_constant<int, 128>{});
   };
   if (pb.q.scalar_type() == at::kBFloat16) with_dim(at::BFloat16{});
@@ -219,10 +150,10 @@ void launch_blocks(void (*kernel)(Params<T>), int64_t blocks, int threads, size_
 }
 
 // Whether a kernel takes the resident path: when the rows it walks (keys, or queries for
-// dK/dV) number at most kResidentMax and their tiles fit in shared memory, unless
-// FUSEDLM_ATTENTION_RESIDENT=0 sends every sequence down the streamed path.
+// dK/dV) number at most kResidentMax and their tiles fit in shared memory, unless the
+// attention_resident switch is off, which sends every sequence down the streamed path.
 bool takes_resident_path(int64_t walked, size_t resident_smem) {
-  return path_enabled("FUSEDLM_ATTENTION_RESIDENT") && walked <= kResidentMax &&
+  return kernel_paths().attention_resident && walked <= kResidentMax &&
          resident_smem <= max_shared_memory();
 }
 
@@ -251,7 +182,7 @@ void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
     p.lse = stat_rows(lse, pb.varlen);
 #if defined(FUSEDLM_SM90A)
     if (!takes_resident_path(pb.seq_k, forward_smem<D, true>(pb.seq_k)) &&
-        hopper_path("FUSEDLM_ATTENTION_WGMMA")) {
+        hopper_path(kernel_paths().attention_wgmma)) {
       launch_blocks<T>(attention_forward_sm90_kernel<T, D>, ceil_div(pb.seq_q, kSm90Rows),
                        kSm90Threads, sm90_forward_smem<D>(), pb, p);
       return;
@@ -295,24 +226,12 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
   });
 }
 
-// The saved output and log-sum-exp, and the incoming gradient, checked against the
-// problem; out and grad in the kernels' layout.
-std::pair<at::Tensor, at::Tensor> saved(const Problem& pb, const at::Tensor& grad,
-                                        const at::Tensor& out, const at::Tensor& lse,
-                                        at::IntArrayRef lse_shape) {
-  check_device_tensor(grad, "grad");
-  check_device_tensor(out, "out");
-  check_device_tensor(lse, "lse");
-  check_same_device(grad, pb.q, "grad", "q");
-  check_same_device(out, pb.q, "out", "q");
-  check_same_device(lse, pb.q, "lse", "q");
-  TORCH_CHECK_VALUE(out.sizes() == pb.q.sizes() && out.scalar_type() == pb.q.scalar_type(),
-                    "out must be the forward's output, of q's shape and dtype");
-  TORCH_CHECK_VALUE(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(),
-                    "grad must match the attention output in shape and dtype");
-  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.sizes() == lse_shape,
-                    "lse must be the forward's float32 log-sum-exp of shape ", lse_shape,
-                    ", got ", lse.scalar_type(), " ", lse.sizes());
+// The saved output and the incoming gradient, checked against the problem (with the
+// log-sum-exp), in the kernels' layout.
+std::pair<at::Tensor, at::Tensor> saved(const Problem& pb, const at::Tensor& q,
+                                        const at::Tensor& grad, const at::Tensor& out,
+                                        const at::Tensor& lse) {
+  check_saved(pb, q, grad, out, lse, at::kFloat, check_device_tensor);
   return {with_kernel_layout(grad), with_kernel_layout(out)};
 }
 
@@ -342,7 +261,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   TORCH_CHECK_VALUE(!bias_grad, "the cuda attention takes no attn_bias, so no bias gradient");
   const Problem pb =
       padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
-  const auto [g, o] = saved(pb, grad, out, lse, {pb.batch, pb.heads, pb.seq_q});
+  const auto [g, o] = saved(pb, q, grad, out, lse);
   Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
   Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
   Output dv(empty_like_layout(v, v.sizes(), v.scalar_type()));
@@ -373,7 +292,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   const DeviceGuard guard(q);
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, dropout_p, scale, seed);
-  const auto [g, o] = saved(pb, grad, out, lse, {pb.heads, q.size(0)});
+  const auto [g, o] = saved(pb, q, grad, out, lse);
   Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
   Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
   Output dv(empty_like_layout(v, v.sizes(), v.scalar_type()));

@@ -2,8 +2,8 @@
 // kernels/cuda/bias_gelu.cuh (which describes them).
 #include "bias_gelu.cuh"
 #include "cuda/common.h"
-#include "cuda/ops.h"
 #include "cuda/runtime.h"
+#include "ops.h"
 
 namespace fusedlm::cuda {
 namespace {

@@ -6,9 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "../common.h"  // csrc/common.h
 #include "checks.h"
@@ -40,20 +39,20 @@ bool all_aligned16(const P*... p) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Whether a kernel path with a switch may run: unless the environment variable `setting`
-// is "0" (which turns it off, to compare it with the path it replaces at the same shapes).
-inline bool path_enabled(const char* setting) {
-  const char* value = std::getenv(setting);
-  return value == nullptr || std::string_view(value) != "0";
-}
+// The switches between kernel paths (set_path and paths in csrc/ops.h), read from the
+// environment once per process (csrc/cuda/paths.cu); a launch reads the one of its path.
+struct KernelPaths {
+  std::atomic<bool> attention_resident{true}, attention_wgmma{true}, ffn_wgmma{true};
+};
+KernelPaths& kernel_paths();
 
 // Whether a kernel's Hopper variant (wgmma.cuh) runs: on an sm_90 device, in a build
-// with sm_90a code, when path_enabled(setting) (else the mma.sync kernel it replaces).
-inline bool hopper_path(const char* setting) {
+// with sm_90a code, when its switch is on (else the mma.sync kernel it replaces).
+inline bool hopper_path(const std::atomic<bool>& enabled) {
 #if defined(FUSEDLM_SM90A)
-  return compute_capability_major() == 9 && path_enabled(setting);
+  return compute_capability_major() == 9 && enabled;
 #else
-  (void)setting;
+  (void)enabled;
   return false;
 #endif
 }

@@ -2,9 +2,9 @@
 // kernels in kernels/cuda/gelu_ffn.cuh (which describes them), and the products and
 // reductions left to cuBLAS and ATen.
 #include "cuda/common.h"
-#include "cuda/ops.h"
 #include "cuda/runtime.h"
 #include "gelu_ffn.cuh"
+#include "ops.h"
 
 namespace fusedlm::cuda {
 namespace {
@@ -15,7 +15,7 @@ using namespace kernels::gelu_ffn;
 template <typename T, bool kBackward>
 void run_product(const Params<T>& p, bool approx_tanh) {
   if (p.m == 0 || p.n == 0) return;
-  const bool hopper = hopper_path("FUSEDLM_FFN_WGMMA");
+  const bool hopper = hopper_path(kernel_paths().ffn_wgmma);
   auto kernel = hopper ? (approx_tanh ? ffn_product_sm90_kernel<T, kBackward, true>
                                       : ffn_product_sm90_kernel<T, kBackward, false>)
                        : (approx_tanh ? ffn_product_kernel<T, kBackward, true>
@@ -24,6 +24,22 @@ void run_product(const Params<T>& p, bool approx_tanh) {
   const dim3 grid(static_cast<unsigned>(ceil_div(p.n, kBlockN)),
                   static_cast<unsigned>(ceil_div(p.m, kBlockM)));
   launch(kernel, grid, kThreads, smem, p);
+}
+
+// The [m, k] x [k, n] product of a and b (laid out as the kernels say) with the GELU of
+// the pre-activation and its dropout, both passes'.
+template <typename T>
+Params<T> product(const at::Tensor& a, const at::Tensor& b, int64_t m, int64_t n, int64_t k,
+                  const at::Tensor& pre, const at::Tensor& act, const at::Tensor& seed,
+                  double dropout_p) {
+  Params<T> p;
+  p.a = ptr<T>(a);
+  p.b = ptr<T>(b);
+  p.m = m, p.n = n, p.k = k;
+  p.pre = ptr<T>(pre);
+  p.act = ptr<T>(act);
+  p.dropout = dropout_stream(seed, dropout_p);
+  return p;
 }
 
 // Runs f(T{}) for bf16 or fp16, the tensor cores' input types.
@@ -61,14 +77,8 @@ std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
   auto act = at::empty_like(pre);
   dispatch_half(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    Params<T> p;
-    p.a = ptr<T>(x2);
-    p.b = ptr<T>(w1c);
-    p.m = rows, p.n = d_ff, p.k = d_in;
+    Params<T> p = product<T>(x2, w1c, rows, d_ff, d_in, pre, act, seed, dropout_p);
     p.bias = ptr<T>(b1c);
-    p.pre = ptr<T>(pre);
-    p.act = ptr<T>(act);
-    p.dropout = dropout_stream(seed, dropout_p);
     run_product<T, false>(p, in.tanh);
   });
   return {ffn_output(x, act, in.w2, in.b2), pre};
@@ -93,25 +103,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
     using T = decltype(tag);
     auto part = at::empty({has_b1 ? ceil_div(rows, kBlockM) : 0, d_ff},
                           pre.options().dtype(at::kFloat));
-    Params<T> p;
-    p.a = ptr<T>(g2);
-    p.b = ptr<T>(w2c);
-    p.m = rows, p.n = d_ff, p.k = d_out;
-    p.pre = ptr<T>(pre);
-    p.act = ptr<T>(act);
+    Params<T> p = product<T>(g2, w2c, rows, d_ff, d_out, pre, act, seed, dropout_p);
     p.dpre = ptr<T>(dpre);
     p.dbias_part = has_b1 ? ptr<float>(part) : nullptr;
-    p.dropout = dropout_stream(seed, dropout_p);
     run_product<T, true>(p, in.tanh);
     if (has_b1) db1 = sum_partials<T>(part, x.scalar_type());
   });
-  auto dw2 = at::mm(g2.t(), act);
-  auto db2 = in.b2.defined() ? g2.sum(0, false, at::kFloat).to(x.scalar_type()) : at::Tensor();
-  auto dx = at::empty(x.sizes(), pre.options());
-  auto dx2 = dx.view({rows, d_in});
-  at::mm_out(dx2, dpre, in.w1);
-  auto dw1 = at::mm(dpre.t(), in.x);
-  return {dx, dw1, db1, dw2, db2};
+  const auto g = ffn_backward_products(in, x, g2, act, dpre);
+  return {g.dx, g.dw1, db1, g.dw2, g.db2};
 }
 
 }  // namespace fusedlm::cuda

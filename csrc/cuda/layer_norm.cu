@@ -3,22 +3,13 @@
 #include <algorithm>
 
 #include "cuda/common.h"
-#include "cuda/ops.h"
 #include "cuda/runtime.h"
 #include "layer_norm.cuh"
+#include "ops.h"
 
 namespace fusedlm::cuda {
-namespace {
 
 using namespace kernels::layer_norm;
-
-// The stored statistics' dtype and layout (add_layer_norm_grad_inputs checks their device).
-void check_stat(const at::Tensor& t, int64_t rows, const char* name) {
-  TORCH_CHECK_VALUE(t.numel() == rows && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
-                    " must be a contiguous [", rows, "] float32 tensor");
-}
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -59,25 +50,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
     const at::Tensor& seed) {
   const auto in = add_layer_norm_grad_inputs(grad_out, grad_summed, summed, mean, rstd, weight,
+                                             at::kFloat, dropout_p > 0, has_residual,
                                              check_device_tensor);
   const DeviceGuard guard(summed);
   const Dropout dropout = dropout_stream(seed, dropout_p);
 
   const int64_t rows = in.summed.size(0), cols = in.summed.size(1);
-  check_stat(mean, rows, "mean");
-  check_stat(rstd, rows, "rstd");
-  // Without dropout dx is dsummed itself (the caller hands one tensor to both x and
-  // residual); with it, dsummed is written only for a residual.
   const auto options = in.summed.options();
-  auto dsummed = !dropout.active || has_residual ? at::empty(summed.sizes(), options) : at::Tensor();
-  auto dx = dropout.active ? at::empty(summed.sizes(), options) : at::Tensor();
   at::Tensor dweight, dbias;
   dispatch(summed.scalar_type(), "summed", [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = kVec<T>;
     const T *gp = ptr<T>(in.grad_out), *gsp = ptr<T>(in.grad_summed), *sp = ptr<T>(in.summed);
     const T* wp = ptr<T>(in.weight);
-    T *dsp = ptr<T>(dsummed), *dxp = ptr<T>(dx);
+    T *dsp = ptr<T>(in.dsummed), *dxp = ptr<T>(in.dx);
     const bool vector = cols % V == 0 && all_aligned16(gp, gsp, sp, wp, dsp, dxp);
     const int threads = row_threads(vector ? cols / V : cols, kBackwardCache);
     // Enough blocks to fill the device, but at least 8 rows each, so the partial sums
@@ -103,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     if (in.weight.defined()) dweight = sum_partials<T>(dw_part, summed.scalar_type());
     if (has_bias) dbias = sum_partials<T>(db_part, summed.scalar_type());
   });
-  return {dsummed, dx, dweight, dbias};
+  return {in.dsummed, in.dx, dweight, dbias};
 }
 
 }  // namespace fusedlm::cuda

@@ -7,7 +7,7 @@
 //     may read or write only the memory of the tensors its op exposed: every pointer a
 //     kernel receives comes from ptr(), which exposes the tensor's storage, and the op's
 //     DeviceGuard ends those exposures when the op returns.
-// Every entry point of csrc/cuda/ops.h holds a DeviceGuard while it runs.
+// Every entry point of the cuda backend (csrc/ops.h) holds a DeviceGuard while it runs.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -29,6 +29,9 @@ C10_DECLARE_bool(caffe2_cpu_allocator_do_junk_fill);
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include <mutex>
+#include <set>
 #endif
 
 namespace fusedlm::cuda {
@@ -112,26 +115,48 @@ inline void check_device_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
 }
 
-inline int multiprocessors() {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount,
-                                        c10::cuda::current_device()));
-  return count;
+// The current device's attributes the launches read, asked of the runtime once per device.
+struct DeviceAttributes {
+  int multiprocessors = 0;
+  size_t max_shared_memory = 0;  // the most one block may ask for
+  int compute_capability_major = 0;
+};
+
+inline const DeviceAttributes& device_attributes() {
+  static DeviceAttributes cached[C10_COMPILE_TIME_MAX_GPUS];
+  static std::once_flag asked[C10_COMPILE_TIME_MAX_GPUS];
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  std::call_once(asked[device], [device] {
+    auto attribute = [device](cudaDeviceAttr which) {
+      int value = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, which, device));
+      return value;
+    };
+    DeviceAttributes& a = cached[device];
+    a.multiprocessors = attribute(cudaDevAttrMultiProcessorCount);
+    a.max_shared_memory = static_cast<size_t>(attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+    a.compute_capability_major = attribute(cudaDevAttrComputeCapabilityMajor);
+  });
+  return cached[device];
 }
 
-// The most shared memory one block of the current device may ask for.
-inline size_t max_shared_memory() {
-  int bytes = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        c10::cuda::current_device()));
-  return static_cast<size_t>(bytes);
-}
+inline int multiprocessors() { return device_attributes().multiprocessors; }
+inline size_t max_shared_memory() { return device_attributes().max_shared_memory; }
+inline int compute_capability_major() { return device_attributes().compute_capability_major; }
 
-inline int compute_capability_major() {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                        c10::cuda::current_device()));
-  return major;
+// Lets `kernel` have as much dynamic shared memory as a block of the current device may,
+// once per device and kernel. The allowance is the device's whole, the same for every
+// call: a per-call amount could be lowered by another thread's launch between this one's
+// setting and launching.
+inline void allow_all_shared_memory(const void* kernel) {
+  static std::mutex mutex;
+  static std::set<std::pair<c10::DeviceIndex, const void*>> allowed;
+  const std::pair<c10::DeviceIndex, const void*> key{c10::cuda::current_device(), kernel};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (allowed.count(key)) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(max_shared_memory())));
+  allowed.insert(key);
 }
 
 // t's data as T*; nullptr when undefined.
@@ -145,12 +170,8 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem,
             Args&&... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  // Past 48 KiB a block's dynamic shared memory has to be allowed. The allowance is the
-  // device's whole, the same for every call: a per-call amount could be lowered by
-  // another thread's launch between this one's setting and launching.
-  if (dynamic_smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(max_shared_memory())));
+  // Past 48 KiB a block's dynamic shared memory has to be allowed.
+  if (dynamic_smem > 48 * 1024) allow_all_shared_memory(reinterpret_cast<const void*>(kernel));
   kernel<<<grid, block, dynamic_smem, c10::cuda::getCurrentCUDAStream().stream()>>>(
       std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,14 +37,25 @@ struct Arch {
   size_t shared_memory;
 };
 
-Arch emulated_arch() {
-  const char* value = std::getenv("FUSEDLM_EMULATE_ARCH");
-  const std::string_view name = value ? value : "sm_80";
-  if (name == "sm_80") return {"sm_80", 8, 108, 166912};
-  if (name == "sm_90a") return {"sm_90a", 9, 132, 232448};
-  throw std::invalid_argument("FUSEDLM_EMULATE_ARCH must be sm_80 or sm_90a, got '" +
+constexpr Arch kArches[] = {{"sm_80", 8, 108, 166912}, {"sm_90a", 9, 132, 232448}};
+
+const Arch& arch_named(std::string_view name) {
+  for (const Arch& arch : kArches)
+    if (name == arch.name) return arch;
+  throw std::invalid_argument("the emulated arch must be sm_80 or sm_90a, got '" +
                               std::string(name) + "'");
 }
+
+// The GPU acted as: FUSEDLM_EMULATE_ARCH's, read when first asked for, until set_arch.
+std::atomic<const Arch*>& arch_setting() {
+  static std::atomic<const Arch*> arch{[] {
+    const char* value = std::getenv("FUSEDLM_EMULATE_ARCH");
+    return &arch_named(value ? value : "sm_80");
+  }()};
+  return arch;
+}
+
+const Arch& emulated_arch() { return *arch_setting().load(); }
 
 // The global memory the current op exposed, per OS thread (each op runs on one).
 struct Exposure {
@@ -247,6 +259,7 @@ uint16_t to_f16(float v) {
 // --- the host side ----------------------------------------------------------------------------
 
 const char* arch_name() { return emulated_arch().name; }
+void set_arch(const char* name) { arch_setting() = &arch_named(name); }
 int compute_capability_major() { return emulated_arch().major; }
 int multiprocessors() { return emulated_arch().multiprocessors; }
 size_t max_shared_memory() { return emulated_arch().shared_memory; }
@@ -260,7 +273,7 @@ void end_exposure() { exposures.clear(); }
 void run(const Launch& launch) {
   static std::mutex one_grid_at_a_time;  // the kernels' static state is the block's
   const std::lock_guard<std::mutex> lock(one_grid_at_a_time);
-  const Arch arch = emulated_arch();
+  const Arch& arch = emulated_arch();
   const dim3 g = launch.grid, bd = launch.block;
   const uint64_t threads = uint64_t(bd.x) * bd.y * bd.z;
   auto refuse = [&](const std::string& why) {

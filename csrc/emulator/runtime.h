@@ -19,9 +19,11 @@
 namespace fusedlm::emu {
 
 // The GPU the emulator acts as: sm_90a (wgmma) or sm_80, from FUSEDLM_EMULATE_ARCH
-// (default sm_80), read at every call so that tests can switch it. FUSEDLM_EMULATE_TRACE=1
-// prints every launch (kernel, grid, block, shared memory) to stderr.
+// (default sm_80), read once per process; set_arch switches it (for the emulator's own
+// tests). FUSEDLM_EMULATE_TRACE=1 prints every launch (kernel, grid, block, shared memory)
+// to stderr.
 const char* arch_name();
+void set_arch(const char* name);  // "sm_80" or "sm_90a"; throws std::invalid_argument otherwise
 int compute_capability_major();
 int multiprocessors();
 size_t max_shared_memory();  // per block, as cudaDevAttrMaxSharedMemoryPerBlockOptin

@@ -3,7 +3,6 @@
 // emulator must catch: a missing __syncthreads, a missing cp.async wait, out-of-bounds
 // stores, a wrong swizzle, a missing fence, lanes that leave a warp-wide instruction.
 // This file is compiled with ThreadSanitizer's instrumentation, as the kernels are.
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -19,7 +18,7 @@ namespace emu = fusedlm::emu;
 // Runs f with the emulator acting as `arch`, then ends the op's exposures.
 template <typename F>
 void on(const char* arch, F&& f) {
-  setenv("FUSEDLM_EMULATE_ARCH", arch, 1);
+  emu::set_arch(arch);
   try {
     f();
   } catch (...) {
@@ -320,33 +319,32 @@ int mismatches(const std::vector<float>& got, const std::vector<float>& want) {
 
 constexpr size_t kProductShared = 2 * 64 * 64 * 2 + 1024;
 
+// swizzled_product of x's operands into out, made with `mistake`, on `arch`.
+void run_product(Operands& x, std::vector<float>& out, Mistake mistake, const char* arch = "sm_90a") {
+  on(arch, [&] {
+    emu::launch(swizzled_product, dim3(1), dim3(128), kProductShared, exposed(x.a), exposed(x.b),
+                exposed(out), mistake);
+  });
+}
+
 EMU_TEST(runtime_wgmma_product) {
   Operands x;
   std::vector<float> out(64 * 64);
-  on("sm_90a", [&] {
-    emu::launch(swizzled_product, dim3(1), dim3(128), kProductShared, exposed(x.a), exposed(x.b),
-                exposed(out), Mistake::none);
-  });
+  run_product(x, out, Mistake::none);
   EMU_CHECK(mismatches(out, x.want) == 0, mismatches(out, x.want), " of 4096 elements differ");
 }
 
 EMU_TEST(runtime_wgmma_wrong_swizzle_gives_a_wrong_answer) {
   Operands x;
   std::vector<float> out(64 * 64);
-  on("sm_90a", [&] {
-    emu::launch(swizzled_product, dim3(1), dim3(128), kProductShared, exposed(x.a), exposed(x.b),
-                exposed(out), Mistake::unswizzled_store);
-  });
+  run_product(x, out, Mistake::unswizzled_store);
   EMU_CHECK(mismatches(out, x.want) > 1000, "only ", mismatches(out, x.want), " elements differ");
 }
 
 EMU_TEST(runtime_wgmma_result_lands_at_its_wait) {
   Operands x;
   std::vector<float> out(64 * 64);
-  on("sm_90a", [&] {
-    emu::launch(swizzled_product, dim3(1), dim3(128), kProductShared, exposed(x.a), exposed(x.b),
-                exposed(out), Mistake::late_wait);
-  });
+  run_product(x, out, Mistake::late_wait);
   int stale = 0;
   for (float v : out) stale += v == -1.0f;
   EMU_CHECK(stale == 64 * 64, "accumulators read before the wait held ", 64 * 64 - stale, " results");
@@ -355,12 +353,7 @@ EMU_TEST(runtime_wgmma_result_lands_at_its_wait) {
 EMU_TEST(runtime_wgmma_hazards) {
   Operands x;
   std::vector<float> out(64 * 64);
-  auto run = [&](Mistake m, const char* arch) {
-    on(arch, [&] {
-      emu::launch(swizzled_product, dim3(1), dim3(128), kProductShared, exposed(x.a), exposed(x.b),
-                  exposed(out), m);
-    });
-  };
+  auto run = [&](Mistake m, const char* arch) { run_product(x, out, m, arch); };
   EMU_CHECK_THROWS(run(Mistake::no_proxy_fence, "sm_90a"), "no fence.proxy.async");
   EMU_CHECK_THROWS(run(Mistake::no_wgmma_fence, "sm_90a"), "no wgmma.fence");
   EMU_CHECK_THROWS(run(Mistake::no_wait, "sm_90a"), "wgmma products in flight");

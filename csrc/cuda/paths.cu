@@ -1,0 +1,57 @@
+// The switches between the cuda backend's kernel paths: read from the environment when
+// first asked for, changed at run time by set_path (tests and benchmarks compare a path
+// with the one it replaces, at the same shapes).
+#include <cstdlib>
+#include <string_view>
+
+#include "cuda/common.h"
+#include "ops.h"
+
+namespace fusedlm::cuda {
+namespace {
+
+struct Switch {
+  const char* name;
+  const char* variable;  // "0" turns the path off
+  std::atomic<bool> KernelPaths::*enabled;
+};
+
+constexpr Switch kSwitches[] = {
+    {"attention_resident", "FUSEDLM_ATTENTION_RESIDENT", &KernelPaths::attention_resident},
+    {"attention_wgmma", "FUSEDLM_ATTENTION_WGMMA", &KernelPaths::attention_wgmma},
+    {"ffn_wgmma", "FUSEDLM_FFN_WGMMA", &KernelPaths::ffn_wgmma},
+};
+
+bool on_in_environment(const char* variable) {
+  const char* value = std::getenv(variable);
+  return value == nullptr || std::string_view(value) != "0";
+}
+
+}  // namespace
+
+KernelPaths& kernel_paths() {
+  static KernelPaths paths;
+  static const bool read = [] {
+    for (const Switch& s : kSwitches) (paths.*s.enabled) = on_in_environment(s.variable);
+    return true;
+  }();
+  (void)read;
+  return paths;
+}
+
+void set_path(const std::string& name, bool enabled) {
+  for (const Switch& s : kSwitches)
+    if (name == s.name) {
+      (kernel_paths().*s.enabled) = enabled;
+      return;
+    }
+  TORCH_CHECK_VALUE(false, "no kernel path is named '", name, "'");
+}
+
+std::map<std::string, bool> paths() {
+  std::map<std::string, bool> out;
+  for (const Switch& s : kSwitches) out[s.name] = kernel_paths().*s.enabled;
+  return out;
+}
+
+}  // namespace fusedlm::cuda

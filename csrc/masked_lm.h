@@ -1,0 +1,52 @@
+// masked_lm_loss's host code, one for both backends: rows whose label is ignore_index
+// never reach the vocabulary projection. The labelled rows are gathered and projected
+// chunk_rows at a time (ATen's matrix products) into one reused [chunk_rows, vocab]
+// logits buffer; the backend's fused cross-entropy overwrites a chunk's logits with their
+// gradient, which the products fold into d_hidden and d_weight before the next chunk.
+// Only one chunk of logits ever exists.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "checks.h"
+
+namespace fusedlm {
+
+// What a backend brings to the loop: its kernels, on tensors of its device. "acc" is the
+// accumulation dtype of the inputs' (float64 for float64, else float32).
+struct MlmBackend {
+  DeviceCheck device;
+  // The flat positions (int64 [n]) of labels1 [rows] whose label is not ignore_index.
+  at::Tensor (*labelled)(const at::Tensor& labels1, int64_t classes, int64_t ignore_index);
+  // Cross-entropy over the rows of contiguous logits [m, classes] with labels1 [m]: losses
+  // (acc [m]) receive the losses. With with_grad the logits are overwritten with
+  // grad_scale * row_scale[r] * d(loss_r)/d(logits) (row_scale undefined: 1, else acc [m]);
+  // with col_sum also, the gradient's column sums (acc [classes]) are returned.
+  at::Tensor (*chunk)(const at::Tensor& logits, const at::Tensor& labels1,
+                      const at::Tensor& losses, bool with_grad, bool col_sum,
+                      int64_t ignore_index, double label_smoothing, double grad_scale,
+                      const at::Tensor& row_scale);
+  // The sum of losses (acc [n]) as a float64 scalar tensor.
+  at::Tensor (*total)(const at::Tensor& losses);
+  // src * scale (one acc value) in src's dtype, rounded once; undefined for undefined src.
+  at::Tensor (*scaled)(const at::Tensor& src, const at::Tensor& scale);
+};
+
+// The entry points masked_lm_loss_forward and masked_lm_loss_backward (csrc/ops.h) on
+// `backend`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward_on(
+    const MlmBackend& backend, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& labels, int64_t ignore_index,
+    double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
+    bool need_dweight, bool need_dbias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward_on(
+    const MlmBackend& backend, const at::Tensor& grad, const at::Tensor& hidden,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& labels,
+    const at::Tensor& dhidden, const at::Tensor& dweight, const at::Tensor& dbias,
+    int64_t ignore_index, double label_smoothing, const std::string& reduction,
+    int64_t chunk_rows, bool need_dhidden, bool need_dweight, bool need_dbias);
+
+}  // namespace fusedlm
