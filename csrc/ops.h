@@ -174,7 +174,7 @@ using lstm_cell_backward_t = std::tuple<at::Tensor, at::Tensor>(
   X(add_layer_norm_backward)
 #define FUSEDLM_CPU_OPS(X)                                                                 \
   FUSEDLM_SHARED_OPS(X)                                                                    \
-  X(attention_with_kvcache_forward) X(unpad_forward) X(pad_forward) X(pad_backward)             \
+  X(attention_with_kvcache_forward) X(unpad_forward) X(pad_forward) X(pad_backward)        \
   X(lstm_cell_forward) X(lstm_cell_backward)
 #define FUSEDLM_CUDA_OPS(X) FUSEDLM_SHARED_OPS(X)
 

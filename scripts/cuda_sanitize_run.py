@@ -8,12 +8,12 @@ attention and FFN kernels' partial blocks. It checks
 no values (the tests do): it exits non-zero when the cuda backend cannot run.
 """
 import itertools
-import os
 import sys
 
 import torch
 
 import fusedlm
+from fusedlm.backends import cuda as cuda_backend
 from fusedlm.ops import cross_entropy as ce_module
 
 
@@ -66,11 +66,11 @@ def main() -> int:
     # the causal diagonal with more queries than keys, dropout; the resident path (up to
     # 512) and the streamed one, whose forward runs on wgmma on sm_90 unless turned off;
     # varlen with an empty sequence.
-    cases = ((64, 70, 67, "1"), (128, 70, 67, "1"), (64, 603, 600, "1"), (128, 603, 600, "1"),
-             (64, 603, 600, "0"))
+    cases = ((64, 70, 67, True), (128, 70, 67, True), (64, 603, 600, True),
+             (128, 603, 600, True), (64, 603, 600, False))
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim, seq_q, seq_k, wgmma in cases:
-            os.environ["FUSEDLM_ATTENTION_WGMMA"] = wgmma
+            cuda_backend.set_path("attention_wgmma", wgmma)
             q = torch.randn(2, seq_q, 2, head_dim, dtype=dtype, **cuda).transpose(1, 2)
             k, v = (torch.randn(2, 2, seq_k, head_dim, dtype=dtype, **cuda) for _ in range(2))
             mask = torch.rand(2, seq_k, device="cuda") < 0.3
@@ -87,8 +87,8 @@ def main() -> int:
     # gelu_ffn: partial 128-row and 128-column blocks, a K tail inside a 32-wide (64-wide
     # on wgmma) step, and K longer than the 3-stage pipeline; with and without biases and
     # dropout; the product on wgmma (sm_90) and on mma.sync.
-    for dtype, wgmma in itertools.product((torch.bfloat16, torch.float16), ("1", "0")):
-        os.environ["FUSEDLM_FFN_WGMMA"] = wgmma
+    for dtype, wgmma in itertools.product((torch.bfloat16, torch.float16), (True, False)):
+        cuda_backend.set_path("ffn_wgmma", wgmma)
         for rows, d_in, d_ff, d_out in ((130, 48, 136, 40), (7, 264, 256, 136)):
             x = torch.randn(rows, d_in, dtype=dtype, **cuda)
             w1 = torch.randn(d_ff, d_in, dtype=dtype, **cuda)

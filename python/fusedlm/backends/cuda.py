@@ -71,6 +71,8 @@ def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
     element order row-major over ``shape``, on CUDA device ``device`` (default: the
     current one). In an emulated build it is drawn by the emulator, on the CPU (the
     default there, and the only device it takes)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be a float in [0, 1), got {p!r}")
     if EMULATED:
         device = torch.device("cpu" if device is None else device)
         if device.type != "cpu":
