@@ -34,19 +34,12 @@ from fusedlm.ops.attention import _like
 
 from ._common import autotune, dot_precision, keep, seed_of, upcast_products
 
+# The largest head_dim of q and k, and of v, the kernels take (the backend layer checks it).
 MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Sequences up to this length (BERT's) tune over smaller query blocks: more programs.
 _SHORT = 512
-
-
-def limits(dtype=None, head_dim=None, head_dim_v=None, **_features):
-    """Why the attention kernels cannot run a call, or None."""
-    for name, dim in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
-        if dim is not None and dim > MAX_HEAD_DIM:
-            return f"the triton attention takes a {name} up to {MAX_HEAD_DIM}, got {dim}"
-    return None
 
 
 def _configs():
@@ -447,16 +440,9 @@ class _Problem:
                 *self.strides(dq), *self.sizes(with_scale=True), WRITE_DS=ds is not None, **flags)
 
 
-def _check_head_dims(q, v):
-    reason = limits(head_dim=q.shape[-1], head_dim_v=v.shape[-1])
-    if reason:
-        raise ValueError(reason)
-
-
 # --- attention -----------------------------------------------------------------------------------
 
 def _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
-    _check_head_dims(q, v)
     batch, _, seq_q, _ = q.shape
     return _Problem(q, k, v, key_padding_mask, attn_bias, None, None, batch, seq_q, k.shape[2],
                     causal, dropout_p, scale, seed, _padded_strides)
@@ -497,7 +483,6 @@ def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, cau
 # --- attention_varlen ----------------------------------------------------------------------------
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed):
-    _check_head_dims(q, v)
     return _Problem(q, k, v, None, None, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, causal,
                     dropout_p, scale, seed, _packed_strides)
 
