@@ -162,6 +162,13 @@ __device__ __forceinline__ bool tile_needs_mask(bool padding, int n0, int keys, 
   return padding || n0 + keys > len_k || (causal && n0 + keys - 1 > m0 + shift);
 }
 
+// This thread's rows of its warp's C fragments, g and g + 8 of the warp's 16 (half 0 and
+// 1), in a block whose rows start at r0: warp w owns rows r0 + 16w .. r0 + 16w + 15.
+__device__ __forceinline__ int fragment_row(int r0, int half) {
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  return r0 + warp * 16 + g + 8 * half;
+}
+
 // The end of the keys a block of queries m0 .. m0 + rows - 1 may see.
 __device__ __forceinline__ int key_end(const Seq& s, bool causal, int m0, int rows) {
   return causal ? max(0, min(s.len_k, m0 + rows + s.len_k - s.len_q)) : s.len_k;
@@ -202,26 +209,94 @@ size_t dkdv_smem(int64_t seq_q) {
          2 * queries * sizeof(float) + Shape<kResident>::rows;
 }
 
-// The resident path's copies of a sequence's key tiles 0 .. tiles - 1 (K and V, pitch
-// D + 8), all started at once, one cp.async group a tile so that each is waited for alone,
-// and the flags of their keys.
+// The resident path's copies of the walked tiles first .. last - 1 of a sequence whose
+// rows start at row0 and number len in x and y (K and V, or Q and dO), into x_tiles and
+// y_tiles (kRows rows a tile, pitch D + 8): all started at once, one cp.async group a
+// tile so that each is waited for alone.
+template <int kRows, int D, int kThreads, typename T>
+__device__ __forceinline__ void prefetch_tiles(T* x_tiles, T* y_tiles, const Rows<const T>& x,
+                                               const Rows<const T>& y, int b, int h,
+                                               int64_t row0, int len, int first, int last) {
+  for (int tile = first; tile < last; ++tile) {
+    const int r0 = tile * kRows, at = tile * kRows * kPitch<D>;
+    load_pair<kRows, D, kThreads>(x_tiles + at, y_tiles + at, x, y, b, h, row0 + r0, len - r0);
+    cp_async_commit();
+  }
+}
+
+// The resident path's copies of a sequence's key tiles 0 .. tiles - 1 (K and V), and the
+// flags of their keys.
 template <int D, int kThreads, typename T>
 __device__ __forceinline__ void prefetch_keys(T* k_tiles, T* v_tiles, bool* key_ok,
                                               const Params<T>& p, int b, int h, const Seq& s,
                                               int tiles) {
-  for (int tile = 0; tile < tiles; ++tile) {
-    const int n0 = tile * kBlockN, at = tile * kBlockN * kPitch<D>;
-    load_pair<kBlockN, D, kThreads>(k_tiles + at, v_tiles + at, p.k, p.v, b, h, s.k0 + n0,
-                                    s.len_k - n0);
-    cp_async_commit();
-  }
+  prefetch_tiles<kBlockN, D, kThreads>(k_tiles, v_tiles, p.k, p.v, b, h, s.k0, s.len_k, 0,
+                                       tiles);
   stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
+}
+
+// The key tiles a forward or dQ block walks, in its shared memory from `at`: K and V
+// ([held][kBlockN][D + 8] each), then the flags of their keys ([held * kBlockN]). A
+// resident block holds every tile of its walk, a streamed block the current one.
+template <typename T, int D, bool kResident>
+struct KeyTiles {
+  static constexpr int kTile = kBlockN * kPitch<D>;  // elements of a K or V tile
+  int held;
+  T* k;
+  T* v;
+  bool* ok;
+
+  __device__ __forceinline__ KeyTiles(T* at, int64_t seq_k)
+      : held(held_tiles(kResident, seq_k, kBlockN)),
+        k(at),
+        v(at + held * kTile),
+        ok(reinterpret_cast<bool*>(at + 2 * held * kTile)) {}
+
+  // Walked tile `tile`: its K, its V and its keys' flags.
+  __device__ __forceinline__ const T* k_at(int tile) const {
+    return k + (kResident ? tile * kTile : 0);
+  }
+  __device__ __forceinline__ const T* v_at(int tile) const {
+    return v + (kResident ? tile * kTile : 0);
+  }
+  __device__ __forceinline__ const bool* ok_at(int tile) const {
+    return ok + (kResident ? tile * kBlockN : 0);
+  }
+
+  // How many tiles a block of kRows queries from m0 walks: those with keys it may see. A
+  // resident block never walks past the tiles it holds, even for a sequence longer than
+  // the max_seqlen_k it was promised.
+  template <int kRows>
+  __device__ __forceinline__ int walked(const Seq& s, bool causal, int m0) const {
+    const int end = key_end(s, causal, m0, kRows);
+    return ((kResident ? min(end, held * kBlockN) : end) + kBlockN - 1) / kBlockN;
+  }
+};
+
+// acc += A B for a warp's 16 rows, over the kN rows of a shared tile: A is the C
+// fragments c (16 x kN, reused as A fragments), B the tile's rows 0 .. kN - 1 (pitch
+// D + 8) and all its D columns. k-step kt covers tile rows 16kt .. 16kt + 15.
+template <typename T, int D, int kN>
+__device__ __forceinline__ void add_product(float (&acc)[D / 8][4], const float (&c)[kN / 8][4],
+                                            const T* tile) {
+#pragma unroll
+  for (int kt = 0; kt < kN / 16; ++kt) {
+    uint32_t a[4];
+    accumulator_as_a<T>(a, c, kt);
+#pragma unroll
+    for (int dt = 0; dt < D / 16; ++dt) {
+      uint32_t bf[4];
+      load_b_cols<kPitch<D>>(bf, tile, kt * 16, dt * 16);
+      mma<T>(acc[2 * dt], a, bf[0], bf[1]);
+      mma<T>(acc[2 * dt + 1], a, bf[2], bf[3]);
+    }
+  }
 }
 
 // --- the forward's steps, shared by its kernels -------------------------------------------
 
 // One key tile of the online softmax, for this thread's share of a warp's 16 query rows
-// (rows[0], rows[1]) against keys n0 .. n0 + kBlockN - 1 of a block whose first query is
+// (its fragment rows) against keys n0 .. n0 + kBlockN - 1 of a block whose first query is
 // m0: sc goes from the raw scores Q K^T to the probabilities P (masked, in base 2, with
 // dropout applied), and the running max, sum and output accumulator are rescaled.
 template <typename T, int D>
@@ -229,8 +304,9 @@ __device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 8][4],
                                                float (&acc)[D / 8][4], float (&row_max)[2],
                                                float (&row_sum)[2], const Params<T>& p,
                                                const bool* tile_ok, int b, int h, const Seq& s,
-                                               const int (&rows)[2], int m0, int n0) {
+                                               int m0, int n0) {
   const int t = threadIdx.x % 4, shift = s.len_k - s.len_q;
+  const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
   const float c = p.scale * kLog2e;
   const bool masked =
       tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
@@ -291,8 +367,9 @@ template <typename T, int D>
 __device__ __forceinline__ void store_output(const float (&acc)[D / 8][4],
                                              const float (&row_max)[2], const float (&row_sum)[2],
                                              const Params<T>& p, int b, int h, const Seq& s,
-                                             const int (&rows)[2]) {
+                                             int m0) {
   const int t = threadIdx.x % 4;
+  const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const float sum = quad_sum(row_sum[hh]);
@@ -317,30 +394,20 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     attention_forward_kernel(const Params<T> p) {
   constexpr int P = kPitch<D>, kRows = Shape<kResident>::rows;
   constexpr int kThreads = Shape<kResident>::threads;
-  const int held = held_tiles(kResident, p.seq_k, kBlockN);
-  unsigned char* smem = dynamic_shared_memory();
-  T* q_tile = reinterpret_cast<T*>(smem);     // [kRows][P]
-  T* k_tiles = q_tile + kRows * P;            // [held][kBlockN][P]
-  T* v_tiles = k_tiles + held * kBlockN * P;  // [held][kBlockN][P]
-  bool* key_ok = reinterpret_cast<bool*>(v_tiles + held * kBlockN * P);  // [held * kBlockN]
+  T* q_tile = reinterpret_cast<T*>(dynamic_shared_memory());  // [kRows][P]
+  const KeyTiles<T, D, kResident> keys(q_tile + kRows * P, p.seq_k);
 
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
   const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
-  // This thread's rows of C fragments: g and g + 8 of the warp's 16.
-  const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
-  // A resident block never walks past the tiles it holds, even for a sequence longer
-  // than the max_seqlen_k it was promised.
-  const int n_end = kResident ? min(key_end(s, p.causal, m0, kRows), held * kBlockN)
-                              : key_end(s, p.causal, m0, kRows);
-  const int tiles = (n_end + kBlockN - 1) / kBlockN;
+  const int warp = threadIdx.x / 32;
+  const int tiles = keys.template walked<kRows>(s, p.causal, m0);
 
   load_tile<kRows, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
   cp_async_commit();
   if constexpr (kResident) {
-    prefetch_keys<D, kThreads>(k_tiles, v_tiles, key_ok, p, b, h, s, tiles);
+    prefetch_keys<D, kThreads>(keys.k, keys.v, keys.ok, p, b, h, s, tiles);
     cp_async_wait_runtime(tiles);  // Q; the key tiles may still be in flight
   } else {
     cp_async_wait<0>();
@@ -354,19 +421,18 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};  // base 2; sums per thread
   for (int tile = 0; tile < tiles; ++tile) {
     const int n0 = tile * kBlockN;
-    const T* k_tile = k_tiles + (kResident ? tile * kBlockN * P : 0);
-    const T* v_tile = v_tiles + (kResident ? tile * kBlockN * P : 0);
-    const bool* tile_ok = key_ok + (kResident ? n0 : 0);
+    const T* k_tile = keys.k_at(tile);
+    const T* v_tile = keys.v_at(tile);
     if constexpr (kResident) {
       cp_async_wait_runtime(tiles - 1 - tile);  // K and V of this tile
       __syncthreads();
     } else {
       __syncthreads();  // every warp is done with the previous tiles
-      load_tile<kBlockN, D, kThreads>(k_tiles, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(keys.k, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
       cp_async_commit();
-      load_tile<kBlockN, D, kThreads>(v_tiles, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(keys.v, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
       cp_async_commit();
-      stage_keys<kThreads>(key_ok, p, b, s, n0, kBlockN);
+      stage_keys<kThreads>(keys.ok, p, b, s, n0, kBlockN);
       cp_async_wait<1>();  // K has landed; V may still be in flight
       __syncthreads();
     }
@@ -383,27 +449,15 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
         mma<T>(sc[2 * np + 1], qf[kk], kb[2], kb[3]);
       }
     }
-    online_softmax<T, D>(sc, acc, row_max, row_sum, p, tile_ok, b, h, s, rows, m0, n0);
+    online_softmax<T, D>(sc, acc, row_max, row_sum, p, keys.ok_at(tile), b, h, s, m0, n0);
     if constexpr (!kResident) {
       cp_async_wait<0>();  // V
       __syncthreads();
     }
-    // O += P V: k-step kt covers keys 16kt .. 16kt + 15 of the tile.
-#pragma unroll
-    for (int kt = 0; kt < kBlockN / 16; ++kt) {
-      uint32_t pa[4];
-      accumulator_as_a<T>(pa, sc, kt);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vb[4];
-        load_b_cols<P>(vb, v_tile, kt * 16, dp * 16);
-        mma<T>(acc[2 * dp], pa, vb[0], vb[1]);
-        mma<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
-      }
-    }
+    add_product<T, D, kBlockN>(acc, sc, v_tile);  // O += P V
   }
 
-  store_output<T, D>(acc, row_max, row_sum, p, b, h, s, rows);
+  store_output<T, D>(acc, row_max, row_sum, p, b, h, s, m0);
 }
 
 // The forward on Hopper's warpgroup products (wgmma.cuh), for the streamed path on
@@ -437,9 +491,7 @@ __global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(co
   const Seq s = sequence(p, b);
   const int m0 = query_block(p.causal) * kSm90Rows;
   if (m0 >= s.len_q) return;
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
-  const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
-  const int group_row = warp / 4 * 64;  // the warpgroup's first row in the block
+  const int group_row = threadIdx.x / 128 * 64;  // the warpgroup's first row in the block
   const int tiles = (key_end(s, p.causal, m0, kSm90Rows) + kBlockN - 1) / kBlockN;
 
   // Key tile i into stage i % 2, one cp.async group.
@@ -483,8 +535,8 @@ __global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(co
     wg::commit();
     wg::wait<0>();
     wg::pin(sc);
-    online_softmax<T, D>(sc, acc, row_max, row_sum, p, key_ok + tile % 2 * kBlockN, b, h, s,
-                         rows, m0, n0);
+    online_softmax<T, D>(sc, acc, row_max, row_sum, p, key_ok + tile % 2 * kBlockN, b, h, s, m0,
+                         n0);
 
     uint32_t pa[kBlockN / 16][4];
 #pragma unroll
@@ -501,7 +553,7 @@ __global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(co
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // the Q tile of a block that saw no key tile
-  store_output<T, D>(acc, row_max, row_sum, p, b, h, s, rows);
+  store_output<T, D>(acc, row_max, row_sum, p, b, h, s, m0);
 #else
   __trap();  // launched only on devices the sm_90a code was built for
 #endif
@@ -543,6 +595,55 @@ __device__ __forceinline__ void stage_stats(float* lse2, float* delta, const Par
   }
 }
 
+// The next walked tile of a backward kernel (queries for dK/dV, keys for dQ), made ready
+// for every warp. Resident: its copy was started up front, `later` groups after it; wait
+// for it. Streamed: once every warp is done with the previous tile, copy x and y's rows
+// first .. (zeros from `valid` on) into the one buffer, stage the tile's per-row data
+// (stage()) while the copy is in flight, and wait for it.
+template <bool kResident, int kRows, int D, int kThreads, typename T, typename Stage>
+__device__ __forceinline__ void next_tile(T* x_tiles, T* y_tiles, const Rows<const T>& x,
+                                          const Rows<const T>& y, int b, int h, int64_t first,
+                                          int valid, int later, Stage&& stage) {
+  if constexpr (kResident) {
+    cp_async_wait_runtime(later);
+    __syncthreads();
+  } else {
+    __syncthreads();  // every warp is done with the previous tile
+    load_pair<kRows, D, kThreads>(x_tiles, y_tiles, x, y, b, h, first, valid);
+    cp_async_commit();
+    stage();
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+}
+
+// The two products that recompute a backward tile, for a warp's 16 rows (from `row` of
+// the A tiles, the block's own) against the kN rows of the walked B tiles, over head_dim:
+// x = A_x B_x^T and y = A_y B_y^T (S and dP in dQ, S^T and dP^T in dK/dV). The loop over
+// head_dim is unrolled kUnrollK steps at a time.
+template <typename T, int D, int kN, int kUnrollK>
+__device__ __forceinline__ void recompute(float (&x)[kN / 8][4], float (&y)[kN / 8][4],
+                                          const T* xa_tile, const T* ya_tile, int row,
+                                          const T* xb_tile, const T* yb_tile) {
+  constexpr int P = kPitch<D>;
+#pragma unroll (kUnrollK)
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t xa[4], ya[4];
+    load_a<P>(xa, xa_tile, row, kk * 16);
+    load_a<P>(ya, ya_tile, row, kk * 16);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t xb[4], yb[4];
+      load_b_rows<P>(xb, xb_tile, np * 16, kk * 16);
+      load_b_rows<P>(yb, yb_tile, np * 16, kk * 16);
+      mma<T>(x[2 * np], xa, xb[0], xb[1]);
+      mma<T>(x[2 * np + 1], xa, xb[2], xb[3]);
+      mma<T>(y[2 * np], ya, yb[0], yb[1]);
+      mma<T>(y[2 * np + 1], ya, yb[2], yb[3]);
+    }
+  }
+}
+
 // dK and dV of a block's keys. Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16
 // keys against kM queries at a time (keys are the rows of the C fragments: g and g + 8 of
 // the warp's 16, queries the columns), then dV += P^T dO and dK += dS^T Q with those
@@ -565,9 +666,9 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * kKeys;
   const Seq s = sequence(p, b);
   if (n0 >= s.len_k) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
   const int shift = s.len_k - s.len_q;
-  const int keys[2] = {n0 + warp * 16 + g, n0 + warp * 16 + g + 8};
+  const int keys[2] = {fragment_row(n0, 0), fragment_row(n0, 1)};
 
   load_pair<kKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0);
   cp_async_commit();
@@ -579,12 +680,8 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const int last = kResident ? min((s.len_q + kM - 1) / kM, held) : (s.len_q + kM - 1) / kM;
   if constexpr (kResident) {
     // Every query tile at once, one group each, waited for one at a time.
-    for (int tile = first; tile < last; ++tile) {
-      const int m0 = tile * kM;
-      load_pair<kM, D, kThreads>(q_tiles + tile * kM * P, do_tiles + tile * kM * P, p.q, p.dout, b,
-                                 h, s.q0 + m0, s.len_q - m0);
-      cp_async_commit();
-    }
+    prefetch_tiles<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0, s.len_q, first,
+                                    last);
     stage_stats<kThreads>(lse2 + first * kM, delta + first * kM, p, b, h, s, first * kM,
                           (last - first) * kM);
   }
@@ -597,36 +694,14 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     const T* do_tile = do_tiles + slot * kM * P;
     const float* tile_lse2 = lse2 + slot * kM;
     const float* tile_delta = delta + slot * kM;
-    if constexpr (kResident) {
-      cp_async_wait_runtime(last - 1 - tile);  // Q and dO of this tile (K and V before them)
-      __syncthreads();
-    } else {
-      __syncthreads();  // every warp is done with the previous query tiles
-      load_pair<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
-      cp_async_commit();
-      stage_stats<kThreads>(lse2, delta, p, b, h, s, m0, kM);
-      cp_async_wait<0>();
-      __syncthreads();
-    }
+    // Q and dO of this tile (a resident block's K and V were committed before them).
+    next_tile<kResident, kM, D, kThreads>(
+        q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0, last - 1 - tile,
+        [&] { stage_stats<kThreads>(lse2, delta, p, b, h, s, m0, kM); });
 
     // st[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
     float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ka[4], va[4];
-      load_a<P>(ka, k_tile, warp * 16, kk * 16);
-      load_a<P>(va, v_tile, warp * 16, kk * 16);
-#pragma unroll
-      for (int np = 0; np < kM / 16; ++np) {
-        uint32_t qb[4], ob[4];
-        load_b_rows<P>(qb, q_tile, np * 16, kk * 16);
-        load_b_rows<P>(ob, do_tile, np * 16, kk * 16);
-        mma<T>(st[2 * np], ka, qb[0], qb[1]);
-        mma<T>(st[2 * np + 1], ka, qb[2], qb[3]);
-        mma<T>(dpt[2 * np], va, ob[0], ob[1]);
-        mma<T>(dpt[2 * np + 1], va, ob[2], ob[3]);
-      }
-    }
+    recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
     const bool masked = tile_needs_mask(p.key_padding, n0, kKeys, s.len_k, p.causal, m0, shift);
     // Bit 4nt + e: whether dropout keeps element e of n-tile nt. Here the pairs of a C
     // fragment run along the queries, a stream row apart: one Philox call per element.
@@ -655,22 +730,8 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
         dpt[nt][e] = prob * (dprob - tile_delta[col]);        // dS
       }
     }
-#pragma unroll
-    for (int kt = 0; kt < kM / 16; ++kt) {
-      uint32_t pa[4], sa[4];
-      accumulator_as_a<T>(pa, st, kt);
-      accumulator_as_a<T>(sa, dpt, kt);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t ob[4], qb[4];
-        load_b_cols<P>(ob, do_tile, kt * 16, dp * 16);
-        load_b_cols<P>(qb, q_tile, kt * 16, dp * 16);
-        mma<T>(dv[2 * dp], pa, ob[0], ob[1]);
-        mma<T>(dv[2 * dp + 1], pa, ob[2], ob[3]);
-        mma<T>(dk[2 * dp], sa, qb[0], qb[1]);
-        mma<T>(dk[2 * dp + 1], sa, qb[2], qb[3]);
-      }
-    }
+    add_product<T, D, kM>(dv, st, do_tile);  // dV += P^T dO
+    add_product<T, D, kM>(dk, dpt, q_tile);  // dK += dS^T Q
   }
 
   // A block whose keys no query sees never waited for its K and V tiles: no copy may
@@ -700,29 +761,23 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     attention_dq_kernel(const Params<T> p) {
   constexpr int P = kPitch<D>, kRows = Shape<kResident>::rows;
   constexpr int kThreads = Shape<kResident>::threads;
-  const int held = held_tiles(kResident, p.seq_k, kBlockN);
-  unsigned char* smem = dynamic_shared_memory();
-  T* q_tile = reinterpret_cast<T*>(smem);     // [kRows][P]
-  T* do_tile = q_tile + kRows * P;            // [kRows][P]
-  T* k_tiles = do_tile + kRows * P;           // [held][kBlockN][P]
-  T* v_tiles = k_tiles + held * kBlockN * P;  // [held][kBlockN][P]
-  bool* key_ok = reinterpret_cast<bool*>(v_tiles + held * kBlockN * P);  // [held * kBlockN]
+  T* q_tile = reinterpret_cast<T*>(dynamic_shared_memory());  // [kRows][P]
+  T* do_tile = q_tile + kRows * P;                              // [kRows][P]
+  const KeyTiles<T, D, kResident> keys(do_tile + kRows * P, p.seq_k);
 
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
   const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
   const int shift = s.len_k - s.len_q;
-  const int rows[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
-  const int n_end = kResident ? min(key_end(s, p.causal, m0, kRows), held * kBlockN)
-                              : key_end(s, p.causal, m0, kRows);
-  const int tiles = (n_end + kBlockN - 1) / kBlockN;
+  const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
+  const int tiles = keys.template walked<kRows>(s, p.causal, m0);
 
   load_pair<kRows, D, kThreads>(q_tile, do_tile, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
   cp_async_commit();
   if constexpr (kResident) {
-    prefetch_keys<D, kThreads>(k_tiles, v_tiles, key_ok, p, b, h, s, tiles);
+    prefetch_keys<D, kThreads>(keys.k, keys.v, keys.ok, p, b, h, s, tiles);
   }
   float lse2[2], delta[2];
 #pragma unroll
@@ -736,41 +791,18 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const float c = p.scale * kLog2e;
   for (int tile = 0; tile < tiles; ++tile) {
     const int n0 = tile * kBlockN;
-    const T* k_tile = k_tiles + (kResident ? tile * kBlockN * P : 0);
-    const T* v_tile = v_tiles + (kResident ? tile * kBlockN * P : 0);
-    const bool* tile_ok = key_ok + (kResident ? n0 : 0);
-    if constexpr (kResident) {
-      cp_async_wait_runtime(tiles - 1 - tile);  // K and V of this tile (Q and dO before them)
-      __syncthreads();
-    } else {
-      __syncthreads();  // every warp is done with the previous key tiles
-      load_pair<kBlockN, D, kThreads>(k_tiles, v_tiles, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0);
-      cp_async_commit();
-      stage_keys<kThreads>(key_ok, p, b, s, n0, kBlockN);
-      cp_async_wait<0>();
-      __syncthreads();
-    }
+    const T* k_tile = keys.k_at(tile);
+    const bool* tile_ok = keys.ok_at(tile);
+    // K and V of this tile (a resident block's Q and dO were committed before them).
+    next_tile<kResident, kBlockN, D, kThreads>(
+        keys.k, keys.v, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0, tiles - 1 - tile,
+        [&] { stage_keys<kThreads>(keys.ok, p, b, s, n0, kBlockN); });
 
     // sc[nt][e], dp[nt][e]: row rows[e / 2], key n0 + 8nt + 2t + e % 2.
     float sc[kBlockN / 8][4] = {}, dp[kBlockN / 8][4] = {};
-    // Not unrolled: hoisting the next steps' fragment loads spilled at head dim 64 on
-    // sm_90a, and one step already issues 16 independent products.
-#pragma unroll 1
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t qa[4], oa[4];
-      load_a<P>(qa, q_tile, warp * 16, kk * 16);
-      load_a<P>(oa, do_tile, warp * 16, kk * 16);
-#pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
-        uint32_t kb[4], vb[4];
-        load_b_rows<P>(kb, k_tile, np * 16, kk * 16);
-        load_b_rows<P>(vb, v_tile, np * 16, kk * 16);
-        mma<T>(sc[2 * np], qa, kb[0], kb[1]);
-        mma<T>(sc[2 * np + 1], qa, kb[2], kb[3]);
-        mma<T>(dp[2 * np], oa, vb[0], vb[1]);
-        mma<T>(dp[2 * np + 1], oa, vb[2], vb[3]);
-      }
-    }
+    // Not unrolled over head_dim: hoisting the next steps' fragment loads spilled at head
+    // dim 64 on sm_90a, and one step already issues 16 independent products.
+    recompute<T, D, kBlockN, 1>(sc, dp, q_tile, do_tile, warp * 16, k_tile, keys.v_at(tile));
     const bool masked =
         tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
     uint32_t kept = ~0u;
@@ -807,19 +839,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[nt][e] *= dp[nt][e] - delta[e / 2];  // dS
-    // dQ += dS K: k-step kt covers keys 16kt .. 16kt + 15, and B[key][d] = K[key][d].
-#pragma unroll
-    for (int kt = 0; kt < kBlockN / 16; ++kt) {
-      uint32_t sa[4];
-      accumulator_as_a<T>(sa, sc, kt);
-#pragma unroll
-      for (int dt = 0; dt < D / 16; ++dt) {
-        uint32_t kb[4];
-        load_b_cols<P>(kb, k_tile, kt * 16, dt * 16);
-        mma<T>(dq[2 * dt], sa, kb[0], kb[1]);
-        mma<T>(dq[2 * dt + 1], sa, kb[2], kb[3]);
-      }
-    }
+    add_product<T, D, kBlockN>(dq, sc, k_tile);  // dQ += dS K
   }
 
   cp_async_wait<0>();  // the Q and dO tiles of a block that saw no key tile

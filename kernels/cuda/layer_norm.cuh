@@ -148,6 +148,16 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// sums[0 .. N) += add: a vector of a block's row of partial sums.
+template <int N>
+__device__ __forceinline__ void add_to(float* sums, const float (&add)[N]) {
+  float acc[N];
+  load<N>(sums, acc);
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] += add[i];
+  store<N>(sums, acc);
+}
+
 template <typename T, int N>
 __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
     const T* __restrict__ dy, const T* __restrict__ grad_summed, const T* __restrict__ summed,
@@ -229,20 +239,8 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
         sums[0] += xh[i] * wg[i];
         sums[1] += wg[i];
       }
-      if (dw_row) {
-        float acc[N];
-        load<N>(dw_row + v * N, acc);
-#pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] += dw_acc[i];
-        store<N>(dw_row + v * N, acc);
-      }
-      if (db_row) {
-        float acc[N];
-        load<N>(db_row + v * N, acc);
-#pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] += db_acc[i];
-        store<N>(db_row + v * N, acc);
-      }
+      if (dw_row) add_to<N>(dw_row + v * N, dw_acc);
+      if (db_row) add_to<N>(db_row + v * N, db_acc);
     }
     block_sum(sums, shared);
     const float c1 = sums[0] / cols, c2 = sums[1] / cols;

@@ -104,20 +104,16 @@ __device__ __forceinline__ void fence_proxy_async() {
 // Keeps the compiler from moving reads or writes of a product's registers (accumulators,
 // A fragments) across the fences and waits around it: this empty asm, volatile like
 // them, stays in order with them, and every later access depends on its outputs.
-template <int kTiles>
-__device__ __forceinline__ void wgmma_pin(float (&d)[kTiles][4]) {
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
-}
+__device__ __forceinline__ void pin_register(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void pin_register(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
 
-template <int kTiles>
-__device__ __forceinline__ void wgmma_pin(uint32_t (&a)[kTiles][4]) {
+// Every register of a product's accumulators (float) or A fragments (uint32_t).
+template <int kTiles, typename R>
+__device__ __forceinline__ void wgmma_pin(R (&regs)[kTiles][4]) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+    for (int e = 0; e < 4; ++e) pin_register(regs[i][e]);
 }
 
 // The products' operand lists, spelled out once: the accumulator registers of an m64n64

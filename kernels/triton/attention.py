@@ -34,19 +34,12 @@ from fusedlm.ops.attention import _like
 
 from ._common import autotune, dot_precision, keep, seed_of, upcast_products
 
+# The largest head_dim of q and k, and of v, the kernels take (the backend layer checks it).
 MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Sequences up to this length (BERT's) tune over smaller query blocks: more programs.
 _SHORT = 512
-
-
-def limits(dtype=None, head_dim=None, head_dim_v=None, **_features):
-    """Why the attention kernels cannot run a call, or None."""
-    for name, dim in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
-        if dim is not None and dim > MAX_HEAD_DIM:
-            return f"the triton attention takes a {name} up to {MAX_HEAD_DIM}, got {dim}"
-    return None
 
 
 def _configs():
@@ -80,6 +73,13 @@ def _exact_delta(args):
     return args["seq_k"] <= args["BLOCK_N"]
 
 
+def _backward(kernel):
+    """A dK/dV or dQ kernel: autotuned, and EXACT_DELTA when one key block holds every row's
+    keys."""
+    jitted = triton.jit(kernel, do_not_specialize=["seed"])
+    return _tuned(triton.heuristics({"EXACT_DELTA": _exact_delta})(jitted))
+
+
 # --- shared pieces -------------------------------------------------------------------------------
 
 @triton.jit
@@ -110,9 +110,25 @@ def _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, cols, width, UPCAST: tl.constexpr):
-    """The [rows, cols] tile of head h of sequence b (zeros outside the sequence), in
-    float32 when UPCAST (the products then take float32 operands)."""
+def _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN: tl.constexpr, BLOCK: tl.constexpr,
+             OVER_KEYS: tl.constexpr):
+    """(b, h, q_start, q_len, k_start, k_len, first) of this program: its batch and head, the
+    first row and length of its sequence's queries and keys, and the first row of its block
+    of BLOCK queries (of keys when OVER_KEYS)."""
+    if OVER_KEYS:
+        block, b, h = _position(seq_k, heads, BLOCK)
+    else:
+        block, b, h = _position(seq_q, heads, BLOCK)
+    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    return b, h, q_start, q_len, k_start, k_len, block * BLOCK
+
+
+@triton.jit
+def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, width, BLOCK_W: tl.constexpr,
+          UPCAST: tl.constexpr):
+    """The [rows, BLOCK_W] tile of head h of sequence b (zeros outside the sequence and past
+    column ``width``), in float32 when UPCAST (the products then take float32 operands)."""
+    cols = tl.arange(0, BLOCK_W)
     offsets = (b * sb + h * sh + (start + rows).to(tl.int64)[:, None] * ss
                + cols[None, :] * sd)
     x = tl.load(PTR + offsets, mask=(rows[:, None] < length) & (cols[None, :] < width), other=0.0)
@@ -122,7 +138,19 @@ def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, cols, width, UPCAST: t
 
 
 @triton.jit
-def _store_tile(PTR, value, b, h, start, rows, sb, sh, ss, sd, length, cols, width):
+def _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
+               skb, skh, sks, skd, svb, svh, svs, svd,
+               UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(k, v) of keys ``cols``."""
+    k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, head_dim, BLOCK_D, UPCAST)
+    v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, head_dim_v, BLOCK_DV, UPCAST)
+    return k, v
+
+
+@triton.jit
+def _store_tile(PTR, value, b, h, start, rows, sb, sh, ss, sd, length, width,
+                BLOCK_W: tl.constexpr):
+    cols = tl.arange(0, BLOCK_W)
     offsets = (b * sb + h * sh + (start + rows).to(tl.int64)[:, None] * ss
                + cols[None, :] * sd)
     tl.store(PTR + offsets, value.to(PTR.dtype.element_ty),
@@ -178,23 +206,20 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
                     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    block, b, h = _position(seq_q, heads, BLOCK_M)
-    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    m0 = block * BLOCK_M
+    b, h, q_start, q_len, k_start, k_len, m0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN,
+                                                        BLOCK_M, False)
     if m0 >= q_len:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
+    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, head_dim, BLOCK_D, UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
-        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
+        k, v = _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
+                          skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
         s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
                     BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -213,7 +238,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    _store_tile(OUT, out, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v)
+    _store_tile(OUT, out, b, h, q_start, rows, sob, soh, sos, sod, q_len, head_dim_v, BLOCK_DV)
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     tl.store(LSE + b * slb + h * slh + q_start + rows, lse, mask=rows < q_len)
 
@@ -224,12 +249,11 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
 def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs, sgd, slb, slh,
                   heads, seq_q, seq_k, head_dim_v, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_DV: tl.constexpr):
-    block, b, h = _position(seq_q, heads, BLOCK_M)
-    q_start, q_len, _, _ = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims_v = tl.arange(0, BLOCK_DV)
-    o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, dims_v, head_dim_v, False)
-    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, False)
+    b, h, q_start, q_len, _, _, m0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN, BLOCK_M,
+                                              False)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, head_dim_v, BLOCK_DV, False)
+    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, head_dim_v, BLOCK_DV, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b * slb + h * slh + q_start + rows, delta, mask=rows < q_len)
 
@@ -255,9 +279,20 @@ def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
     return dropped, prob * (dp - delta[:, None])
 
 
-@_tuned
-@triton.heuristics({"EXACT_DELTA": _exact_delta})
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
+def _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim, head_dim_v,
+                 sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd, slb, slh,
+                 UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(q, dO, log-sum-exp, delta) of queries ``rows``: +inf and 0 past the sequence."""
+    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, head_dim, BLOCK_D, UPCAST)
+    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, head_dim_v, BLOCK_DV, UPCAST)
+    stats = b * slb + h * slh + q_start + rows
+    lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
+    delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
+    return q, do, lse, delta
+
+
+@_backward
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
                  sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                  sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
@@ -267,16 +302,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
                  DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    block, b, h = _position(seq_k, heads, BLOCK_N)
-    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    n0 = block * BLOCK_N
+    b, h, q_start, q_len, k_start, k_len, n0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN,
+                                                        BLOCK_N, True)
     if n0 >= k_len:
         return
     cols = n0 + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
-    v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
+    k, v = _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
+                      skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     m_first = 0
@@ -284,11 +316,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
         m_first = tl.maximum(n0 - (k_len - q_len), 0) // BLOCK_M * BLOCK_M
     for m0 in range(m_first, q_len, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
-        do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, UPCAST)
-        stats = b * slb + h * slh + q_start + rows
-        lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
-        delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
+        q, do, lse, delta = _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim,
+                                         head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd,
+                                         slb, slh, UPCAST, BLOCK_D, BLOCK_DV)
         dropped, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
                                    qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
                                    seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
@@ -298,13 +328,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
         dv += tl.dot(tl.trans(dropped), do, input_precision=PRECISION)
         ds = ds.to(Q.dtype.element_ty).to(q.dtype)
         dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
-    _store_tile(DK, dk * scale, b, h, k_start, cols, sdkb, sdkh, sdks, sdkd, k_len, dims, head_dim)
-    _store_tile(DV, dv, b, h, k_start, cols, sdvb, sdvh, sdvs, sdvd, k_len, dims_v, head_dim_v)
+    _store_tile(DK, dk * scale, b, h, k_start, cols, sdkb, sdkh, sdks, sdkd, k_len, head_dim,
+                BLOCK_D)
+    _store_tile(DV, dv, b, h, k_start, cols, sdvb, sdvh, sdvs, sdvd, k_len, head_dim_v, BLOCK_DV)
 
 
-@_tuned
-@triton.heuristics({"EXACT_DELTA": _exact_delta})
-@triton.jit(do_not_specialize=["seed"])
+@_backward
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
@@ -315,24 +344,19 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    block, b, h = _position(seq_q, heads, BLOCK_M)
-    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
-    m0 = block * BLOCK_M
+    b, h, q_start, q_len, k_start, k_len, m0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN,
+                                                        BLOCK_M, False)
     if m0 >= q_len:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, dims, head_dim, UPCAST)
-    do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, dims_v, head_dim_v, UPCAST)
-    stats = b * slb + h * slh + q_start + rows
-    lse = tl.load(LSE + stats, mask=rows < q_len, other=float("inf"))
-    delta = tl.load(DELTA + stats, mask=rows < q_len, other=0.0)
+    q, do, lse, delta = _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim,
+                                     head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd, slb, slh,
+                                     UPCAST, BLOCK_D, BLOCK_DV)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, dims, head_dim, UPCAST)
-        v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, dims_v, head_dim_v, UPCAST)
+        k, v = _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
+                          skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
         _, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
                              qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
                              seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
@@ -342,7 +366,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
             tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
         ds = ds.to(K.dtype.element_ty).to(k.dtype)
         dq += tl.dot(ds, k, input_precision=PRECISION)
-    _store_tile(DQ, dq * scale, b, h, q_start, rows, sdqb, sdqh, sdqs, sdqd, q_len, dims, head_dim)
+    _store_tile(DQ, dq * scale, b, h, q_start, rows, sdqb, sdqh, sdqs, sdqd, q_len, head_dim,
+                BLOCK_D)
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -447,16 +472,9 @@ class _Problem:
                 *self.strides(dq), *self.sizes(with_scale=True), WRITE_DS=ds is not None, **flags)
 
 
-def _check_head_dims(q, v):
-    reason = limits(head_dim=q.shape[-1], head_dim_v=v.shape[-1])
-    if reason:
-        raise ValueError(reason)
-
-
 # --- attention -----------------------------------------------------------------------------------
 
 def _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
-    _check_head_dims(q, v)
     batch, _, seq_q, _ = q.shape
     return _Problem(q, k, v, key_padding_mask, attn_bias, None, None, batch, seq_q, k.shape[2],
                     causal, dropout_p, scale, seed, _padded_strides)
@@ -497,7 +515,6 @@ def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, cau
 # --- attention_varlen ----------------------------------------------------------------------------
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed):
-    _check_head_dims(q, v)
     return _Problem(q, k, v, None, None, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, causal,
                     dropout_p, scale, seed, _packed_strides)
 

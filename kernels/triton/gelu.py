@@ -38,18 +38,28 @@ def _elementwise_configs():
     return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((128, 4), (256, 8), (64, 4))]
 
 
-@autotune(_elementwise_configs(), key=["N"])
-@triton.jit(do_not_specialize=["seed"])
-def _bias_gelu_kernel(X, BIAS, OUT, M, N, p, seed, HAS_BIAS: tl.constexpr,
-                      APPROX_TANH: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _pre_activation(X, BIAS, M, N, tile, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """(columns, offsets, mask, x + bias in float32) of this program's tile of the [M, N]
+    input: row tile ``tile``, column tile program_id(1)."""
+    rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows[:, None] * N + cols[None, :]
     z = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return cols, offsets, mask, z
+
+
+@autotune(_elementwise_configs(), key=["N"])
+@triton.jit(do_not_specialize=["seed"])
+def _bias_gelu_kernel(X, BIAS, OUT, M, N, p, seed, HAS_BIAS: tl.constexpr,
+                      APPROX_TANH: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    _, offsets, mask, z = _pre_activation(X, BIAS, M, N, tl.program_id(0), HAS_BIAS, BLOCK_M,
+                                          BLOCK_N)
     out = gelu(z, APPROX_TANH)
     if DROPOUT:
         out = tl.where(keep(seed, offsets, p), out / (1.0 - p), 0.0)
@@ -62,13 +72,7 @@ def _bias_gelu_backward_kernel(DY, X, BIAS, DX, DB_PART, M, N, HAS_BIAS: tl.cons
                                APPROX_TANH: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
-    rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offsets = rows[:, None] * N + cols[None, :]
-    z = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    cols, offsets, mask, z = _pre_activation(X, BIAS, M, N, tile, HAS_BIAS, BLOCK_M, BLOCK_N)
     dx = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32) * gelu_grad(z, APPROX_TANH)
     tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_BIAS:
