@@ -287,7 +287,8 @@ void run(const Launch& launch) {
     refuse("asks for " + std::to_string(launch.shared_bytes) + " bytes of shared memory, more than the " +
            std::to_string(arch.shared_memory) + " a block may have");
   if (uint64_t(g.x) * g.y * g.z == 0) return;
-  if (std::getenv("FUSEDLM_EMULATE_TRACE"))  // which kernels run, for coverage
+  static const bool trace = std::getenv("FUSEDLM_EMULATE_TRACE") != nullptr;  // read once
+  if (trace)  // which kernels run, for coverage
     std::fprintf(stderr, "CUDA emulator (%s): %s grid %s block %s shared %zu\n", arch.name,
                  kernel_name(launch.kernel).c_str(), dims(g).c_str(), dims(bd).c_str(),
                  launch.shared_bytes);

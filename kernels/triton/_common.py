@@ -11,8 +11,12 @@ import triton
 import triton.language as tl
 
 
+# Read once, as Triton reads it: whether the kernels run in Triton's interpreter.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRETING
 
 
 def autotune(configs, key, **options):
