@@ -65,7 +65,8 @@ def _one_of(values) -> str:
 class Supports:
     """What one backend's kernel of one op takes. A field left at its default takes
     anything; a planner passes the features it knows of a call (``dtype``, ``head_dim``,
-    ``head_dim_v``, ``bias``, ``sizes``) and :meth:`refuses` names the first one refused."""
+    ``head_dim_v``, ``bias``, ``sizes``, ``width``) and :meth:`refuses` names the first one
+    refused."""
 
     dtypes: tuple = FLOATS  # of the op's floating-point inputs
     head_dims: Optional[tuple] = None  # q's and v's head_dim: the values taken
@@ -73,9 +74,10 @@ class Supports:
     same_head_dim_v: bool = False  # v's head_dim must be q's
     bias: bool = True  # an attn_bias
     multiple_of: int = 1  # every feature size (gelu_ffn's d_in, d_ff and d_out)
+    max_width: Optional[int] = None  # the last dimension (add_layer_norm's hidden size)
 
     def refuses(self, kernel: str, dtype=None, head_dim=None, head_dim_v=None, bias=False,
-                sizes=(), **_features) -> Optional[str]:
+                sizes=(), width=None, **_features) -> Optional[str]:
         if dtype is not None and dtype not in self.dtypes:
             return (f"the {kernel} takes {_one_of(_dtype_name(d) for d in self.dtypes)}, "
                     f"not {_dtype_name(dtype)}")
@@ -92,6 +94,8 @@ class Supports:
             return f"the {kernel} takes no attn_bias"
         if any(size % self.multiple_of for size in sizes):
             return f"the {kernel} takes sizes that are multiples of {self.multiple_of}, not {sizes}"
+        if self.max_width is not None and width is not None and width > self.max_width:
+            return f"the {kernel} takes a last dimension up to {self.max_width}, not {width}"
         return None
 
 

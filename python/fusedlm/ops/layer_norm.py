@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import choose, planner
+from ..backends import GPU_FLOATS, Supports, choose, planner
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
@@ -36,7 +36,8 @@ def plan_add_layer_norm(x, residual, weight, bias, eps=1e-5, *, dropout_p=0.0, b
     check.probability("dropout_p", dropout_p)
     check.same_dtype(x=x, residual=residual, weight=weight, bias=bias)
     device = check.same_device(x=x, residual=residual, weight=weight, bias=bias)
-    return choose("add_layer_norm", device, backend, dtype=x.dtype, dropout=dropout_p > 0)
+    return choose("add_layer_norm", device, backend, dtype=x.dtype, dropout=dropout_p > 0,
+                  width=hidden)
 
 
 def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
@@ -98,6 +99,9 @@ ADD_LAYER_NORM = Op(
     "add_layer_norm",
     "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, float dropout_p, "
     "Tensor seed) -> (Tensor, Tensor, Tensor, Tensor)", _fake,
+    # The triton kernel holds a row whole in registers: past 32768 elements spills would
+    # cost more than two passes.
+    supports={"triton": Supports(dtypes=GPU_FLOATS, max_width=32768)},
 ).differentiable(
     "(Tensor grad_out, Tensor? grad_summed, Tensor summed, Tensor mean, Tensor rstd, "
     "Tensor? weight, bool has_bias, bool has_residual, float dropout_p, Tensor seed) "
