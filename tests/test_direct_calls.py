@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
-from helpers import backends_for
+from helpers import backend_device, backends_for
 
 
 class Recorder(TorchDispatchMode):
@@ -21,13 +21,14 @@ class Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _calls():
-    x, r = torch.randn(3, 5, 64), torch.randn(3, 5, 64)
-    w, b = torch.randn(64), torch.randn(64)
-    q = torch.randn(2, 1, 4, 16)
-    cache = torch.randn(2, 8, 4, 16)
-    lengths = torch.tensor([3, 5], dtype=torch.int32)
-    new = torch.randn(2, 1, 4, 16)
+def _calls(device="cpu"):
+    """Each op's call on `device` (the tensors of the backend under test)."""
+    x, r = torch.randn(3, 5, 64, device=device), torch.randn(3, 5, 64, device=device)
+    w, b = torch.randn(64, device=device), torch.randn(64, device=device)
+    q = torch.randn(2, 1, 4, 16, device=device)
+    cache = torch.randn(2, 8, 4, 16, device=device)
+    lengths = torch.tensor([3, 5], dtype=torch.int32, device=device)
+    new = torch.randn(2, 1, 4, 16, device=device)
     return {
         "add_layer_norm": lambda backend: F.add_layer_norm(x, r, w, b, backend=backend),
         "bias_gelu": lambda backend: F.bias_gelu(x, b, "tanh", backend=backend),
@@ -43,7 +44,7 @@ OPS = ["add_layer_norm", "bias_gelu", "attention_with_kvcache"]
     pytest.param(op, *param.values, marks=param.marks, id=f"{param.id}-{op}")
     for op in OPS for param in backends_for(op)])
 def test_a_direct_call_gives_the_registered_ops_result(op, backend):
-    call = _calls()[op]
+    call = _calls(backend_device(backend))[op]
     with torch.no_grad():
         direct = call(backend)
     registered = call(backend)  # grad mode on: the registered op runs
