@@ -12,7 +12,7 @@ Environment:
                             emulate: compile them as C++ against the CUDA emulator
                             (csrc/emulator), so that the cuda backend runs, and is checked,
                             on CPU tensors: a test build, slow by design
-    TORCH_CUDA_ARCH_LIST    CUDA targets, default "8.0;9.0a"
+    TORCH_CUDA_ARCH_LIST    CUDA targets, default "8.0+PTX;9.0a"
     MAX_JOBS                parallel compile jobs (ninja)
 """
 import glob
@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - message for users
     ) from e
 
 ROOT = Path(__file__).parent.resolve()
-DEFAULT_CUDA_ARCHES = "8.0;9.0a"
+DEFAULT_CUDA_ARCHES = "8.0+PTX;9.0a"
 # at::parallel_for's OpenMP backend is a template in ATen's headers, compiled into the host
 # code: without -fopenmp its `omp parallel` is ignored and every task runs on the calling
 # thread. (Apple's clang has no -fopenmp; there the host code stays single-threaded.)

@@ -144,8 +144,7 @@ template <typename T>
 void launch_blocks(void (*kernel)(Params<T>), int64_t blocks, int threads, size_t smem,
                    const Problem& pb, const Params<T>& p) {
   if (blocks == 0 || pb.heads == 0 || pb.batch == 0) return;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(pb.heads),
-                  static_cast<unsigned>(pb.batch));
+  const Grid grid(blocks, pb.heads, pb.batch);
   launch(kernel, grid, threads, smem, p);
 }
 
@@ -241,8 +240,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
     bool causal, double dropout_p, double scale, const at::Tensor& seed) {
-  check_device_tensor(q, "q");
-  const DeviceGuard guard(q);
+  const DeviceGuard guard(q, "q");
   const Problem pb =
       padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
   Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
@@ -256,8 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
     const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
     const at::Tensor& seed, bool bias_grad) {
-  check_device_tensor(q, "q");
-  const DeviceGuard guard(q);
+  const DeviceGuard guard(q, "q");
   TORCH_CHECK_VALUE(!bias_grad, "the cuda attention takes no attn_bias, so no bias gradient");
   const Problem pb =
       padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
@@ -273,8 +270,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
     double dropout_p, double scale, const at::Tensor& seed) {
-  check_device_tensor(q, "q");
-  const DeviceGuard guard(q);
+  const DeviceGuard guard(q, "q");
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, dropout_p, scale, seed);
   Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
@@ -288,8 +284,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
     double dropout_p, double scale, const at::Tensor& seed) {
-  check_device_tensor(q, "q");
-  const DeviceGuard guard(q);
+  const DeviceGuard guard(q, "q");
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, dropout_p, scale, seed);
   const auto [g, o] = saved(pb, q, grad, out, lse);

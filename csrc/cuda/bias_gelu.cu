@@ -11,9 +11,8 @@ namespace {
 using namespace kernels::bias_gelu;
 
 // The launch of both kernels: (row tiles, column blocks) of kThreads vectors each.
-dim3 tiles(int64_t rows, int64_t cols, int n) {
-  return dim3(static_cast<unsigned>(ceil_div(rows, kTileRows)),
-              static_cast<unsigned>(ceil_div(ceil_div(cols, n), kThreads)));
+Grid tiles(int64_t rows, int64_t cols, int n) {
+  return Grid(ceil_div(rows, kTileRows), ceil_div(ceil_div(cols, n), kThreads));
 }
 
 }  // namespace
@@ -32,7 +31,7 @@ at::Tensor bias_gelu_forward(const at::Tensor& x, const std::optional<at::Tensor
     const T *xp = ptr<T>(in.x), *bp = ptr<T>(in.bias);
     T* op = ptr<T>(out);
     const bool vector = cols % V == 0 && all_aligned16(xp, bp, op);
-    const dim3 grid = tiles(rows, cols, vector ? V : 1);
+    const Grid grid = tiles(rows, cols, vector ? V : 1);
     if (vector && in.tanh)
       launch(bias_gelu_forward_kernel<T, V, true>, grid, kThreads, 0, xp, bp, op, rows, cols);
     else if (vector)
@@ -60,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
     const T *gp = ptr<T>(in.grad), *xp = ptr<T>(in.x), *bp = ptr<T>(in.bias);
     T* dxp = ptr<T>(dx);
     const bool vector = cols % V == 0 && all_aligned16(gp, xp, bp, dxp);
-    const dim3 grid = tiles(rows, cols, vector ? V : 1);
+    const Grid grid = tiles(rows, cols, vector ? V : 1);
     auto db_part = at::empty({in.bias.defined() ? int64_t(grid.x) : 0, cols},
                              in.x.options().dtype(at::kFloat));
     float* dbp = in.bias.defined() ? ptr<float>(db_part) : nullptr;

@@ -138,8 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forwar
     const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
     const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
     bool need_dbias) {
-  check_device_tensor(hidden, "hidden");
-  const DeviceGuard guard(hidden);
+  const DeviceGuard guard(hidden, "hidden");
   return masked_lm_loss_forward_on(kCudaMlm, hidden, weight, bias, labels, ignore_index,
                                    label_smoothing, reduction, chunk_rows, need_dhidden,
                                    need_dweight, need_dbias);
@@ -151,8 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward(
     const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
     double label_smoothing, const std::string& reduction, int64_t chunk_rows, bool need_dhidden,
     bool need_dweight, bool need_dbias) {
-  check_device_tensor(hidden, "hidden");
-  const DeviceGuard guard(hidden);
+  const DeviceGuard guard(hidden, "hidden");
   return masked_lm_loss_backward_on(kCudaMlm, grad, hidden, weight, bias, labels, dhidden,
                                     dweight, dbias, ignore_index, label_smoothing, reduction,
                                     chunk_rows, need_dhidden, need_dweight, need_dbias);

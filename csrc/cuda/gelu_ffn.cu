@@ -21,8 +21,7 @@ void run_product(const Params<T>& p, bool approx_tanh) {
                        : (approx_tanh ? ffn_product_kernel<T, kBackward, true>
                                       : ffn_product_kernel<T, kBackward, false>);
   const size_t smem = hopper ? sm90_shared_bytes(sizeof(T)) : shared_bytes<kBackward>(sizeof(T));
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.n, kBlockN)),
-                  static_cast<unsigned>(ceil_div(p.m, kBlockM)));
+  const Grid grid(ceil_div(p.n, kBlockN), ceil_div(p.m, kBlockM));
   launch(kernel, grid, kThreads, smem, p);
 }
 

@@ -36,9 +36,31 @@ C10_DECLARE_bool(caffe2_cpu_allocator_do_junk_fill);
 
 namespace fusedlm::cuda {
 
+// A launch's grid, in blocks along x, y and z, as the host code counts them (int64_t).
+// launch() checks it against CUDA's limits before it narrows it to a dim3: a problem too
+// large for one launch is an error naming the grid, never a wrapped-around count.
+struct Grid {
+  Grid(int64_t x_, int64_t y_ = 1, int64_t z_ = 1) : x(x_), y(y_), z(z_) {}  // NOLINT: implicit
+  int64_t x, y, z;
+
+  bool empty() const { return x == 0 || y == 0 || z == 0; }
+  dim3 checked() const {
+    constexpr int64_t kMaxX = (int64_t(1) << 31) - 1, kMaxYZ = 65535;
+    TORCH_CHECK_VALUE(x <= kMaxX && y <= kMaxYZ && z <= kMaxYZ, "fusedlm cuda: the problem needs a grid of (",
+                      x, ", ", y, ", ", z, ") blocks, past CUDA's limits of (", kMaxX, ", ", kMaxYZ,
+                      ", ", kMaxYZ, ")");
+    return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
+  }
+};
+
 #if defined(FUSEDLM_EMULATE)
 
 // --- the emulation build ------------------------------------------------------------------
+
+inline void check_device_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name,
+                    " must be a CPU tensor: this build's cuda backend is emulated on the CPU");
+}
 
 // Held by an op for as long as it runs. Meanwhile new CPU tensors are filled with junk
 // (c10's allocator's pattern, NaN in floats): like a CUDA allocation they hold no zeros,
@@ -48,6 +70,9 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(const at::Tensor&) : junk_(FLAGS_caffe2_cpu_allocator_do_junk_fill) {
     FLAGS_caffe2_cpu_allocator_do_junk_fill = true;
+  }
+  DeviceGuard(const at::Tensor& t, const char* name) : DeviceGuard(t) {
+    check_device_tensor(t, name);
   }
   explicit DeviceGuard(at::Device) : DeviceGuard(at::Tensor()) {}
   DeviceGuard(const DeviceGuard&) = delete;
@@ -63,11 +88,6 @@ class DeviceGuard {
 
 // The device the kernels run on that PyTorch numbers `index`: the CPU, whatever the index.
 inline at::Device kernel_device(int64_t) { return at::Device(at::kCPU); }
-
-inline void check_device_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name,
-                    " must be a CPU tensor: this build's cuda backend is emulated on the CPU");
-}
 
 inline int multiprocessors() { return emu::multiprocessors(); }
 inline size_t max_shared_memory() { return emu::max_shared_memory(); }
@@ -86,21 +106,28 @@ T* ptr(const at::Tensor& t) {
 // kernel(args...) over grid blocks of block threads, each with dynamic_smem bytes of
 // dynamic shared memory, run to completion on the emulator.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem,
+void launch(void (*kernel)(Params...), Grid grid, dim3 block, size_t dynamic_smem,
             Args&&... args) {
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  emu::launch(kernel, grid, block, dynamic_smem, std::forward<Args>(args)...);
+  if (grid.empty()) return;
+  emu::launch(kernel, grid.checked(), block, dynamic_smem, std::forward<Args>(args)...);
 }
 
 #else
 
 // --- the nvcc build -----------------------------------------------------------------------
 
-// The device of the op's tensors made current for as long as the op runs.
+inline void check_device_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+}
+
+// The device of the op's tensors made current for as long as the op runs; given the
+// tensor's name, it first checks that the tensor is on a CUDA device.
 class DeviceGuard {
  public:
   explicit DeviceGuard(const at::Tensor& t) : guard_(t.device()) {}
   explicit DeviceGuard(at::Device device) : guard_(device) {}
+  DeviceGuard(const at::Tensor& t, const char* name)
+      : guard_((check_device_tensor(t, name), t.device())) {}
 
  private:
   c10::cuda::CUDAGuard guard_;
@@ -109,10 +136,6 @@ class DeviceGuard {
 // The device the kernels run on that PyTorch numbers `index`: cuda:index.
 inline at::Device kernel_device(int64_t index) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
-}
-
-inline void check_device_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
 }
 
 // The current device's attributes the launches read, asked of the runtime once per device.
@@ -167,12 +190,13 @@ T* ptr(const at::Tensor& t) {
 
 // kernel<<<grid, block, dynamic_smem>>>(args...) on PyTorch's current stream, checked.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem,
+void launch(void (*kernel)(Params...), Grid grid, dim3 block, size_t dynamic_smem,
             Args&&... args) {
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  if (grid.empty()) return;
+  const dim3 blocks = grid.checked();
   // Past 48 KiB a block's dynamic shared memory has to be allowed.
   if (dynamic_smem > 48 * 1024) allow_all_shared_memory(reinterpret_cast<const void*>(kernel));
-  kernel<<<grid, block, dynamic_smem, c10::cuda::getCurrentCUDAStream().stream()>>>(
+  kernel<<<blocks, block, dynamic_smem, c10::cuda::getCurrentCUDAStream().stream()>>>(
       std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
