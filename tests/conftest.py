@@ -1,10 +1,15 @@
 """Fixtures and pytest hooks of the tests (their shared helpers are in tests/helpers.py)."""
 import os
 import sys
+import tempfile
 import types
 
 import pytest
 import torch
+
+# Kernel checks at first use (fusedlm.backends.verify) keep their results in a folder of
+# the test run's own, read when fusedlm is imported: never the user's cache.
+os.environ.setdefault("FUSEDLM_CACHE_DIR", tempfile.mkdtemp(prefix="fusedlm-tests-"))
 
 
 def _hypothesis_that_skips():

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import _REGISTRY
+from fusedlm.backends import _REGISTRY, KERNEL_BACKENDS
 from fusedlm.backends import cuda as cuda_backend
 from fusedlm.backends import triton as triton_backend
 from fusedlm.ops._dropout import cpu_keep_mask
@@ -44,7 +44,6 @@ TOLERANCES = {
 # (real shapes).
 MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
-KERNEL_BACKENDS = ("cpu", "triton", "cuda")
 
 # Marks of a test that only makes sense on a native GPU (poisoned memory, real shapes).
 needs_cuda = [pytest.mark.gpu,

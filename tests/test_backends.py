@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedlm
-from fusedlm.backends import BACKEND_NAMES, FLOATS, _REGISTRY, Emulated, Supports, choose
+from fusedlm.backends import BACKEND_NAMES, FLOATS, _OPS, _REGISTRY, Emulated, Supports, choose
 from fusedlm.backends import cuda as cuda_backend
 from cli_helpers import run_cli
 
@@ -234,3 +234,54 @@ def test_mismatched_torch_build_asks_for_a_rebuild(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode != 0
     assert "compiled against torch 0.0.0" in out.stderr and "Rebuild" in out.stderr
+
+
+@pytest.mark.parametrize("capability, arch_list, runs", [
+    ((8, 0), "8.0;9.0a", True), ((8, 9), "8.0;9.0a", True), ((9, 0), "8.0;9.0a", True),
+    ((7, 5), "8.0+PTX;9.0a", False),  # PTX compiles forward only
+    ((10, 0), "8.0;9.0a", False), ((12, 0), "8.0;9.0a", False),  # no PTX: nothing for Blackwell
+    ((10, 0), "8.0+PTX;9.0a", True), ((12, 0), "8.0+PTX;9.0a", True),
+    ((8, 9), "9.0a", False), ((10, 0), "9.0a+PTX", False),  # arch-specific code: 9.0 alone
+    ((10, 0), "80;90a-real", True), ((10, 0), "80-real;90a", False),  # CMake's spelling
+])
+def test_which_gpus_run_which_builds(capability, arch_list, runs):
+    assert cuda_backend.runs_built_code(capability, arch_list) is runs
+
+
+@pytest.mark.skipif(cuda_backend.emulated(), reason="an emulated build runs on no GPU")
+@pytest.mark.parametrize("capability, arches, reason", [
+    ((7, 5), "8.0+PTX;9.0a", "compute capability 7.5: the cuda kernels need 8.0 or newer"),
+    ((10, 0), "8.0;9.0a", "compute capability 10.0: fusedlm was built for '8.0;9.0a', with no code"),
+    ((12, 0), "8.0+PTX;9.0a", None),
+])
+def test_the_cuda_backend_refuses_a_gpu_it_has_no_code_for(monkeypatch, capability, arches, reason):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(cuda_backend, "arches", lambda: arches)
+    cuda_backend._refusal.cache_clear()
+    try:
+        refused = cuda_backend.refuses_device(torch.device("cuda", 0))
+    finally:
+        cuda_backend._refusal.cache_clear()
+    assert refused == reason if reason is None else refused.startswith(reason)
+
+
+def test_a_device_a_backend_refuses_falls_through_with_the_reason(monkeypatch):
+    monkeypatch.setattr(_REGISTRY["cpu"], "refuses_device",
+                        lambda device: "compute capability 7.5: too old")
+    x = torch.randn(3, 8)
+    why = fusedlm.explain("bias_gelu", x)
+    assert why.startswith("bias_gelu -> reference") and "skipped cpu: compute capability 7.5" in why
+    with pytest.raises(RuntimeError, match="cannot run on backend 'cpu'.*compute capability 7.5"):
+        fusedlm.ops.bias_gelu(x, backend="cpu")
+
+
+def test_the_cuda_kernels_refuse_grids_past_one_launchs_limits():
+    # 65535 tiles of 128 rows is the most the cuda FFN's grid holds; attention's grid has
+    # the heads and the sequences on its y and z dimensions.
+    ffn = _OPS["gelu_ffn"].supports["cuda"]
+    assert "the cuda gelu_ffn takes up to 8388480 rows, not 8388481" in ffn.refuses(
+        "cuda gelu_ffn", dtype=torch.bfloat16, rows=8388481)
+    assert ffn.refuses("cuda gelu_ffn", dtype=torch.bfloat16, sizes=(8, 8, 8), rows=8388480) is None
+    attention = _OPS["attention_varlen"].supports["cuda"]
+    assert "up to 65535 sequences, not 70000" in attention.refuses(
+        "cuda attention_varlen", dtype=torch.bfloat16, head_dim=64, sequences=70000)

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
+KERNEL_BACKENDS = BACKEND_NAMES[1:]  # those with kernels of their own (the reference is the yardstick)
 # Automatic choice, fastest first, by device type. CPU tensors never go to
 # interpreted Triton or emulated CUDA: `triton` and `cuda` on CPU tensors run only when
 # asked for by name.
@@ -65,8 +66,8 @@ def _one_of(values) -> str:
 class Supports:
     """What one backend's kernel of one op takes. A field left at its default takes
     anything; a planner passes the features it knows of a call (``dtype``, ``head_dim``,
-    ``head_dim_v``, ``bias``, ``sizes``, ``width``) and :meth:`refuses` names the first one
-    refused."""
+    ``head_dim_v``, ``bias``, ``sizes``, ``width``, ``rows``, ``batch``, ``heads``) and
+    :meth:`refuses` names the first one refused."""
 
     dtypes: tuple = FLOATS  # of the op's floating-point inputs
     head_dims: Optional[tuple] = None  # q's and v's head_dim: the values taken
@@ -75,9 +76,12 @@ class Supports:
     bias: bool = True  # an attn_bias
     multiple_of: int = 1  # every feature size (gelu_ffn's d_in, d_ff and d_out)
     max_width: Optional[int] = None  # the last dimension (add_layer_norm's hidden size)
+    # ((feature, largest), ...): counts one launch's grid holds (gelu_ffn's rows;
+    # attention's batch and heads)
+    max_counts: tuple = ()
 
     def refuses(self, kernel: str, dtype=None, head_dim=None, head_dim_v=None, bias=False,
-                sizes=(), width=None, **_features) -> Optional[str]:
+                sizes=(), width=None, **features) -> Optional[str]:
         if dtype is not None and dtype not in self.dtypes:
             return (f"the {kernel} takes {_one_of(_dtype_name(d) for d in self.dtypes)}, "
                     f"not {_dtype_name(dtype)}")
@@ -96,6 +100,9 @@ class Supports:
             return f"the {kernel} takes sizes that are multiples of {self.multiple_of}, not {sizes}"
         if self.max_width is not None and width is not None and width > self.max_width:
             return f"the {kernel} takes a last dimension up to {self.max_width}, not {width}"
+        for name, largest in self.max_counts:
+            if features.get(name) is not None and features[name] > largest:
+                return f"the {kernel} takes up to {largest} {name}, not {features[name]}"
         return None
 
 
@@ -133,6 +140,11 @@ def _native() -> Optional[str]:
     return None
 
 
+def _any_device(device: torch.device) -> Optional[str]:
+    """A backend whose code runs on every device of the types it takes."""
+    return None
+
+
 @dataclass
 class Backend:
     name: str
@@ -144,6 +156,9 @@ class Backend:
     # How it runs where it only emulates its device on the CPU (then never chosen
     # automatically), e.g. "emulated on the CPU as sm_80"; None where it runs natively.
     emulated: Callable[[], Optional[str]] = _native
+    # Why it cannot run on this one device (a GPU too old for its compiled code, say), or
+    # None; asked per call, so it must answer from a cache.
+    refuses_device: Callable[[torch.device], Optional[str]] = _any_device
     _kernels: dict = field(default_factory=dict, repr=False)
     _ops_seen: int = field(default=0, repr=False)
 
@@ -172,6 +187,9 @@ class Backend:
         kernel = self.kernels.get(op)
         if kernel is None:
             return f"has no {op} kernel"
+        refused = self.refuses_device(device)
+        if refused:
+            return refused
         return kernel.supports.refuses(f"{self.name} {op}", **features)
 
 
@@ -271,6 +289,10 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
         reason = _REGISTRY[forced].cannot_run(op, device, features)
         if reason:
             raise RuntimeError(f"fusedlm: {op} cannot run on backend {forced!r} (asked for by {source}): {reason}")
+        failed = verify.failure(op, forced, device, features.get("dtype"))
+        if failed:
+            raise RuntimeError(f"fusedlm: {op} on backend {forced!r} (asked for by {source}) failed "
+                               f"its check on this device: {failed} (FUSEDLM_VERIFY=0 runs it unchecked)")
         return Choice(forced, f"asked for by {source}")
 
     skipped = []
@@ -279,6 +301,9 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
         reason = candidate.cannot_run(op, device, features)
         if reason is None and candidate.emulated():
             reason = f"{candidate.emulated()}, so only when asked for by name"
+        if reason is None:
+            failed = verify.failure(op, name, device, features.get("dtype"))
+            reason = f"failed its check on this device: {failed}" if failed else None
         if reason is None:
             why = f"fastest backend for {device.type} tensors that can run this call"
             if skipped:
@@ -316,3 +341,4 @@ def check_index_data(device: torch.device) -> bool:
 
 
 from . import cpu, cuda, reference, triton  # noqa: E402,F401  (each registers itself)
+from . import verify  # noqa: E402

@@ -18,6 +18,8 @@ Hopper wgmma products): :func:`set_path` turns one off, to compare it with the p
 replaces at the same shapes (FUSEDLM_ATTENTION_RESIDENT=0, FUSEDLM_ATTENTION_WGMMA=0 and
 FUSEDLM_FFN_WGMMA=0 do at start).
 """
+import functools
+import re
 from typing import Optional
 
 import torch
@@ -54,6 +56,36 @@ def arches() -> str:
     return _build_info.cuda_arches
 
 
+# Oldest compute capability with what every kernel uses: bf16 mma.sync, ldmatrix, cp.async.
+MIN_CAPABILITY = (8, 0)
+
+
+def _targets(arch_list: str):
+    """(major, minor, arch-specific, with PTX) of each entry of an architecture list, in
+    TORCH_CUDA_ARCH_LIST's spelling ("8.0;9.0a", "8.0+PTX": PTX only where named) or
+    CMake's ("80;90a-real": PTX unless -real)."""
+    for entry in re.split(r"[;, ]+", arch_list.strip()):
+        match = re.fullmatch(r"(\d+)(\.?)(\d)([af]?)(\+PTX|-real|-virtual)?", entry)
+        if match:
+            cmake = not match[2]
+            ptx = match[5] == "+PTX" if not cmake else match[5] != "-real"
+            yield int(match[1]), int(match[3]), bool(match[4]), ptx
+
+
+def runs_built_code(capability: tuple, arch_list: str) -> bool:
+    """Whether a GPU of ``capability`` (major, minor) can run code compiled for
+    ``arch_list``. Machine code for X.Y runs on X.Z for Z >= Y, an arch-specific target's
+    (9.0a) on X.Y alone; PTX is compiled by the driver for any later GPU, except an
+    arch-specific target's."""
+    for major, minor, specific, ptx in _targets(arch_list):
+        if specific:
+            if capability == (major, minor):
+                return True
+        elif (capability[0] == major and capability[1] >= minor) or (ptx and capability >= (major, minor)):
+            return True
+    return False
+
+
 def paths() -> dict:
     """{kernel path: whether it may run}: "attention_resident", "attention_wgmma", "ffn_wgmma"."""
     return dict(_C.cuda.paths())
@@ -83,6 +115,26 @@ def keep_mask(seed, shape, p: float, device=None) -> torch.Tensor:
     return _C.cuda.dropout_mask(seed, 0, list(shape), p, index)
 
 
+@functools.lru_cache(maxsize=None)
+def _refusal(index: int) -> Optional[str]:
+    capability = torch.cuda.get_device_capability(index)
+    have = "compute capability {}.{}".format(*capability)
+    if capability < MIN_CAPABILITY:
+        return f"{have}: the cuda kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer"
+    if not runs_built_code(capability, arches()):
+        return (f"{have}: fusedlm was built for {arches()!r}, with no code this GPU runs "
+                f"(rebuild with TORCH_CUDA_ARCH_LIST including {capability[0]}.{capability[1]})")
+    return None
+
+
+def refuses_device(device: torch.device) -> Optional[str]:
+    """Why the cuda kernels cannot run on ``device`` (its compute capability is too old,
+    or the build holds no code it runs), or None; asked of the driver once per device."""
+    if EMULATED or device.type != "cuda":
+        return None
+    return _refusal(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _find(op):
     """The kernels of an op are fusedlm._C.cuda.<op>_forward and <op>_backward."""
     forward = getattr(_C.cuda, f"{op.name}_forward", None) if _C.with_cuda else None
@@ -91,4 +143,5 @@ def _find(op):
 
 BACKEND = register(Backend(
     "cuda", ("cpu",) if EMULATED else ("cuda",), _unavailable(), _find, Supports(dtypes=GPU_FLOATS),
-    emulated=lambda: f"emulated on the CPU as {emulated_arch()}" if EMULATED else None))
+    emulated=lambda: f"emulated on the CPU as {emulated_arch()}" if EMULATED else None,
+    refuses_device=refuses_device))

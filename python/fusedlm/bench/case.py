@@ -14,11 +14,10 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .. import ops
-from ..backends import _REGISTRY, explain
+from ..backends import _REGISTRY, KERNEL_BACKENDS, explain
 from . import ceilings as ceilings_module
 from .timing import Timer
 
-KERNEL_BACKENDS = ("cpu", "triton", "cuda")
 PASSES = ("forward", "forward+backward")
 _PER_MS = {"GB/s": 1e6, "TFLOP/s": 1e9, "tokens/s": 1e-3}  # a unit's amount per millisecond
 

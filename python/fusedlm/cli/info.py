@@ -7,7 +7,8 @@ import platform
 
 HELP = "versions, backends and devices"
 DESCRIPTION = """Prints fusedlm's version, which backends can run and why not, the CUDA
-architectures compiled in (or emulated), the torch and triton versions and the devices found."""
+architectures compiled in (or emulated), the torch and triton versions, the devices found
+(and why the cuda kernels cannot run on one), and where kernel checks keep their results."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,6 +17,7 @@ def run(args: argparse.Namespace) -> int:
     import fusedlm
     from fusedlm import _build_info
     from fusedlm.backends import cuda as cuda_backend
+    from fusedlm.backends import verify
 
     # A FUSEDLM_CUDA=emulate build compiles the CUDA kernels against a CPU emulator of CUDA.
     emulated = getattr(_build_info, "cuda_emulated", False)
@@ -32,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
               else _build_info.cuda_arches or "none")]
     for name, ok in fusedlm.backends().items():
         lines.append((f"backend {name}", _status(ok)))
-    lines.append(("device", _devices(torch)))
+    lines.append(("device", _devices(torch, cuda_backend)))
+    lines.append(("kernel checks", f"at first use, results in {verify.cache_folder()}" if verify.enabled()
+                  else "off (FUSEDLM_VERIFY=0)"))
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         print(f"{name:<{width}}  {value}")
@@ -59,11 +63,13 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-def _devices(torch) -> str:
+def _devices(torch, cuda_backend) -> str:
     if torch.cuda.is_available():
         names = []
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
-            names.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{major}{minor})")
+            refused = cuda_backend.refuses_device(torch.device("cuda", i))
+            names.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{major}{minor})"
+                         + (f": no cuda kernels, {refused}" if refused else ""))
         return ", ".join(names)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -28,7 +28,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 # and have no bias operand. The triton kernels hold a block of q's rows and of the output
 # in registers: head dims up to 256.
 _SUPPORTS = {
-    "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False),
+    # The cuda kernels' grid is (query blocks, heads, sequences): y and z at most 65535.
+    "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False,
+                     max_counts=(("heads", 65535), ("sequences", 65535))),
     "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256),
 }
 
@@ -107,7 +109,8 @@ def plan_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=No
     device = check.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_bias=attn_bias)
     return choose("attention", device, backend, dtype=q.dtype, head_dim=head_dim,
                   head_dim_v=v.shape[3], causal=causal, dropout=dropout_p > 0,
-                  bias=attn_bias is not None, mask=key_padding_mask is not None)
+                  bias=attn_bias is not None, mask=key_padding_mask is not None, heads=heads,
+                  sequences=batch)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
@@ -210,7 +213,8 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     check.same_dtype(q=q, k=k, v=v)
     device = check.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     choice = choose("attention_varlen", device, backend, dtype=q.dtype, head_dim=head_dim,
-                    head_dim_v=v.shape[2], causal=causal, dropout=dropout_p > 0)
+                    head_dim_v=v.shape[2], causal=causal, dropout=dropout_p > 0,
+                    heads=q.shape[1], sequences=cu_seqlens_q.shape[0] - 1)
     if check_index_data(device):
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")

@@ -76,7 +76,7 @@ def plan_gelu_ffn(x, w1, b1, w2, b2, *, approximate="none", dropout_p=0.0, backe
     check.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
     device = check.same_device(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
     return choose("gelu_ffn", device, backend, dtype=x.dtype, dropout=dropout_p > 0,
-                  sizes=(d_in, d_ff, d_out))
+                  sizes=(d_in, d_ff, d_out), rows=x.numel() // d_in)
 
 
 def gelu_ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], *,
@@ -122,8 +122,9 @@ GELU_FFN = Op(
     "gelu_ffn",
     "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str approximate, float dropout_p, "
     "Tensor seed) -> (Tensor, Tensor)", _gelu_ffn_fake,
-    # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves.
-    supports={"cuda": Supports(dtypes=HALVES, multiple_of=8)},
+    # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves; its grid's y
+    # dimension (at most 65535) counts tiles of 128 rows.
+    supports={"cuda": Supports(dtypes=HALVES, multiple_of=8, max_counts=(("rows", 65535 * 128),))},
 ).differentiable(
     "(Tensor grad, Tensor x, Tensor pre, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
     "str approximate, float dropout_p, Tensor seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
