@@ -11,7 +11,8 @@ failing probe that passes with one of the cuda backend's kernel paths turned off
 the whole process: the paths are switches of the extension, not of one device).
 
 Results are kept on disk, one file per device name, driver, torch, triton and fusedlm
-version, build and kernel-path state, so that a machine pays for a check once:
+version and build (with the kernel paths a check turned off), so that a machine pays for
+a check once:
 ``$FUSEDLM_CACHE_DIR/verified/`` (default ``~/.cache/fusedlm``). ``FUSEDLM_VERIFY=0``
 turns the checks off; ``FUSEDLM_VERIFY=strict`` raises where a check fails. A call made
 while torch.compile traces, under a dispatch mode (fake tensors, say), inside a torch.func
@@ -94,7 +95,7 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
         if outcome is None:
             return None
         message = (f"fusedlm: the {backend} backend's {op} in {_dtype_name(dtype)} failed its check "
-                   f"on {_device_name(device)} ({outcome})")
+                   f"on {device_name(device)} ({outcome})")
         if _MODE == "strict":
             raise VerificationError(message)
         if (device_key, name) not in _warned:  # once per process
@@ -176,7 +177,7 @@ def _without_broken_path(probe, device, dtype, failed: str, record: dict) -> Opt
         if _run(probe, "cuda", device, dtype) is None:
             record["paths_off"].append(path)
             warnings.warn(f"fusedlm: the cuda kernel path {path!r} failed its check on "
-                          f"{_device_name(device)} ({failed}) and is turned off.",
+                          f"{device_name(device)} ({failed}) and is turned off.",
                           RuntimeWarning, stacklevel=6)
             return None
         cuda.set_path(path, True)
@@ -187,9 +188,10 @@ def _dtype_name(dtype: Optional[torch.dtype]) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else "any"
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """The device as a report names it: cuda:0 (NVIDIA H100 80GB HBM3), cpu (x86_64)."""
     if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
+        return f"{device} ({torch.cuda.getdevice_name(device)})"
     return f"cpu ({platform.processor() or platform.machine()})"
 
 

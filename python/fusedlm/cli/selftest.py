@@ -29,8 +29,7 @@ def add_arguments(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    import fusedlm
     from fusedlm.backends import KERNEL_BACKENDS, _REGISTRY, probes, verify
     from fusedlm.backends import cuda as cuda_backend
     from fusedlm.bench.report import git_commit
@@ -59,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(rows)} rows: {sum(r['status'] == 'ok' for r in rows)} ok, {mismatches} mismatch, "
           f"{sum(r['status'] == 'unavailable' for r in rows)} unavailable")
     if args.json:
-        record = {"device": _device_name(device, torch), "identity": verify.identity(device),
-                  "commit": git_commit(), "backends": {k: str(v) for k, v in _statuses().items()},
+        record = {"device": verify.device_name(device), "identity": verify.identity(device),
+                  "commit": git_commit(), "backends": {k: str(v) for k, v in fusedlm.backends().items()},
                   "rows": rows}
         atomic_write(args.json, lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
         print(f"wrote {args.json}")
@@ -109,17 +108,3 @@ def _print(row: dict) -> None:
     eager = f"{row['eager_ms']:.3f}" if row["eager_ms"] is not None else "-"
     flag = "ok" if row["status"] == "ok" else "MISMATCH"
     print(f"{what} {flag:<8} error {row['error']:.1e}  {row['ms']:.3f} ms (eager {eager} ms)")
-
-
-def _statuses() -> dict:
-    import fusedlm
-
-    return fusedlm.backends()
-
-
-def _device_name(device, torch) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return platform.processor() or platform.machine()
