@@ -7,9 +7,10 @@
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
 #           ptxas's resource report of every kernel (OUTDIR/ptxas.txt)
-# test      the triton/cuda cases of every op's tests on CUDA, small shapes and the
-#           gpu-marked real ones (over TEST_WORKERS=12 processes where pytest-xdist is
-#           installed)
+# test      fusedlm selftest (every kernel, dtype and path against the reference, small
+#           and real shapes: OUTDIR/selftest.json), then the triton/cuda cases of every op's
+#           tests on CUDA, small shapes and the gpu-marked real ones (over TEST_WORKERS=12
+#           processes where pytest-xdist is installed)
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
 #           backend's resident path off (rows "fusedlm[cuda] streamed"), and the attention
@@ -82,6 +83,8 @@ stage_test() {
   # triton cases, which without TRITON_INTERPRET run on CUDA tensors. Compiling the triton kernels' specializations takes most of the
   # time: pytest-xdist, where installed, spreads them over the machine's cores.
   local status=0 workers=()
+  run_stage selftest env -u TRITON_INTERPRET "$PY" -m fusedlm selftest --device cuda --size all \
+      --json "$OUT/selftest.json" || status=$?
   run_stage test-cuda "$PY" -m pytest -q -p no:cacheprovider tests -m "not gpu and not triton" \
       -k "cuda" --junitxml="$OUT/test-cuda.xml" -rfE || status=$?
   "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${TEST_WORKERS:-12}")

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
+from fusedlm.backends import cuda as cuda_backend
 from helpers import backend_device, backends_for
 
 
@@ -103,3 +104,16 @@ def _malformed_calls():
 def test_a_malformed_direct_call_raises_instead_of_reading_out_of_bounds(call):
     with pytest.raises((ValueError, TypeError, RuntimeError, IndexError)):
         _malformed_calls()[call]()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_backend.emulated(), reason="not a FUSEDLM_CUDA=emulate build")
+def test_a_cuda_launch_past_the_grid_limits_raises_naming_the_grid():
+    # 65536 one-token sequences: the attention grid's z dimension holds 65535. Unchecked,
+    # the count would wrap to 0 and the kernels run on nothing.
+    tokens = 65536
+    q = torch.randn(tokens, 1, 64, dtype=torch.bfloat16)
+    cu = torch.arange(tokens + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"grid of \(1, 1, 65536\) blocks, past CUDA's limits"):
+        fusedlm._C.cuda.attention_varlen_forward(q, q, q, cu, cu, 1, 1, False, 0.0, 0.125,
+                                                 torch.tensor([0]))
