@@ -197,3 +197,10 @@ def test_selftest_reports_a_mismatch_and_fails(capsys, monkeypatch):
     assert summary == "12 rows: 4 ok, 8 mismatch, 0 unavailable"
     code, _, err = run_cli(capsys, "selftest", "--ops", "nonsense")
     assert code == 2 and "unknown 'nonsense'" in err
+
+
+def test_a_check_under_autocast_measures_the_kernels_in_their_dtype(checks):
+    # Inside the caller's autocast the float64 reference would drop to bfloat16 and fail
+    # a correct kernel.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert verify.failure("gelu_ffn", "cpu", torch.device("cpu"), torch.float32) is None

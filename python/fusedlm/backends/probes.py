@@ -16,6 +16,7 @@ small and ELMo. First-use verification (fusedlm.backends.verify) runs the small 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -207,6 +208,15 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got - ref).norm().item() / (scale if scale > 0 else 1.0)
 
 
+@contextlib.contextmanager
+def _no_autocast():
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.amp.is_autocast_available(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
 class _Call:
     """A probe's inputs on ``device`` in ``dtype`` (floating tensors rounded to it, those
     taking gradients as leaves), and one forward and backward of ``fn`` over them."""
@@ -222,8 +232,9 @@ class _Call:
             self.args[i].requires_grad_()
 
     def __call__(self, fn: Callable, upstream: Optional[list] = None) -> tuple:
-        """(outputs, gradients of the floating inputs by upstream: ones where None)."""
-        with torch.inference_mode(False), torch.enable_grad():
+        """(outputs, gradients of the floating inputs by upstream: ones where None), in the
+        inputs' dtype whatever autocast or inference mode the caller is in."""
+        with torch.inference_mode(False), torch.enable_grad(), _no_autocast():
             out = _leaves(fn(*self.args, **self.kwargs))
             if upstream is None:
                 upstream = [torch.ones_like(o) if _floating(o) else None for o in out]
