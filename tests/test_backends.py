@@ -237,8 +237,10 @@ def test_mismatched_torch_build_asks_for_a_rebuild(tmp_path):
 
 
 @pytest.mark.parametrize("capability, arch_list, runs", [
-    ((8, 0), "8.0;9.0a", True), ((8, 9), "8.0;9.0a", True), ((9, 0), "8.0;9.0a", True),
-    ((7, 5), "8.0+PTX;9.0a", False),  # PTX compiles forward only
+    ((8, 0), "8.0;9.0a", True), ((8, 6), "8.0;9.0a", True), ((8, 9), "8.0;9.0a", True),
+    ((9, 0), "8.0;9.0a", True),
+    ((7, 0), "8.0+PTX;9.0a", False), ((7, 5), "8.0+PTX;9.0a", False),  # PTX compiles forward only
+    ((12, 1), "8.0+PTX;9.0a", True), ((7, 5), "7.5;8.0", True),
     ((10, 0), "8.0;9.0a", False), ((12, 0), "8.0;9.0a", False),  # no PTX: nothing for Blackwell
     ((10, 0), "8.0+PTX;9.0a", True), ((12, 0), "8.0+PTX;9.0a", True),
     ((8, 9), "9.0a", False), ((10, 0), "9.0a+PTX", False),  # arch-specific code: 9.0 alone

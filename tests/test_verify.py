@@ -4,6 +4,9 @@ the result is kept on disk; strict and off modes; never while something traces t
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -204,3 +207,31 @@ def test_a_check_under_autocast_measures_the_kernels_in_their_dtype(checks):
     # a correct kernel.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert verify.failure("gelu_ffn", "cpu", torch.device("cpu"), torch.float32) is None
+
+
+_BROKEN_PROCESS = """
+import dataclasses, warnings
+import torch, fusedlm, fusedlm.ops as F
+from fusedlm.backends import _REGISTRY
+kernels = _REGISTRY["cpu"].kernels
+good = kernels["bias_gelu"]
+calls = []
+def forward(*args):
+    calls.append(1)
+    return good.forward(*args) + 0.1
+kernels["bias_gelu"] = dataclasses.replace(good, forward=forward)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    F.bias_gelu(torch.randn(3, 64), torch.randn(64))
+print(len(calls), sum("failed its check" in str(w.message) for w in caught))
+"""
+
+
+def test_a_second_process_reads_the_result_from_disk(tmp_path):
+    env = {**os.environ, "FUSEDLM_CACHE_DIR": str(tmp_path), "FUSEDLM_VERIFY": "1"}
+    first = subprocess.run([sys.executable, "-c", _BROKEN_PROCESS], env=env, capture_output=True,
+                           text=True, check=True).stdout.split()
+    second = subprocess.run([sys.executable, "-c", _BROKEN_PROCESS], env=env, capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert int(first[0]) > 0 and first[1] == "1"  # checked: the probes ran the broken kernel
+    assert second == ["0", "1"]  # read from disk: the kernel never ran, one warning again
