@@ -109,11 +109,9 @@ def test_a_malformed_direct_call_raises_instead_of_reading_out_of_bounds(call):
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda_backend.emulated(), reason="not a FUSEDLM_CUDA=emulate build")
 def test_a_cuda_launch_past_the_grid_limits_raises_naming_the_grid():
-    # 65536 one-token sequences: the attention grid's z dimension holds 65535. Unchecked,
-    # the count would wrap to 0 and the kernels run on nothing.
-    tokens = 65536
-    q = torch.randn(tokens, 1, 64, dtype=torch.bfloat16)
-    cu = torch.arange(tokens + 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"grid of \(1, 1, 65536\) blocks, past CUDA's limits"):
-        fusedlm._C.cuda.attention_varlen_forward(q, q, q, cu, cu, 1, 1, False, 0.0, 0.125,
-                                                 torch.tensor([0]))
+    # One row more than 65535 tiles of 128: the FFN product's grid has the row tiles on its
+    # y dimension, which holds 65535. Unchecked, the count would wrap and rows go unwritten.
+    x = torch.randn(65535 * 128 + 1, 8, dtype=torch.bfloat16)
+    w1, w2 = torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"grid of \(1, 65536, 1\) blocks, past CUDA's limits"):
+        fusedlm._C.cuda.gelu_ffn_forward(x, w1, None, w2, None, "none", 0.0, torch.tensor([0]))
