@@ -115,3 +115,35 @@ def test_a_cuda_launch_past_the_grid_limits_raises_naming_the_grid():
     w1, w2 = torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"grid of \(1, 65536, 1\) blocks, past CUDA's limits"):
         fusedlm._C.cuda.gelu_ffn_forward(x, w1, None, w2, None, "none", 0.0, torch.tensor([0]))
+
+
+def _differentiable_calls():
+    x, r = torch.randn(3, 5, 64), torch.randn(3, 5, 64)
+    w, b = torch.randn(64), torch.randn(64)
+    q = torch.randn(2, 2, 6, 16)
+    bias = torch.randn(2, 2, 6, 6)
+    return {
+        "add_layer_norm": ((x, r, w, b), lambda *t: F.add_layer_norm(*t)),
+        "bias_gelu": ((x, b), lambda *t: F.bias_gelu(*t)),
+        "attention with a bias that takes a gradient": (
+            (q, q.clone(), q.clone(), bias), lambda q, k, v, bias: F.attention(q, k, v, attn_bias=bias)),
+        "lstm_cell": ((torch.randn(3, 32), torch.randn(3, 8)), lambda *t: F.lstm_cell(*t)),
+    }
+
+
+@pytest.mark.parametrize("call", list(_differentiable_calls()))
+def test_eager_autograd_gives_the_registered_ops_outputs_and_gradients(call):
+    inputs, fn = _differentiable_calls()[call]
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        outputs = torch.utils._pytree.tree_leaves(fn(*leaves))
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+        return outputs, [t.grad for t in leaves]
+
+    eager = run()  # the kernels under a plain autograd.Function
+    with Recorder() as recorder:
+        registered = run()  # a dispatch mode watches: the registered op and its autograd
+    assert any(name.startswith("fusedlm.") for name in recorder.ops)
+    for a, b in zip(torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(registered)):
+        assert torch.equal(a, b)

@@ -185,6 +185,9 @@ REAL = [
 ]
 
 
+PROBED = frozenset(p.op for p in SMALL)  # the ops that have probes
+
+
 def probes(op: str, size: str = "small") -> list:
     """The probes of ``op`` at ``size`` ("small" or "real")."""
     return [p for p in (SMALL if size == "small" else REAL) if p.op == op]
