@@ -78,12 +78,12 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
     the reference backend. Checks on first use."""
     # While torch.compile traces, nothing is checked or looked up: the graph it captures
     # runs the kernels as configured (the eager calls before it are checked).
-    if _MODE == "0" or backend == "reference" or torch.compiler.is_compiling():
+    if _MODE == "0" or backend == "reference" or torch.compiler.is_compiling() or _suspended():
         return None
     decided = _decided.get((op, backend, device, dtype), _UNDECIDED)
     if decided is None or (decided is not _UNDECIDED and _MODE != "strict"):
         return decided
-    if _suspended() or op not in probes.PROBED:
+    if op not in probes.PROBED:
         return None
     device_key = _device_key(device)
     name = f"{op}/{backend}/{_dtype_name(dtype)}"
