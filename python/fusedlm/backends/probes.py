@@ -234,12 +234,15 @@ class _Call:
         for i in self.grad_of:
             self.args[i].requires_grad_()
 
-    def __call__(self, fn: Callable, upstream: Optional[list] = None) -> tuple:
-        """(outputs, gradients of the floating inputs by upstream: ones where None), in the
-        inputs' dtype whatever autocast or inference mode the caller is in."""
+    def __call__(self, fn: Callable, upstream=None) -> tuple:
+        """(outputs, gradients of the floating inputs), in the inputs' dtype whatever autocast
+        or inference mode the caller is in. ``upstream``: the outputs' gradients, a function
+        of the outputs that gives them, or None (ones)."""
         with torch.inference_mode(False), torch.enable_grad(), _no_autocast():
             out = _leaves(fn(*self.args, **self.kwargs))
-            if upstream is None:
+            if callable(upstream):
+                upstream = upstream(out)
+            elif upstream is None:
                 upstream = [torch.ones_like(o) if _floating(o) else None for o in out]
             pairs = [(o, u) for o, u in zip(out, upstream) if u is not None and o.requires_grad]
             grads = []
@@ -261,10 +264,13 @@ def run(probe: Probe, backend: str, device: torch.device, dtype: torch.dtype,
     ref_call = _Call(probe, "cpu", dtype, torch.Generator().manual_seed(seed))
     ref_call.args = [a.detach().double().requires_grad_(a.requires_grad) if _floating(a) else a
                      for a in ref_call.args]
-    generator = torch.Generator().manual_seed(seed + 1)
-    ref_out, ref_grads = ref_call(getattr(reference, probe.op), None)
-    upstream = [_randn(generator, *o.shape) if _floating(o) else None for o in ref_out]
-    ref_out, ref_grads = ref_call(getattr(reference, probe.op), upstream)
+    generator, upstream = torch.Generator().manual_seed(seed + 1), []
+
+    def draw(outputs):  # random output gradients, the same for the backend's call
+        upstream.extend(_randn(generator, *o.shape) if _floating(o) else None for o in outputs)
+        return upstream
+
+    ref_out, ref_grads = ref_call(getattr(reference, probe.op), draw)
     out, grads = call(lambda *a, **k: getattr(ops, probe.op)(*a, backend=backend, **k), upstream)
 
     measured = [(f"output {i}", _relative_error(o, r)) for i, (o, r) in enumerate(zip(out, ref_out))

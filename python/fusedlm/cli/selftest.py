@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from fusedlm.bench.report import git_commit
 
     device = resolve_device(args.device)
-    known = sorted({probe.op for probe in probes.SMALL})
+    known = sorted(probes.PROBED)
     unknown = [op for op in args.ops or () if op not in known]
     if unknown:
         raise UsageError(f"--ops: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
