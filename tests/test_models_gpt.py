@@ -311,8 +311,9 @@ def test_generate_from_inputs_embeds_gives_transformers_tokens():
     ours, theirs = _pair(dtype=torch.float64)
     batch = _padded("left", (7, 4, 2))
     embeds = theirs.transformer.wte(batch["input_ids"]).detach()
+    # min_new_tokens: every row runs all 6 steps (random weights may emit EOS early).
     found = [m.generate(inputs_embeds=embeds, attention_mask=batch["attention_mask"], max_new_tokens=6,
-                        do_sample=False) for m in (ours, theirs)]
+                        min_new_tokens=6, do_sample=False) for m in (ours, theirs)]
     assert torch.equal(found[0], found[1]) and found[0].shape == (3, 6)
 
 
