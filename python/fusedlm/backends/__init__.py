@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
 KERNEL_BACKENDS = BACKEND_NAMES[1:]  # those with kernels of their own (the reference is the yardstick)
@@ -328,6 +329,14 @@ def explain(op: str, *args, **kwargs) -> str:
     if op not in _PLANNERS:
         raise ValueError(f"op must be one of {sorted(_PLANNERS)}, got {op!r}")
     return f"{op} -> {_PLANNERS[op](*args, **kwargs)}"
+
+
+def unobserved() -> bool:
+    """Nothing but autograd watches the call: no torch.compile, jit tracing, dispatch mode
+    (fake tensors) or torch.func transform. Such calls may take shortcuts (fusedlm.ops._op)
+    and run checks (fusedlm.backends.verify) that traced code must not see."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not torch.jit.is_tracing() and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 def check_index_data(device: torch.device) -> bool:

@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import probes
+from . import probes, unobserved
 
 # Read once, at import.
 _MODE = (os.environ.get("FUSEDLM_VERIFY") or "1").strip().lower()
@@ -95,7 +94,7 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
             if not _may_check(device):
                 return None
             record["results"][name] = _check(op, backend, device, dtype or torch.float32, record)
-            _save(device, record)
+            _save(record)
         outcome = _decided[(op, backend, device, dtype)] = record["results"][name]
         if outcome is None:
             return None
@@ -135,11 +134,7 @@ def _suspended() -> bool:
 
 
 def _may_check(device: torch.device) -> bool:
-    if device.type not in ("cpu", "cuda"):
-        return False
-    if torch.jit.is_tracing() or _get_current_dispatch_mode() is not None:
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:  # inside vmap, grad, ...
+    if device.type not in ("cpu", "cuda") or not unobserved():
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
@@ -230,8 +225,7 @@ def _device_key(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
 
 
-def _file(device: torch.device) -> Path:
-    ident = identity(device)
+def _file(device: torch.device, ident: dict) -> Path:
     digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return cache_folder() / f"{device.type}-{digest}.json"
 
@@ -240,10 +234,11 @@ def _loaded(device_key: str, device: torch.device) -> dict:
     """The record of a device: the one in memory, else its file's (whose broken kernel
     paths are turned off again), else an empty one."""
     if device_key not in _records:
-        record = {"results": {}, "paths_off": []}
+        ident = identity(device)
+        record = {"identity": ident, "file": _file(device, ident), "results": {}, "paths_off": []}
         try:
-            stored = json.loads(_file(device).read_text())
-            record = {"results": dict(stored["results"]), "paths_off": list(stored["paths_off"])}
+            stored = json.loads(record["file"].read_text())
+            record.update(results=dict(stored["results"]), paths_off=list(stored["paths_off"]))
         except (OSError, ValueError, KeyError, TypeError):
             pass
         if record["paths_off"]:
@@ -255,10 +250,10 @@ def _loaded(device_key: str, device: torch.device) -> dict:
     return _records[device_key]
 
 
-def _save(device: torch.device, record: dict) -> None:
+def _save(record: dict) -> None:
     """Writes the device's record (merged with what another process wrote meanwhile);
     a cache that cannot be written only means checking again next time."""
-    path = _file(device)
+    path = record["file"]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -269,7 +264,7 @@ def _save(device: torch.device, record: dict) -> None:
         results.update(record["results"])
         paths_off += [p for p in record["paths_off"] if p not in paths_off]
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"identity": identity(device), "results": results,
+        temporary.write_text(json.dumps({"identity": record["identity"], "results": results,
                                          "paths_off": paths_off}, indent=1))
         os.replace(temporary, path)
     except OSError:

@@ -23,9 +23,8 @@ from typing import Callable, Optional
 import sys
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..backends import OpInfo, declare, kernel
+from ..backends import OpInfo, declare, kernel, unobserved
 
 
 def _with_backend(schema: str) -> str:
@@ -39,13 +38,6 @@ def _filled(outputs, args):
         return outputs
     like = next(a for a in args if isinstance(a, torch.Tensor))
     return tuple(like.new_empty(0) if o is None else o for o in outputs)
-
-
-def _eager() -> bool:
-    """Nothing but autograd watches the call: no compilation, tracing, dispatch mode or
-    torch.func transform."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and not torch.jit.is_tracing() and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 class _Direct(torch.autograd.Function):
@@ -88,7 +80,7 @@ class Op:
 
     def __call__(self, backend: str, *args):
         """The op's outputs on ``backend``."""
-        if _eager():
+        if unobserved():
             if not torch.is_grad_enabled():
                 return _filled(kernel(backend, self.name).forward(*args), args)
             if self._grad is not None:
