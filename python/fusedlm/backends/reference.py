@@ -9,6 +9,7 @@ are drawn from a generator seeded with the call's seed, so the backward replays 
 forward's.
 """
 import math
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -264,7 +265,10 @@ bias_gelu_forward, unpad_forward, pad_forward = reference.bias_gelu, reference.u
 
 def _find(op):
     """The kernels of an op are <op>_forward and <op>_backward here."""
-    forward, backward = globals().get(f"{op.name}_forward"), globals().get(f"{op.name}_backward")
+    # getattr on the module, not globals(): torch.compile may be tracing the first lookup.
+    module = sys.modules[__name__]
+    forward = getattr(module, f"{op.name}_forward", None)
+    backward = getattr(module, f"{op.name}_backward", None)
     return None if forward is None else (_owned(forward), _owned(backward) if backward else None)
 
 
