@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case, softmax_attention
 from fusedlm.ops._dropout import next_seed
 from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
                      backend_device, backends_for, first_taken, fresh, grads, keep_mask,
@@ -889,3 +891,72 @@ def test_attention_wgmma_forward_matches_mma_sync(backend, head_dim, dtype, cuda
         key_padding_mask=_real_padding(2, 1000), causal=True, dropout_p=0.1)
     for name, a, b in zip(("out", "dq", "dk", "dv"), wgmma, mma_sync):
         assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+HEAD_DIM_EDGES = (1, 3, 17, 40, 63, 65, 72)
+
+
+def _head_dims(d):
+    """Mostly the head dims the kernels are built for, often odd ones; v's sometimes differs."""
+    head_dim = d.choice([64, 128]) if d.chance(0.5) else d.size(1, 72, HEAD_DIM_EDGES)
+    head_dim_v = head_dim if d.chance(0.7) else d.size(1, 72, HEAD_DIM_EDGES)
+    return head_dim, head_dim_v
+
+
+def _fuzz_scale(d):
+    return None if d.chance(0.7) else d.choice([0.01, 0.3, 2.0])
+
+
+def draw_attention(d):
+    dtype = d.dtype()
+    batch, heads = d.size(0, 3), d.size(1, 3)
+    seq_q, seq_k = d.size(0, 70, (1, 63, 64, 65)), d.size(0, 70, (1, 63, 64, 65))
+    head_dim, head_dim_v = _head_dims(d)
+    magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
+    # Expanded over batch or heads (as multi-query attention shares k and v), not over a
+    # sequence: equal keys or values make gradients zero by symmetry.
+    d.tensor("q", (batch, heads, seq_q, head_dim), dtype, scale=magnitude, expand_dims=(0, 1))
+    d.tensor("k", (batch, heads, seq_k, head_dim), dtype, expand_dims=(0, 1))
+    d.tensor("v", (batch, heads, seq_k, head_dim_v), dtype, expand_dims=(0, 1))
+    causal = d.chance(0.4)
+    options = {"causal": causal, "scale": _fuzz_scale(d)}
+    if d.chance(0.4):
+        mask = torch.rand(batch, seq_k, generator=d.generator) < d.choice([0.1, 0.5, 1.0])
+        d.index_tensor("key_padding_mask", mask, ("contiguous", "strided", "transposed"))
+    if d.chance(0.3):
+        shape = [s if d.chance(0.5) else 1 for s in (batch, heads, seq_q, seq_k)]
+        shape = shape[d.rng.randrange(4):]
+        # A bias constant over the keys shifts whole rows of scores, which softmax ignores:
+        # its gradient is zero, and any kernel's is rounding noise. Only others require grad.
+        d.tensor("attn_bias", shape, dtype, grad=shape[-1] == seq_k > 1 and d.chance(0.5))
+
+    def arguments(t):
+        return (t["q"], t["k"], t["v"]), {**options, "key_padding_mask": t.get("key_padding_mask"),
+                                          "attn_bias": t.get("attn_bias")}
+
+    def reference_(t):
+        return (softmax_attention(t["q"], t["k"], t["v"], key_padding_mask=t.get("key_padding_mask"),
+                                  attn_bias=t.get("attn_bias"), **options),)
+
+    bad = [fuzz.grown("k", 3), fuzz.grown("v", 2), fuzz.with_extra_dim("q"), fuzz.grown("q", 1)]
+    if "key_padding_mask" in d.index:
+        bad.append(fuzz.grown("key_padding_mask", 1))
+    bias = d.leaves.get("attn_bias")
+    if bias is not None and len(bias[0].shape) == 4:
+        bad.append(fuzz.with_extra_dim("attn_bias"))
+    return Case("attention", f"attention {dtype} causal={causal} scale={options['scale']}",
+                arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
+
+
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
+def test_fuzz_attention(backend, path, cuda_paths, request):
+    _take(path, cuda_paths)
+    fuzz.run(draw_attention, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention"))
+def test_fuzz_attention_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_attention", ("q", "k", "v", "key_padding_mask", "attn_bias"),
+                        backend, request.node.nodeid)

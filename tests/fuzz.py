@@ -1,0 +1,439 @@
+"""The randomized differential fuzzer every op's test file runs (its ``test_fuzz`` and
+``test_fuzz_bad_inputs``).
+
+Each case is drawn from one integer seed by the op's ``draw(d)``: shapes (edge sizes
+often: 0, 1, odd widths, block edges), dtypes, layouts (contiguous, permuted, sliced
+with an offset and a stride, expanded with stride 0; index tensors strided and offset)
+and magnitudes. The op runs on the backend under test; its outputs and the gradients of
+every leaf are compared with the same computation in plain PyTorch (the case's own
+``reference``, written with torch's operators, independent of fusedlm) in float64.
+
+The tolerance is the error plain PyTorch makes on the same computation at the case's
+dtype (the same reference run on the same inputs in that dtype), times ERROR_FACTOR,
+plus SLACK_ULPS units of that dtype's rounding, as FlashAttention's tests measure their
+kernels. Errors are relative per element, against ``|truth| + floor * max|truth|``: 0
+for pointwise ops, whose every element must be accurate, 1 for outputs that sum many
+terms, whose error scales with their largest element.
+
+Bad inputs (the same draws, one argument made wrong) run in a child process, so that a
+crash fails the test instead of ending the run; each must raise TypeError or ValueError
+naming an argument of the op.
+
+Budgets: FUSEDLM_FUZZ_CASES cases per op and backend (default 200; `make fuzz` runs
+2,000). A failure prints the line that replays the case alone (FUSEDLM_FUZZ_CASE).
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from typing import Callable, Optional
+
+import torch
+
+import fusedlm
+
+CASES = int(os.environ.get("FUSEDLM_FUZZ_CASES", "200"))
+ONE_CASE = os.environ.get("FUSEDLM_FUZZ_CASE")
+ERROR_FACTOR = 4.0
+SLACK_ULPS = {torch.float64: 1024.0}  # units of rounding allowed on top; 4 below float64
+ILL_CONDITIONED = 0.1  # a relative error of plain float32 past which float64's is not its scaled
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# An absolute difference too small to matter: the inputs drawn are at least 1e-3 in scale,
+# and below this lie only terms that underflowed (kernels may flush subnormals to zero, as
+# GPUs do) or the rounding noise of gradients that are zero by symmetry (v constant over
+# the keys leaves q no gradient).
+NEGLIGIBLE = 1e-30
+
+
+@dataclasses.dataclass
+class Case:
+    """A drawn call of ``fusedlm.ops.<op>``. ``t`` maps each argument's name to its tensor:
+    ``arguments(t)`` gives the op's (args, kwargs), ``reference(t)`` the outputs plain
+    PyTorch computes, and ``outputs(result, t)`` the op's in the same order (by default its
+    result, as a tuple). ``floors`` gives each output's floor (see the module's
+    docstring); the gradients take ``grad_floor``."""
+    op: str
+    description: str
+    arguments: Callable
+    reference: Callable
+    floors: tuple
+    grad_floor: object = 1.0
+    dtype: torch.dtype = torch.float32
+    differentiable: bool = True
+    outputs: Optional[Callable] = None
+    bad: tuple = ()  # (description, argument, corrupt(t) -> t): calls its validation refuses
+
+    def call(self, t, backend: str, explain: bool = False):
+        args, kwargs = self.arguments(t)
+        if explain:
+            return fusedlm.explain(self.op, *args, backend=backend, **kwargs)
+        result = getattr(fusedlm.ops, self.op)(*args, backend=backend, **kwargs)
+        if self.outputs is not None:
+            return self.outputs(result, t)
+        return result if isinstance(result, tuple) else (result,)
+
+
+class Draw:
+    """The random choices of one case, all from its seed."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.leaves = {}  # name -> (leaf, view function, requires grad)
+        self.index = {}   # name -> index tensor (any layout)
+        self.notes = []
+        self.extreme = False
+
+    # --- choices ---------------------------------------------------------------------------------
+    def choice(self, options):
+        return self.rng.choice(list(options))
+
+    def chance(self, p: float) -> bool:
+        return self.rng.random() < p
+
+    def size(self, low: int, high: int, edges=()) -> int:
+        """An int in [low, high], often an edge: low, high, or one of ``edges`` in range."""
+        if self.chance(0.35):
+            return self.choice([s for s in (low, high, *edges) if low <= s <= high])
+        return self.rng.randint(low, high)
+
+    def dtype(self, options=FLOATS) -> torch.dtype:
+        return self.choice(options)
+
+    def magnitude(self, extreme: float = 1e3) -> float:
+        """Mostly 1; sometimes tiny or ``extreme``. An extreme case's gradients are held to
+        being finite and of the truth's order of magnitude only: saturated softmaxes and
+        the like leave them rounding noise, in plain PyTorch too."""
+        scale = self.choice([1.0, 1.0, 1.0, 1e-3, extreme])
+        self.extreme = self.extreme or scale == extreme
+        return scale
+
+    # --- tensors ---------------------------------------------------------------------------------
+    def tensor(self, name: str, shape, dtype, *, scale: float = 1.0, offset: float = 0.0,
+               grad: bool = True, layouts=("contiguous", "permuted", "sliced", "expanded"),
+               expand_dims=None):
+        """A float input of ``shape`` in a random layout, values offset + scale * N(0, 1).
+        "expanded" repeats one of ``expand_dims`` (default any) with stride 0."""
+        shape = tuple(shape)
+        layout = self.choice(layouts)
+        expandable = [d for d in (range(len(shape)) if expand_dims is None else expand_dims)
+                      if shape[d] > 1]
+        if layout == "expanded" and not expandable:
+            layout = "contiguous"
+        if layout == "permuted":
+            order = list(range(len(shape)))
+            self.rng.shuffle(order)
+            inverse = [order.index(d) for d in range(len(shape))]
+            stored = [shape[d] for d in order]
+            view = lambda t, inverse=inverse: t.permute(inverse)
+        elif layout == "sliced" and shape:
+            dim = self.rng.randrange(len(shape))
+            stored = list(shape)
+            stored[dim] = 2 * shape[dim] + 1
+            index = (slice(None),) * dim + (slice(1, None, 2),)
+            view = lambda t, index=index: t[index]
+        elif layout == "expanded":
+            dim = self.choice(expandable)
+            stored = list(shape)
+            stored[dim] = 1
+            view = lambda t, shape=shape: t.expand(shape)
+        else:
+            layout, stored, view = "contiguous", list(shape), (lambda t: t)
+        values = torch.randn(stored, dtype=torch.float64, generator=self.generator) * scale + offset
+        self.leaves[name] = (values.to(dtype), view, grad)
+        self.notes.append(f"{name}{list(shape)}:{layout}")
+        return name
+
+    def index_tensor(self, name: str, values: torch.Tensor,
+                     layouts=("contiguous", "strided", "offset")):
+        """An index tensor holding ``values`` in a random layout."""
+        layout = self.choice(layouts)
+        flat = values.reshape(-1)
+        if layout == "strided":
+            if values.dim() == 1:
+                buffer = torch.zeros(2 * values.numel(), dtype=values.dtype)
+                buffer[::2] = values
+                tensor = buffer[::2]
+            else:  # every other column of a wider buffer
+                buffer = torch.zeros(*values.shape[:-1], 2 * values.shape[-1], dtype=values.dtype)
+                buffer[..., ::2] = values
+                tensor = buffer[..., ::2]
+        elif layout == "offset":
+            buffer = torch.empty(values.numel() + 3, dtype=values.dtype)
+            buffer[3:] = flat
+            tensor = buffer[3:].view(values.shape)
+        elif layout == "transposed" and values.dim() == 2:
+            tensor = values.t().contiguous().t()
+        else:
+            layout, tensor = "contiguous", values.contiguous()
+        self.index[name] = tensor
+        self.notes.append(f"{name}{list(values.shape)}:{layout}")
+        return name
+
+    def note(self, text: str):
+        self.notes.append(text)
+
+
+def _strided_2d(values: torch.Tensor) -> torch.Tensor:
+    """values [rows, cols] as a view of every other column of a wider buffer."""
+    buffer = torch.zeros(values.shape[0], 2 * values.shape[1], dtype=values.dtype)
+    buffer[:, ::2] = values
+    return buffer[:, ::2]
+
+
+# --- running a case ------------------------------------------------------------------------------
+
+def _inputs(d: Draw, dtype: Optional[torch.dtype]):
+    """Fresh leaves (in ``dtype``; their own dtype when None) and the views the op takes."""
+    leaves, views = {}, {}
+    for name, (values, view, grad) in d.leaves.items():
+        leaf = values.to(dtype or values.dtype).clone().requires_grad_(grad)
+        leaves[name] = leaf
+        views[name] = view(leaf)
+    views.update(d.index)
+    return leaves, views
+
+
+def _run(case: Case, d: Draw, dtype, function, upstream_seed: int):
+    """Outputs and leaf gradients of ``function`` on inputs in ``dtype``, for upstream
+    gradients drawn from ``upstream_seed``."""
+    leaves, views = _inputs(d, dtype)
+    with torch.set_grad_enabled(case.differentiable):
+        outputs = function(views)
+    outputs = [o for o in outputs]
+    wanted = [n for n, leaf in leaves.items() if leaf.requires_grad]
+    if not case.differentiable or not wanted:
+        return [o.detach() for o in outputs], {}
+    differentiable = [o for o in outputs if o.requires_grad]
+    generator = torch.Generator().manual_seed(upstream_seed)
+    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.dtype)
+                for o in differentiable]
+    got = torch.autograd.grad(differentiable, [leaves[n] for n in wanted], upstream,
+                              allow_unused=True)
+    return ([o.detach() for o in outputs],
+            {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(wanted, got)})
+
+
+def relative_error(x: torch.Tensor, truth: torch.Tensor, floor: float) -> float:
+    """max |x - truth| / (|truth| + floor * max|truth|), ignoring differences below
+    NEGLIGIBLE; inf where one is not finite and the other differs."""
+    x, truth = x.double(), truth.double()
+    if x.shape != truth.shape:
+        return float("inf")
+    if truth.numel() == 0:
+        return 0.0
+    same = (x == truth) | (x.isnan() & truth.isnan())
+    finite = truth.isfinite()
+    scale = truth[finite].abs().max().item() if finite.any() else 0.0
+    denominator = truth.abs() + floor * scale + torch.finfo(torch.float64).tiny
+    difference = ((x - truth).abs() - NEGLIGIBLE).clamp(min=0)
+    error = torch.where(same, torch.zeros_like(x), difference / denominator)
+    error = torch.where(error.isnan(), torch.full_like(error, float("inf")), error)
+    return error.max().item()
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def check_case(case: Case, d: Draw, backend: str):
+    """Compares the op on ``backend`` with the float64 reference; returns the failures."""
+    upstream = d.rng.randrange(2**31)
+    outputs, grads = _run(case, d, None, lambda t: case.call(t, backend), upstream)
+    truth, truth_grads = _run(case, d, torch.float64, case.reference, upstream)
+    # float64 has no wider type to measure its own rounding against: its plain-PyTorch error
+    # is float32's (which carries the problem's conditioning), scaled by their epsilons.
+    plain_dtype = torch.float32 if case.dtype == torch.float64 else None
+    plain, plain_grads = _run(case, d, plain_dtype, case.reference, upstream)
+    shrink = _ulp(torch.float64) / _ulp(torch.float32) if plain_dtype else 1.0
+    failures = []
+
+    def compare(name, got, want, low, floor):
+        error = relative_error(got, want, floor)
+        plain_error = relative_error(low, want, floor)
+        allowed = ERROR_FACTOR * shrink * plain_error + SLACK_ULPS.get(case.dtype, 4.0) * _ulp(case.dtype)
+        if (plain_dtype and plain_error > ILL_CONDITIONED) or (d.extreme and name.startswith("grad")):
+            # float32 kept no significant digit, so float64 may keep few; or an extreme
+            # case's gradient (Draw.magnitude): held to the order of magnitude, and to
+            # being finite where the truth is.
+            allowed = max(allowed, 1.0)
+        if not error <= allowed:
+            failures.append(f"{name}: error {error:.3g} > {allowed:.3g} (plain PyTorch's "
+                            f"{plain_error:.3g}, x {ERROR_FACTOR:g} + slack)")
+
+    for i, (got, want, low, floor) in enumerate(zip(outputs, truth, plain, case.floors)):
+        compare(f"output {i}", got, want, low, floor)
+    for name in truth_grads:
+        floor = case.grad_floor.get(name, 1.0) if isinstance(case.grad_floor, dict) else case.grad_floor
+        compare(f"grad {name}", grads.get(name), truth_grads[name], plain_grads[name], floor)
+    return failures
+
+
+def _refused(case: Case, backend: str) -> Optional[str]:
+    """Why ``backend`` does not take the case (its declared limits), or None."""
+    _leaves, views = _inputs(case._draw, None)
+    try:
+        case.call(views, backend, explain=True)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def run(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = CASES):
+    """``cases`` cases the backend takes (refused draws do not count); raises AssertionError
+    listing every failing case with its reproduction."""
+    base = random.SystemRandom().randrange(2**31)
+    seeds = [int(ONE_CASE)] if ONE_CASE else [base + i for i in range(cases * 4)]
+    taken, failures = 0, []
+    for seed in seeds:
+        if taken == cases or (ONE_CASE and taken):
+            break
+        d = Draw(seed)
+        case = draw(d)
+        case._draw = d
+        if _refused(case, backend):
+            continue
+        taken += 1
+        try:
+            found = check_case(case, d, backend)
+        except Exception as error:  # an exception on a valid input is a failure too
+            found = [f"raised {type(error).__name__}: {str(error)[:300]}"]
+        if found:
+            failures.append(f"FUSEDLM_FUZZ_CASE={seed} pytest '{test_id}'  # {case.description}; "
+                            f"{' '.join(d.notes)}: {'; '.join(found)}")
+    assert taken >= min(cases, 1), f"{backend} took none of {len(seeds)} drawn cases"
+    assert not failures, f"{len(failures)} of {taken} cases failed:\n" + "\n".join(failures[:20])
+    return taken
+
+
+# --- bad inputs ----------------------------------------------------------------------------------
+
+def _corruptions(d: Draw):
+    """(description, argument, views) for each tensor argument of the case in a wrong
+    dtype: an integer one for float tensors, float32 for index tensors."""
+    for name in list(d.leaves) + list(d.index):
+        views = _inputs(d, None)[1]
+        t = views[name]
+        wrong = torch.int32 if t.is_floating_point() else torch.float32
+        yield f"{name} as {wrong}", name, {**views, name: t.detach().to(wrong)}
+
+
+def grown(name: str, dim: int):
+    """A corruption for a case's ``bad`` list: ``name`` one longer in ``dim``."""
+    def corrupt(t):
+        x = t[name].detach()
+        return {**t, name: torch.cat([x, x.narrow(dim, 0, 1) if x.shape[dim] else
+                                      x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))], dim)}
+    return f"{name} dim {dim} + 1", name, corrupt
+
+
+def with_extra_dim(name: str):
+    """A corruption: ``name`` with one more leading dimension."""
+    return f"{name} with an extra dim", name, lambda t: {**t, name: t[name].detach()[None]}
+
+
+def replaced(name: str, value, description: str):
+    """A corruption: ``name`` replaced by ``value`` (a tensor or a plain value)."""
+    return description, name, lambda t: {**t, name: value}
+
+
+def child_main(module_path: str, function: str, backend: str, seed: int, cases: int):
+    """In the child: runs the bad inputs of ``cases`` draws, printing a JSON line per input
+    before and after its call (a crash leaves the last 'before' line)."""
+    spec = importlib.util.spec_from_file_location("fuzzed_module", module_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    draw = getattr(module, function)
+    for i in range(cases):
+        d = Draw(seed + i)
+        case = draw(d)
+        case._draw = d
+        attempts = list(_corruptions(d)) + [(desc, name, mutate(_inputs(d, None)[1]))
+                                            for desc, name, mutate in case.bad]
+        for description, name, views in attempts:
+            print(json.dumps({"start": f"{case.description} | {description}", "seed": seed + i}),
+                  flush=True)
+            try:
+                with torch.no_grad():
+                    case.call(views, backend)
+                result = {"raised": None}
+            except (TypeError, ValueError) as error:
+                result = {"raised": type(error).__name__, "message": str(error), "argument": name}
+            except Exception as error:
+                result = {"raised": type(error).__name__, "message": str(error)[:300],
+                          "argument": name, "unclear": True}
+            print(json.dumps(result), flush=True)
+
+
+def run_bad_inputs(test_file: str, function: str, arguments: tuple, backend: str, test_id: str,
+                   cases: int = 20):
+    """The bad inputs of ``cases`` draws of ``function`` (a draw function in test_file):
+    every tensor argument in a wrong dtype, and the case's own ``bad`` list, in a child
+    process. Every one must raise TypeError or ValueError naming one of the
+    op's ``arguments``; a crash of the child fails with its last input."""
+    seed = int(ONE_CASE) if ONE_CASE else random.SystemRandom().randrange(2**31)
+    child = subprocess.run(
+        [sys.executable, __file__, test_file, function, backend, str(seed), str(cases)],
+        capture_output=True, text=True, timeout=1800,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+            os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))})
+    lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    problems, current = [], None
+    for line in lines:
+        if "start" in line:
+            current = line
+            continue
+        where = f"FUSEDLM_FUZZ_CASE={current['seed']} pytest '{test_id}'  # {current['start']}"
+        if line["raised"] is None:
+            problems.append(f"{where}: accepted")
+        elif line.get("unclear"):
+            problems.append(f"{where}: {line['raised']} ({line['message']})")
+        elif not any(a in line["message"] for a in arguments):
+            problems.append(f"{where}: message names no argument: {line['message']}")
+    if child.returncode != 0:
+        last = lines[-1] if lines and "start" in lines[-1] else current
+        problems.append(f"child exited with {child.returncode} during "
+                        f"{last and last['start']} (seed {last and last['seed']}): "
+                        f"{child.stderr[-1500:]}")
+    assert not problems, f"{len(problems)} bad inputs not refused clearly:\n" + "\n".join(problems[:20])
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+
+
+# --- references several fuzzers share --------------------------------------------------------------
+
+POINTWISE = 1e-6  # the floor of an output each of whose elements is its own function
+
+
+def softmax_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, scale=None):
+    """softmax(q k^T * scale + bias) v over [..., seq, head_dim], computed in q's dtype; rows
+    that see no key are zeros; causal aligns to the bottom right.
+
+    Below float64 (plain PyTorch's error, against which kernels are measured) the
+    probabilities are exp(scores - logsumexp(scores)), as FlashAttention's backward forms
+    them: with large scores, the rounding of the log-sum-exp (|lse| ulp) is the error of
+    every probability of its row. In float64 (the truth) they are softmax's."""
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if attn_bias is not None:
+        scores = scores + attn_bias
+    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool)
+    if causal:
+        allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
+    allowed = allowed.expand(scores.shape)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sees_a_key = allowed.any(dim=-1, keepdim=True)
+    if q.dtype == torch.float64:  # the truth: the most accurate form
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
+    probs = torch.where(sees_a_key, probs, torch.zeros_like(scores))
+    return torch.matmul(probs, v)
