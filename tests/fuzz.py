@@ -105,8 +105,9 @@ class Draw:
 
     def magnitude(self, extreme: float = 1e3) -> float:
         """Mostly 1; sometimes tiny or ``extreme``. An extreme case's gradients are held to
-        being finite and of the truth's order of magnitude only: saturated softmaxes and
-        the like leave them rounding noise, in plain PyTorch too."""
+        being finite where the truth is, not to its digits: a saturated softmax leaves them
+        rounding noise of the scores' size times epsilon, which plain PyTorch avoids only by
+        recomputing the scores exactly as its forward did."""
         scale = self.choice([1.0, 1.0, 1.0, 1e-3, extreme])
         self.extreme = self.extreme or scale == extreme
         return scale
@@ -252,13 +253,16 @@ def check_case(case: Case, d: Draw, backend: str):
     failures = []
 
     def compare(name, got, want, low, floor):
+        if d.extreme and name.startswith("grad"):
+            if not (got.isfinite() | ~want.isfinite()).all():
+                failures.append(f"{name}: not finite where the truth is")
+            return
         error = relative_error(got, want, floor)
         plain_error = relative_error(low, want, floor)
         allowed = ERROR_FACTOR * shrink * plain_error + SLACK_ULPS.get(case.dtype, 4.0) * _ulp(case.dtype)
-        if (plain_dtype and plain_error > ILL_CONDITIONED) or (d.extreme and name.startswith("grad")):
-            # float32 kept no significant digit, so float64 may keep few; or an extreme
-            # case's gradient (Draw.magnitude): held to the order of magnitude, and to
-            # being finite where the truth is.
+        if plain_dtype and plain_error > ILL_CONDITIONED:
+            # float32 kept no significant digit, so float64 may keep few: held to the order
+            # of magnitude, and to being finite where the truth is.
             allowed = max(allowed, 1.0)
         if not error <= allowed:
             failures.append(f"{name}: error {error:.3g} > {allowed:.3g} (plain PyTorch's "
@@ -351,6 +355,8 @@ def child_main(module_path: str, function: str, backend: str, seed: int, cases: 
         d = Draw(seed + i)
         case = draw(d)
         case._draw = d
+        if _refused(case, backend):
+            continue
         attempts = list(_corruptions(d)) + [(desc, name, mutate(_inputs(d, None)[1]))
                                             for desc, name, mutate in case.bad]
         for description, name, views in attempts:

@@ -930,7 +930,8 @@ def draw_attention(d):
         shape = shape[d.rng.randrange(4):]
         # A bias constant over the keys shifts whole rows of scores, which softmax ignores:
         # its gradient is zero, and any kernel's is rounding noise. Only others require grad.
-        d.tensor("attn_bias", shape, dtype, grad=shape[-1] == seq_k > 1 and d.chance(0.5))
+        d.tensor("attn_bias", shape, dtype, grad=shape[-1] == seq_k > 1 and d.chance(0.5),
+                 expand_dims=range(len(shape) - 1))
 
     def arguments(t):
         return (t["q"], t["k"], t["v"]), {**options, "key_padding_mask": t.get("key_padding_mask"),
@@ -960,3 +961,70 @@ def test_fuzz_attention(backend, path, cuda_paths, request):
 def test_fuzz_attention_bad_inputs(backend, request):
     fuzz.run_bad_inputs(__file__, "draw_attention", ("q", "k", "v", "key_padding_mask", "attn_bias"),
                         backend, request.node.nodeid)
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                        dtype=torch.int32)
+
+
+def draw_attention_varlen(d):
+    dtype = d.dtype()
+    batch, heads = d.size(0, 4), d.size(1, 3)
+    lengths_q = [d.size(0, 40, (1, 31, 32, 33)) for _ in range(batch)]
+    lengths_k = lengths_q if d.chance(0.5) else [d.size(0, 40, (1, 31, 32, 33)) for _ in range(batch)]
+    head_dim, head_dim_v = _head_dims(d)
+    magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    d.tensor("q", (total_q, heads, head_dim), dtype, scale=magnitude, expand_dims=(1,))
+    d.tensor("k", (total_k, heads, head_dim), dtype, expand_dims=(1,))
+    d.tensor("v", (total_k, heads, head_dim_v), dtype, expand_dims=(1,))
+    d.index_tensor("cu_seqlens_q", _offsets(lengths_q))
+    d.index_tensor("cu_seqlens_k", _offsets(lengths_k))
+    # max_seqlen may exceed the longest sequence (it bounds them)
+    max_q = max(lengths_q, default=0) + (d.size(0, 5) if d.chance(0.2) else 0)
+    max_k = max(lengths_k, default=0) + (d.size(0, 5) if d.chance(0.2) else 0)
+    causal, scale = d.chance(0.5), _fuzz_scale(d)
+    d.note(f"lengths_q={lengths_q} lengths_k={lengths_k}")
+
+    def arguments(t):
+        return ((t["q"], t["k"], t["v"], t["cu_seqlens_q"], t["cu_seqlens_k"],
+                 t.get("max_seqlen_q", max_q), max_k),
+                {"causal": causal, "scale": scale})
+
+    def reference_(t):
+        outs = []
+        for b in range(batch):
+            rows_q = slice(sum(lengths_q[:b]), sum(lengths_q[:b + 1]))
+            rows_k = slice(sum(lengths_k[:b]), sum(lengths_k[:b + 1]))
+            outs.append(softmax_attention(t["q"][rows_q].transpose(0, 1), t["k"][rows_k].transpose(0, 1),
+                                          t["v"][rows_k].transpose(0, 1), causal=causal,
+                                          scale=scale).transpose(0, 1))
+        return (torch.cat(outs) if outs else t["q"].new_zeros((0, heads, head_dim_v)),)
+
+    cu_q = _offsets(lengths_q)
+    wrong = cu_q.clone()
+    wrong[-1] += 1
+    bad = [fuzz.grown("k", 2), fuzz.grown("v", 0), fuzz.with_extra_dim("q"),
+           fuzz.replaced("cu_seqlens_q", wrong, "cu_seqlens_q ending past the tokens")]
+    if batch and max(lengths_q):
+        bad.append(fuzz.replaced("max_seqlen_q", max(lengths_q) - 1, "max_seqlen_q below the longest"))
+    if batch >= 2 and lengths_q[0] > 0:
+        decreasing = cu_q.clone()
+        decreasing[1] = cu_q[2] + 1
+        bad.append(fuzz.replaced("cu_seqlens_q", decreasing, "cu_seqlens_q decreasing"))
+    return Case("attention_varlen", f"attention_varlen {dtype} causal={causal} scale={scale}",
+                arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
+
+
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
+def test_fuzz_attention_varlen(backend, path, cuda_paths, request):
+    _take(path, cuda_paths)
+    fuzz.run(draw_attention_varlen, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
+def test_fuzz_attention_varlen_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_attention_varlen",
+                        ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen"), backend,
+                        request.node.nodeid)

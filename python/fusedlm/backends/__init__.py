@@ -24,7 +24,7 @@ Environment switches are read once, when fusedlm is imported.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -278,9 +278,18 @@ def _status(backend: Backend):
 class Choice:
     backend: str
     why: str
+    # Index tensors the op passes on as contiguous copies: every kernel reads index tensors
+    # (sequence offsets, lengths, positions) with stride 1.
+    copies: tuple = ()
 
     def __str__(self) -> str:
-        return f"{self.backend}: {self.why}"
+        copies = f"; copies {', '.join(self.copies)} to contiguous memory" if self.copies else ""
+        return f"{self.backend}: {self.why}{copies}"
+
+    def copying(self, **index_tensors: Optional[torch.Tensor]) -> "Choice":
+        """This choice, noting which of ``index_tensors`` the op will copy."""
+        copies = tuple(n for n, t in index_tensors.items() if t is not None and not t.is_contiguous())
+        return replace(self, copies=copies) if copies else self
 
 
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **features) -> Choice:

@@ -218,7 +218,7 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if check_index_data(device):
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")
-    return choice
+    return choice.copying(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -234,8 +234,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     choice = plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal=causal, dropout_p=dropout_p, scale=scale, backend=backend)
-    out, _ = ATTENTION_VARLEN(choice.backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, causal, float(dropout_p),
+    out, _ = ATTENTION_VARLEN(choice.backend, q, k, v, cu_seqlens_q.contiguous(),
+                              cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, causal,
+                              float(dropout_p),
                               _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
     return out
 

@@ -76,7 +76,7 @@ def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, 
     choice = choose("attention_with_kvcache", device, backend, dtype=q.dtype, head_dim=head_dim)
     if check_index_data(device):
         _check_lengths(cache_seqlens, cache_leftpad, seq_new, max_len)
-    return choice
+    return choice.copying(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
 
 
 def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -101,8 +101,9 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     """
     choice = plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                          cache_leftpad=cache_leftpad, scale=scale, backend=backend)
-    return ATTENTION_WITH_KVCACHE(choice.backend, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                  cache_leftpad, _resolve_scale(scale, q.shape[-1]))
+    return ATTENTION_WITH_KVCACHE(choice.backend, q, k_cache, v_cache, cache_seqlens.contiguous(),
+                                  k_new, v_new, None if cache_leftpad is None else cache_leftpad.contiguous(),
+                                  _resolve_scale(scale, q.shape[-1]))
 
 
 ATTENTION_WITH_KVCACHE = Op(

@@ -97,7 +97,7 @@ def plan_pad(packed, indices, batch, seqlen, *, backend=None):
     choice = choose("pad", device, backend)
     if check_index_data(device):
         _check_indices(indices, batch * seqlen)
-    return choice
+    return choice.copying(indices=indices)
 
 
 def pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, *,
@@ -105,7 +105,7 @@ def pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, *,
     """The inverse of unpad: [batch, seqlen, ...] with packed's rows at ``indices`` (positions
     in the flattened batch * seqlen) and zeros elsewhere."""
     choice = plan_pad(packed, indices, batch, seqlen, backend=backend)
-    return PAD(choice.backend, packed, indices, batch, seqlen)
+    return PAD(choice.backend, packed, indices.contiguous(), batch, seqlen)
 
 
 def _pad_setup(ctx, inputs, output):
