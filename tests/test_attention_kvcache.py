@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case, softmax_attention
 from helpers import (assert_close, assert_relative_error, backend_device, backends_for, fresh,
                      poison_memory)
 
@@ -244,3 +246,73 @@ def test_lengths_past_the_cache_write_nothing_outside_it(backend):
                                              backend=backend)
     assert int(seqlens[1]) > 0 and torch.equal(k_cache[1, 0], before[1, 0])
     assert torch.equal(k_cache[0], before[0]) and out[0].isfinite().all()
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+def draw_attention_with_kvcache(d):
+    dtype = d.dtype()
+    batch, heads, seq_q = d.size(1, 3), d.size(1, 3), d.size(1, 5)
+    max_len = d.size(1, 40, (1, 31, 32, 33))
+    seq_new = d.size(0, min(3, max_len)) if d.chance(0.7) else 0
+    head_dim = d.choice([64, 128]) if d.chance(0.5) else d.size(1, 72, (1, 3, 17, 40, 65))
+    head_dim_v = head_dim if d.chance(0.7) else d.size(1, 72, (1, 3, 17, 40, 65))
+    cached = [d.size(0, max_len - seq_new) for _ in range(batch)]
+    leftpad = [d.size(0, c + seq_new) for c in cached] if d.chance(0.3) else None
+    # The caches are written in place: never expanded.
+    writable = ("contiguous", "permuted", "sliced")
+    d.tensor("q", (batch, seq_q, heads, head_dim), dtype, scale=d.magnitude(30.0), grad=False)
+    d.tensor("k_cache", (batch, max_len, heads, head_dim), dtype, grad=False, layouts=writable)
+    d.tensor("v_cache", (batch, max_len, heads, head_dim_v), dtype, grad=False, layouts=writable)
+    if seq_new:
+        d.tensor("k_new", (batch, seq_new, heads, head_dim), dtype, grad=False)
+        d.tensor("v_new", (batch, seq_new, heads, head_dim_v), dtype, grad=False)
+    d.index_tensor("cache_seqlens", torch.tensor(cached, dtype=torch.int32))
+    if leftpad is not None:
+        d.index_tensor("cache_leftpad", torch.tensor(leftpad, dtype=torch.int32))
+    scale = None if d.chance(0.7) else d.choice([0.01, 0.3, 2.0])
+    d.note(f"cached={cached} leftpad={leftpad}")
+
+    def arguments(t):
+        return ((t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], t.get("k_new"), t.get("v_new")),
+                {"cache_leftpad": t.get("cache_leftpad"), "scale": scale})
+
+    def reference_(t):
+        k_cache, v_cache, outs = t["k_cache"], t["v_cache"], []
+        for b in range(batch):
+            if seq_new:
+                k_cache[b, cached[b]:cached[b] + seq_new] = t["k_new"][b]
+                v_cache[b, cached[b]:cached[b] + seq_new] = t["v_new"][b]
+            first = 0 if leftpad is None else leftpad[b]
+            total = cached[b] + seq_new
+            keys = slice(first, total)
+            # query i sees keys up to total - seq_q + i: causal, bottom right, over [first, total)
+            out = softmax_attention(t["q"][b].transpose(0, 1), k_cache[b, keys].transpose(0, 1),
+                                    v_cache[b, keys].transpose(0, 1), causal=True, scale=scale)
+            outs.append(out.transpose(0, 1))
+        return torch.stack(outs), k_cache, v_cache
+
+    def outputs(result, t):
+        return result, t["k_cache"], t["v_cache"]
+
+    too_long = torch.tensor([max_len - seq_new + 1] * batch, dtype=torch.int32)
+    bad = [fuzz.grown("k_cache", 3), fuzz.grown("v_cache", 0), fuzz.with_extra_dim("q"),
+           fuzz.replaced("cache_seqlens", too_long, "cache_seqlens past max_cache_len"),
+           fuzz.replaced("cache_seqlens", -torch.ones(batch, dtype=torch.int32), "cache_seqlens < 0")]
+    if seq_new:
+        bad.append(fuzz.grown("k_new", 1))
+    return Case("attention_with_kvcache", f"attention_with_kvcache {dtype} scale={scale}", arguments,
+                reference_, floors=(1.0, fuzz.POINTWISE, fuzz.POINTWISE), dtype=dtype,
+                differentiable=False, outputs=outputs, bad=tuple(bad))
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
+def test_fuzz_attention_with_kvcache(backend, request):
+    fuzz.run(draw_attention_with_kvcache, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
+def test_fuzz_attention_with_kvcache_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_attention_with_kvcache",
+                        ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "cache_leftpad",
+                         "seqlen_new"), backend, request.node.nodeid)
