@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
                      fresh, grads, poison_memory, slow_backend)
 
@@ -541,3 +543,102 @@ def test_masked_lm_loss_real_shapes(backend, shape, dtype, reduction):
     assert_relative_error(loss, expected, dtype, "loss")
     for name, a, e in zip(("dhidden", "dweight", "dbias"), got, expected_grads):
         assert_relative_error(a, e, dtype, name)
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+def _plain_cross_entropy(logits, labels, ignore_index, label_smoothing, reduction):
+    """F.cross_entropy's formula in logits' dtype; a mean over no labelled row is 0."""
+    logp = torch.log_softmax(logits, dim=-1)
+    labelled = labels != ignore_index
+    picked = logp.gather(-1, torch.where(labelled, labels, 0)[..., None])[..., 0]
+    losses = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(dim=-1)
+    losses = torch.where(labelled, losses, torch.zeros_like(losses))
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / labelled.sum().clamp(min=1)
+
+
+def _draw_labels(d, rows, classes):
+    ignore_index = d.choice([-100, -100, 0, classes - 1])
+    labels = torch.randint(0, classes, rows, generator=d.generator)
+    ignored = torch.rand(rows, generator=d.generator) < d.choice([0.0, 0.5, 0.85, 1.0])
+    d.index_tensor("labels", torch.where(ignored, torch.full_like(labels, ignore_index), labels))
+    options = {"ignore_index": ignore_index, "reduction": d.choice(["mean", "sum", "none"]),
+               "label_smoothing": d.choice([0.0, 0.0, 0.1, 1.0])}
+    d.note(str(options))
+    return options
+
+
+def _labels_out_of_range(d, classes, ignore_index):
+    labels = d.index["labels"].clone()
+    if labels.numel() == 0:
+        return []
+    labels.view(-1)[0] = classes if classes != ignore_index else classes + 1
+    return [fuzz.replaced("labels", labels, "a label past the classes")]
+
+
+def draw_cross_entropy(d):
+    dtype = d.dtype()
+    classes = d.size(1, 3000, (1, 2, 127, 128, 129, 1024, 2049))
+    rows = tuple(d.size(0, 6, (1,)) for _ in range(d.size(0, 2)))
+    # Not expanded over the classes: equal logits are a degenerate softmax.
+    d.tensor("logits", (*rows, classes), dtype, scale=d.magnitude(100.0), expand_dims=range(len(rows)))
+    options = _draw_labels(d, rows, classes)
+
+    def arguments(t):
+        return (t["logits"], t["labels"]), options
+
+    def reference_(t):
+        return (_plain_cross_entropy(t["logits"], t["labels"], **options),)
+
+    bad = [fuzz.with_extra_dim("labels"), *_labels_out_of_range(d, classes, options["ignore_index"])]
+    return Case("cross_entropy", f"cross_entropy {dtype} classes={classes}", arguments, reference_,
+                floors=(1.0,), dtype=dtype, bad=tuple(bad))
+
+
+def draw_masked_lm_loss(d):
+    dtype = d.dtype()
+    width, vocab = d.size(1, 96, (1, 3, 64, 65)), d.size(1, 600, (1, 2, 127, 128, 129))
+    rows = tuple(d.size(0, 12, (1,)) for _ in range(d.size(1, 2)))
+    d.tensor("hidden", (*rows, width), dtype, scale=d.magnitude(10.0))
+    d.tensor("weight", (vocab, width), dtype, scale=width ** -0.5)
+    if d.chance(0.7):
+        d.tensor("bias", (vocab,), dtype)
+    options = _draw_labels(d, rows, vocab)
+
+    def arguments(t):
+        return (t["hidden"], t["weight"], t.get("bias"), t["labels"]), options
+
+    def reference_(t):
+        logits = torch.nn.functional.linear(t["hidden"], t["weight"], t.get("bias"))
+        return (_plain_cross_entropy(logits, t["labels"], **options),)
+
+    bad = [fuzz.grown("weight", 1), fuzz.with_extra_dim("labels"),
+           *_labels_out_of_range(d, vocab, options["ignore_index"])]
+    return Case("masked_lm_loss", f"masked_lm_loss {dtype} {width}->{vocab}", arguments, reference_,
+                floors=(1.0,), dtype=dtype, bad=tuple(bad))
+
+
+@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
+def test_fuzz_cross_entropy(backend, request):
+    fuzz.run(draw_cross_entropy, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
+def test_fuzz_cross_entropy_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_cross_entropy", ("logits", "labels"), backend,
+                        request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
+def test_fuzz_masked_lm_loss(backend, request):
+    fuzz.run(draw_masked_lm_loss, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
+def test_fuzz_masked_lm_loss_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_masked_lm_loss", ("hidden", "weight", "bias", "labels"), backend,
+                        request.node.nodeid)

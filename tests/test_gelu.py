@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case
 from fusedlm.ops._dropout import cpu_keep_mask, next_seed
 from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
                      backend_device, backends_for, first_taken, fresh, grads, keep_mask,
@@ -409,3 +411,81 @@ def test_gelu_ffn_wgmma_product_matches_mma_sync(backend, dtype, cuda_paths):
     for name, a, b, e in zip(("out", "dx", "dw1", "db1", "dw2", "db2"), wgmma, mma_sync, expected):
         assert_relative_error(a, e, dtype, name)
         assert_relative_error(a, b, dtype, name, MAX_RELATIVE_ERROR[dtype] / 2)
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+def draw_bias_gelu(d):
+    dtype = d.dtype()
+    width = d.size(1, 300, (1, 3, 8, 31, 33, 64, 129))
+    shape = (*(d.size(0, 6, (1,)) for _ in range(d.size(0, 2))), width)
+    d.tensor("x", shape, dtype, scale=d.magnitude(1e2 if dtype == torch.float16 else 1e3))
+    if d.chance(0.7):
+        d.tensor("bias", (width,), dtype)
+    approximate = d.choice(["none", "tanh"])
+
+    def arguments(t):
+        return (t["x"], t.get("bias"), t.get("approximate", approximate)), {}
+
+    def reference_(t):
+        z = t["x"] if t.get("bias") is None else t["x"] + t["bias"]
+        return (torch.nn.functional.gelu(z, approximate=approximate),)
+
+    bad = [fuzz.replaced("approximate", "erf", "approximate='erf'")]
+    if "bias" in d.leaves:
+        bad.append(fuzz.grown("bias", 0))
+    return Case("bias_gelu", f"bias_gelu {dtype} approximate={approximate}", arguments, reference_,
+                floors=(fuzz.POINTWISE,), grad_floor={"x": fuzz.POINTWISE}, dtype=dtype, bad=tuple(bad))
+
+
+def draw_gelu_ffn(d):
+    dtype = d.dtype()
+    aligned = d.chance(0.5)  # the sizes the tensor-core kernels take
+
+    def size():
+        return 8 * d.size(1, 12) if aligned else d.size(1, 100, (1, 3, 17, 65))
+
+    d_in, d_ff, d_out = size(), size(), size()
+    rows = tuple(d.size(0, 20, (1, 16, 17)) for _ in range(d.size(1, 2)))
+    d.tensor("x", (*rows, d_in), dtype, scale=d.magnitude(30.0))
+    d.tensor("w1", (d_ff, d_in), dtype, scale=d_in ** -0.5)
+    d.tensor("w2", (d_out, d_ff), dtype, scale=d_ff ** -0.5)
+    if d.chance(0.7):
+        d.tensor("b1", (d_ff,), dtype)
+    if d.chance(0.7):
+        d.tensor("b2", (d_out,), dtype)
+    approximate = d.choice(["none", "tanh"])
+
+    def arguments(t):
+        return (t["x"], t["w1"], t.get("b1"), t["w2"], t.get("b2")), {"approximate": approximate}
+
+    def reference_(t):
+        hidden = torch.nn.functional.gelu(torch.nn.functional.linear(t["x"], t["w1"], t.get("b1")),
+                                          approximate=approximate)
+        return (torch.nn.functional.linear(hidden, t["w2"], t.get("b2")),)
+
+    bad = [fuzz.grown("w1", 1), fuzz.grown("w2", 1), fuzz.with_extra_dim("w1")]
+    return Case("gelu_ffn", f"gelu_ffn {dtype} {d_in}->{d_ff}->{d_out} approximate={approximate}",
+                arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
+
+
+@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
+def test_fuzz_bias_gelu(backend, request):
+    fuzz.run(draw_bias_gelu, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
+def test_fuzz_bias_gelu_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_bias_gelu", ("x", "bias", "approximate"), backend,
+                        request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
+def test_fuzz_gelu_ffn(backend, request):
+    fuzz.run(draw_gelu_ffn, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
+def test_fuzz_gelu_ffn_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_gelu_ffn", ("x", "w1", "b1", "w2", "b2"), backend,
+                        request.node.nodeid)

@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case
 from fusedlm.ops._dropout import cpu_keep_mask, next_seed
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
                      first_taken, fresh, grads, keep_mask, poison_memory, skip_if_refused,
@@ -458,3 +460,52 @@ def test_cuda_dropout_stream_is_the_cpu_stream(backend):
     for p in (0.1, 0.5):
         gpu = C.cuda.dropout_mask(seed, 7, [1001, 37], p, torch.cuda.current_device())
         assert torch.equal(gpu.cpu(), cpu_keep_mask(seed, (1001, 37), p, offset=7))
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+def draw_add_layer_norm(d):
+    dtype = d.dtype()
+    # A row of one element, or a row expanded from one value, has no spread: its normalised
+    # value is 0 / 0 regularised by eps, and its gradient zero by symmetry.
+    hidden = d.size(2, 1100, (2, 3, 7, 8, 31, 33, 64, 100, 257, 768, 1025))
+    rows = tuple(d.size(0, 5, (1,)) for _ in range(d.size(0, 2)))
+    shape = (*rows, hidden)
+    # A large mean next to a small spread: what one-pass variances lose.
+    offset = d.choice([0.0, 0.0, 0.0, 1e2 if dtype in (torch.float16, torch.bfloat16) else 1e3])
+    rows_only = range(len(rows))
+    d.tensor("x", shape, dtype, scale=d.magnitude(), offset=offset, expand_dims=rows_only)
+    if d.chance(0.7):
+        d.tensor("residual", shape, dtype, expand_dims=rows_only)
+    if d.chance(0.8):
+        d.tensor("weight", (hidden,), dtype, offset=1.0)
+    if d.chance(0.7):
+        d.tensor("bias", (hidden,), dtype)
+    eps = d.choice([1e-5, 1e-12, 0.1])
+
+    def arguments(t):
+        return (t["x"], t.get("residual"), t.get("weight"), t.get("bias"), eps), {}
+
+    def reference_(t):
+        summed = t["x"] if t.get("residual") is None else t["x"] + t["residual"]
+        out = torch.nn.functional.layer_norm(summed, (hidden,), t.get("weight"), t.get("bias"), eps)
+        return out, summed
+
+    bad = [fuzz.with_extra_dim("weight")] if "weight" in d.leaves else []
+    if "residual" in d.leaves:
+        bad.append(fuzz.grown("residual", len(shape) - 1))
+    if "bias" in d.leaves:
+        bad.append(fuzz.grown("bias", 0))
+    return Case("add_layer_norm", f"add_layer_norm {dtype} eps={eps} offset={offset}", arguments,
+                reference_, floors=(1.0, fuzz.POINTWISE), dtype=dtype, bad=tuple(bad))
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+def test_fuzz_add_layer_norm(backend, request):
+    fuzz.run(draw_add_layer_norm, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+def test_fuzz_add_layer_norm_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_add_layer_norm", ("x", "residual", "weight", "bias"), backend,
+                        request.node.nodeid)

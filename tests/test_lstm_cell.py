@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case
 from fusedlm.models import ELMo, ElmoConfig
 from fusedlm.models.elmo import batch_to_ids
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
@@ -165,3 +167,38 @@ def test_elmo_on_cuda_matches_the_cpu():
     expected = model(ids).last_hidden_state
     got = model.cuda()(ids.cuda()).last_hidden_state
     assert_relative_error(got, expected, torch.float32, "elmo")
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+def draw_lstm_cell(d):
+    dtype = d.dtype()
+    cell = d.size(1, 300, (1, 3, 8, 31, 33, 64, 129))
+    rows = tuple(d.size(0, 6, (1,)) for _ in range(d.size(0, 2)))
+    d.tensor("gates", (*rows, 4 * cell), dtype, scale=d.magnitude(30.0))
+    d.tensor("c_prev", (*rows, cell), dtype)
+    cell_clip = None if d.chance(0.5) else d.choice([0.5, 3.0, float("inf")])
+
+    def arguments(t):
+        return (t["gates"], t["c_prev"]), {"cell_clip": cell_clip}
+
+    def reference_(t):
+        i, f, g, o = t["gates"].chunk(4, dim=-1)
+        c = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * t["c_prev"]
+        if cell_clip is not None:
+            c = c.clamp(-cell_clip, cell_clip)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+    return Case("lstm_cell", f"lstm_cell {dtype} cell_clip={cell_clip}", arguments, reference_,
+                floors=(fuzz.POINTWISE, fuzz.POINTWISE), grad_floor=fuzz.POINTWISE, dtype=dtype,
+                bad=(fuzz.grown("c_prev", len(rows)), fuzz.grown("gates", len(rows))))
+
+
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+def test_fuzz_lstm_cell(backend, request):
+    fuzz.run(draw_lstm_cell, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+def test_fuzz_lstm_cell_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_lstm_cell", ("gates", "c_prev"), backend, request.node.nodeid)
