@@ -4,6 +4,9 @@
 # make bench  set up, build fusedlm, and print the CPU benchmark table (fusedlm bench)
 # make test-oldest  the test suite against the oldest torch, triton and transformers fusedlm supports,
 #             built from a copy of the sources in build/oldest (CI runs it after `make test`)
+# make fuzz   the ops' fuzzers (tests/fuzz.py) at FUZZ_CASES (2,000) cases per op and backend,
+#             on the cpu backend, the triton backend in its interpreter and the emulated cuda
+#             build (`make test` runs them at 200)
 # make test-emulated  the CUDA kernels on the CPU: the emulator's own tests, then every test of
 #             the cuda backend against a build of it on the CUDA emulator (FUSEDLM_CUDA=emulate,
 #             from a copy of the sources in build/emulated), as sm_80 and as sm_90a
@@ -19,7 +22,7 @@ SOURCES := $(shell find csrc pyext python kernels -type f \( -name '*.cpp' -o -n
 RESULTS := build/benchmarks
 DEMO := build/demo/bert-tiny
 
-.PHONY: demo test test-oldest test-emulated bench clean
+.PHONY: demo test test-oldest test-emulated fuzz bench clean
 
 $(VENV)/.deps: requirements-dev.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -74,6 +77,12 @@ test-emulated: $(VENV)/.deps $(EMULATED)/.built
 	$(EMULATED_RUN) -m emulator
 	$(EMULATED_RUN) -m cuda
 	FUSEDLM_EMULATE_ARCH=sm_90a $(EMULATED_RUN) -m cuda tests/test_attention.py tests/test_gelu.py
+
+FUZZ_CASES ?= 2000
+fuzz: $(VENV)/.fusedlm $(EMULATED)/.built
+	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -k fuzz
+	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) TRITON_INTERPRET=1 $(PY) -m pytest -q -m triton -k fuzz
+	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) $(EMULATED_RUN) -m cuda -k fuzz
 
 bench: $(VENV)/.fusedlm
 	mkdir -p $(RESULTS)

@@ -1028,3 +1028,34 @@ def test_fuzz_attention_varlen_bad_inputs(backend, request):
     fuzz.run_bad_inputs(__file__, "draw_attention_varlen",
                         ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen"), backend,
                         request.node.nodeid)
+
+
+# Found by the fuzzer: the triton kernels read cu_seqlens with stride 1, and a strided view
+# (every other element of a buffer) gave 1e38-sized garbage or NaN. The op now passes
+# index tensors on contiguous.
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
+def test_attention_varlen_takes_strided_cu_seqlens(backend, path, cuda_paths):
+    _take(path, cuda_paths)
+    device = backend_device(backend)
+    dtype = first_taken(backend, "attention_varlen", (torch.float32, torch.float16),
+                        lambda dt: _varlen_call(dt, device))
+    (q, k, v, cu_q, cu_k, max_q, max_k), kwargs = _varlen_call(dtype, device)
+    assert "copies cu_seqlens_q, cu_seqlens_k" in fusedlm.explain(
+        "attention_varlen", q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **kwargs)
+    out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **kwargs)
+    expected = reference.attention_varlen(q.double().cpu(), k.double().cpu(), v.double().cpu(),
+                                          cu_q.cpu(), cu_k.cpu(), max_q, max_k, **kwargs)
+    assert_close(out.cpu(), expected, dtype)
+
+
+def _varlen_call(dtype, device):
+    """Sequences of 3, 0 and 5 queries over 4, 0 and 2 keys, head dim 8, with cu_seqlens
+    every other element of a buffer."""
+    def offsets(lengths):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        buffer = torch.full((2 * cu.numel(),), 999, dtype=torch.int32)
+        buffer[::2] = cu
+        return buffer[::2].to(device)
+
+    q, k, v = (fresh((n, 2, 8), dtype, device, requires_grad=False) for n in (8, 6, 6))
+    return (q, k, v, offsets([3, 0, 5]), offsets([4, 0, 2]), 5, 4), {"causal": True}

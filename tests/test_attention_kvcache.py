@@ -316,3 +316,20 @@ def test_fuzz_attention_with_kvcache_bad_inputs(backend, request):
     fuzz.run_bad_inputs(__file__, "draw_attention_with_kvcache",
                         ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "cache_leftpad",
                          "seqlen_new"), backend, request.node.nodeid)
+
+
+# Found by the fuzzer: a strided cache_seqlens (every other element of a buffer) gave the
+# triton kernel wrong rows. The op now passes index tensors on contiguous.
+@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
+def test_attention_with_kvcache_takes_strided_lengths(backend):
+    device = backend_device(backend)
+    q = fresh((3, 1, 2, 16), torch.float32, device, requires_grad=False)
+    k_cache, v_cache = (fresh((3, 12, 2, 16), torch.float32, device, requires_grad=False) for _ in "kv")
+    buffer = torch.tensor([4, -7, 11, -7, 0, -7], dtype=torch.int32, device=device)
+    lengths = buffer[::2]
+    assert "copies cache_seqlens" in fusedlm.explain("attention_with_kvcache", q, k_cache, v_cache,
+                                                     lengths, backend=backend)
+    out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, lengths, backend=backend)
+    expected = reference.attention_with_kvcache(q.double().cpu(), k_cache.double().cpu(),
+                                                v_cache.double().cpu(), lengths.cpu())
+    assert_close(out.cpu(), expected, torch.float32)

@@ -202,3 +202,19 @@ def test_fuzz_lstm_cell(backend, request):
 @pytest.mark.parametrize("backend", backends_for("lstm_cell"))
 def test_fuzz_lstm_cell_bad_inputs(backend, request):
     fuzz.run_bad_inputs(__file__, "draw_lstm_cell", ("gates", "c_prev"), backend, request.node.nodeid)
+
+
+# Found by the fuzzer: tanh came from (1 - e) / (1 + e), e = exp(-2|x|), which cancels for
+# small |x|: h = o * tanh(c) was off by up to 1e-3 relative where the cell was near zero.
+@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
+def test_lstm_cell_is_accurate_for_small_cells(backend):
+    cell = 64
+    gates = torch.randn(4, 4 * cell, dtype=torch.float64)
+    gates[:, 2 * cell:3 * cell] *= 1e-3  # g small, c_prev 0: c = i * g small, without cancellation
+    c_prev = torch.zeros(4, cell, dtype=torch.float64)
+    device = backend_device(backend)
+    h, c = fusedlm.ops.lstm_cell(gates.float().to(device), c_prev.float().to(device), backend=backend)
+    expected_h, expected_c = reference.lstm_cell(gates.float().double(), c_prev.float().double())
+    for got, want in ((h, expected_h), (c, expected_c)):
+        relative = ((got.double().cpu() - want).abs() / want.abs()).max().item()
+        assert relative < 1e-6, relative
