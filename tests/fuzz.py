@@ -65,6 +65,7 @@ class Case:
     differentiable: bool = True
     outputs: Optional[Callable] = None
     bad: tuple = ()  # (description, argument, corrupt(t) -> t): calls its validation refuses
+    any_dtype: tuple = ()  # arguments of any dtype (pad's and unpad's data)
 
     def call(self, t, backend: str, explain: bool = False):
         args, kwargs = self.arguments(t)
@@ -317,10 +318,12 @@ def run(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = C
 
 # --- bad inputs ----------------------------------------------------------------------------------
 
-def _corruptions(d: Draw):
+def _corruptions(case: Case, d: Draw):
     """(description, argument, views) for each tensor argument of the case in a wrong
     dtype: an integer one for float tensors, float32 for index tensors."""
     for name in list(d.leaves) + list(d.index):
+        if name in case.any_dtype:
+            continue
         views = _inputs(d, None)[1]
         t = views[name]
         wrong = torch.int32 if t.is_floating_point() else torch.float32
@@ -359,7 +362,7 @@ def child_main(module_path: str, function: str, backend: str, seed: int, cases: 
         case._draw = d
         if _refused(case, backend):
             continue
-        attempts = list(_corruptions(d)) + [(desc, name, mutate(_inputs(d, None)[1]))
+        attempts = list(_corruptions(case, d)) + [(desc, name, mutate(_inputs(d, None)[1]))
                                             for desc, name, mutate in case.bad]
         for description, name, views in attempts:
             print(json.dumps({"start": f"{case.description} | {description}", "seed": seed + i}),

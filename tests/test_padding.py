@@ -3,7 +3,9 @@ import pytest
 import torch
 
 import fusedlm
+import fuzz
 from fusedlm.ops import reference
+from fuzz import Case
 from helpers import backend_device, backends_for, fresh
 
 
@@ -135,3 +137,76 @@ def test_unpad_rejects_bad_input():
         fusedlm.ops.unpad(hidden, torch.zeros(2, 5))
     with pytest.raises(ValueError, match="hidden"):
         fusedlm.ops.unpad(hidden[0, 0], torch.zeros(2, 5, dtype=torch.bool))
+
+
+# --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------
+
+def draw_unpad(d):
+    dtype = d.dtype()
+    batch, seq = d.size(0, 5, (1,)), d.size(0, 40, (1, 31, 32, 33))
+    features = tuple(d.size(1, 9) for _ in range(d.size(0, 2)))
+    d.tensor("hidden", (batch, seq, *features), dtype)
+    padding = torch.rand(batch, seq, generator=d.generator) < d.choice([0.0, 0.4, 1.0])
+    d.index_tensor("key_padding_mask", padding, ("contiguous", "strided", "transposed"))
+
+    def reference_(t):
+        keep = ~t["key_padding_mask"]
+        lengths = keep.sum(dim=1)
+        indices = keep.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        max_seqlen = lengths.max() if batch else lengths.new_zeros(())
+        return t["hidden"].flatten(0, 1)[indices], indices, cu_seqlens, max_seqlen
+
+    def outputs(result, t):
+        packed, indices, cu_seqlens, max_seqlen = result
+        return packed, indices, cu_seqlens, torch.tensor(max_seqlen)
+
+    return Case("unpad", f"unpad {dtype}", lambda t: ((t["hidden"], t["key_padding_mask"]), {}),
+                reference_, floors=(fuzz.POINTWISE,) * 4, grad_floor=fuzz.POINTWISE, dtype=dtype,
+                outputs=outputs, bad=(fuzz.grown("key_padding_mask", 1),), any_dtype=("hidden",))
+
+
+def draw_pad(d):
+    dtype = d.dtype()
+    batch, seq = d.size(0, 5, (1,)), d.size(0, 40, (1, 32))
+    features = tuple(d.size(1, 9) for _ in range(d.size(0, 2)))
+    slots = torch.randperm(batch * seq, generator=d.generator)
+    tokens = d.size(0, batch * seq)
+    d.tensor("packed", (tokens, *features), dtype)
+    d.index_tensor("indices", slots[:tokens])
+
+    def reference_(t):
+        out = t["packed"].new_zeros((batch * seq, *features))
+        out = out.index_add(0, t["indices"], t["packed"])
+        return (out.view(batch, seq, *features),)
+
+    bad = [fuzz.grown("indices", 0)]
+    if tokens:
+        out_of_range = slots[:tokens].clone()
+        out_of_range[0] = batch * seq
+        bad.append(fuzz.replaced("indices", out_of_range, "an index past batch * seqlen"))
+    return Case("pad", f"pad {dtype} batch={batch} seqlen={seq}",
+                lambda t: ((t["packed"], t["indices"], batch, seq), {}), reference_,
+                floors=(fuzz.POINTWISE,), grad_floor=fuzz.POINTWISE, dtype=dtype, bad=tuple(bad),
+                any_dtype=("packed",))
+
+
+@pytest.mark.parametrize("backend", backends_for("unpad"))
+def test_fuzz_unpad(backend, request):
+    fuzz.run(draw_unpad, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("unpad"))
+def test_fuzz_unpad_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_unpad", ("hidden", "key_padding_mask"), backend,
+                        request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("pad"))
+def test_fuzz_pad(backend, request):
+    fuzz.run(draw_pad, backend, request.node.nodeid)
+
+
+@pytest.mark.parametrize("backend", backends_for("pad"))
+def test_fuzz_pad_bad_inputs(backend, request):
+    fuzz.run_bad_inputs(__file__, "draw_pad", ("packed", "indices"), backend, request.node.nodeid)
