@@ -604,9 +604,11 @@ def draw_masked_lm_loss(d):
     width, vocab = d.size(1, 96, (1, 3, 64, 65)), d.size(1, 600, (1, 2, 127, 128, 129))
     rows = tuple(d.size(0, 12, (1,)) for _ in range(d.size(1, 2)))
     d.tensor("hidden", (*rows, width), dtype, scale=d.magnitude(10.0))
-    d.tensor("weight", (vocab, width), dtype, scale=width ** -0.5)
+    # Never expanded over the vocabulary: equal rows of weight or a constant bias make a
+    # degenerate softmax, whose gradients are zero by symmetry.
+    d.tensor("weight", (vocab, width), dtype, scale=width ** -0.5, expand_dims=(1,))
     if d.chance(0.7):
-        d.tensor("bias", (vocab,), dtype)
+        d.tensor("bias", (vocab,), dtype, expand_dims=())
     options = _draw_labels(d, rows, vocab)
 
     def arguments(t):

@@ -71,8 +71,9 @@ def tanh(u):
 @triton.jit
 def gelu(z, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u), which does not cancel where tanh(u) nears -1.
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        return 0.5 * z * (1.0 + tanh(u))
+        return z / (1.0 + tl.exp(-2.0 * u))
     else:
         return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
 
@@ -81,10 +82,13 @@ def gelu(z, APPROX_TANH: tl.constexpr):
 def gelu_grad(z, APPROX_TANH: tl.constexpr):
     """d gelu(z) / dz."""
     if APPROX_TANH:
+        # With s = sigmoid(2u) and e = exp(-2u): s + z * 2 s (1 - s) du, and s (1 - s) = e s^2.
+        # u is clamped where s has saturated, so that e stays finite (inf * 0 would be NaN).
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = tanh(u)
+        e = tl.exp(-2.0 * tl.minimum(tl.maximum(u, -40.0), 40.0))
+        s = 1.0 / (1.0 + e)
         du = 0.7978845608028654 * (1.0 + 0.134145 * z * z)
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
+        return s + 2.0 * z * du * ((e * s) * s)  # e * s = 1 - s <= 1: nothing overflows
     else:
         cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
         return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
