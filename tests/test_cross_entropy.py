@@ -582,7 +582,7 @@ def _labels_out_of_range(d, classes, ignore_index):
 
 def draw_cross_entropy(d):
     dtype = d.dtype()
-    classes = d.size(1, 3000, (1, 2, 127, 128, 129, 1024, 2049))
+    classes = d.size(2, 3000, (2, 127, 128, 129, 1024, 2049))  # (see draw_masked_lm_loss)
     rows = tuple(d.size(0, 6, (1,)) for _ in range(d.size(0, 2)))
     # Not expanded over the classes: equal logits are a degenerate softmax.
     d.tensor("logits", (*rows, classes), dtype, scale=d.magnitude(100.0), expand_dims=range(len(rows)))
@@ -601,7 +601,8 @@ def draw_cross_entropy(d):
 
 def draw_masked_lm_loss(d):
     dtype = d.dtype()
-    width, vocab = d.size(1, 96, (1, 3, 64, 65)), d.size(1, 600, (1, 2, 127, 128, 129))
+    # At least two classes: a softmax over one is degenerate (its loss is zero by definition).
+    width, vocab = d.size(1, 96, (1, 3, 64, 65)), d.size(2, 600, (2, 127, 128, 129))
     rows = tuple(d.size(0, 12, (1,)) for _ in range(d.size(1, 2)))
     d.tensor("hidden", (*rows, width), dtype, scale=d.magnitude(10.0))
     # Never expanded over the vocabulary: equal rows of weight or a constant bias make a
