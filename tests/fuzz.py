@@ -25,6 +25,7 @@ Budgets: FUSEDLM_FUZZ_CASES cases per op and backend (default 200; `make fuzz` r
 """
 import dataclasses
 import importlib.util
+import inspect
 import json
 import os
 import random
@@ -32,6 +33,7 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
+import pytest
 import torch
 
 import fusedlm
@@ -384,12 +386,15 @@ def child_main(module_path: str, function: str, backend: str, seed: int, cases: 
             print(json.dumps(result), flush=True)
 
 
-def run_bad_inputs(test_file: str, function: str, arguments: tuple, backend: str, test_id: str,
-                   cases: int = 20):
-    """The bad inputs of ``cases`` draws of ``function`` (a draw function in test_file):
-    every tensor argument in a wrong dtype, and the case's own ``bad`` list, in a child
-    process. Every one must raise TypeError or ValueError naming one of the
-    op's ``arguments``; a crash of the child fails with its last input."""
+def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = 20):
+    """The bad inputs of ``cases`` draws of ``draw`` (a function of a test file): every
+    tensor argument in a wrong dtype, and each case's own ``bad`` list, in a child process.
+    Every one must raise TypeError or ValueError naming an argument of the op; a crash of
+    the child fails with its last input."""
+    test_file, function = draw.__code__.co_filename, draw.__name__
+    case = draw(Draw(0))
+    arguments = [a for a in inspect.signature(getattr(fusedlm.ops, case.op)).parameters
+                 if a != "backend"]
     seed = int(ONE_CASE) if ONE_CASE else random.SystemRandom().randrange(2**31)
     child = subprocess.run(
         [sys.executable, __file__, test_file, function, backend, str(seed), str(cases)],
@@ -415,6 +420,20 @@ def run_bad_inputs(test_file: str, function: str, arguments: tuple, backend: str
                         f"{last and last['start']} (seed {last and last['seed']}): "
                         f"{child.stderr[-1500:]}")
     assert not problems, f"{len(problems)} bad inputs not refused clearly:\n" + "\n".join(problems[:20])
+
+
+def tests(draw: Callable[[Draw], Case], backends):
+    """The two tests of an op's fuzzer, over the pytest params ``backends``: its cases
+    (run) and its bad inputs (run_bad_inputs). A test file binds them to its own names."""
+    @pytest.mark.parametrize("backend", backends)
+    def test_cases(backend, request):
+        run(draw, backend, request.node.nodeid)
+
+    @pytest.mark.parametrize("backend", backends)
+    def test_bad_inputs(backend, request):
+        run_bad_inputs(draw, backend, request.node.nodeid)
+
+    return test_cases, test_bad_inputs
 
 
 if __name__ == "__main__":

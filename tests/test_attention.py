@@ -959,8 +959,7 @@ def test_fuzz_attention(backend, path, cuda_paths, request):
 
 @pytest.mark.parametrize("backend", backends_for("attention"))
 def test_fuzz_attention_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_attention", ("q", "k", "v", "key_padding_mask", "attn_bias"),
-                        backend, request.node.nodeid)
+    fuzz.run_bad_inputs(draw_attention, backend, request.node.nodeid)
 
 
 def _offsets(lengths):
@@ -1025,9 +1024,7 @@ def test_fuzz_attention_varlen(backend, path, cuda_paths, request):
 
 @pytest.mark.parametrize("backend", backends_for("attention_varlen"))
 def test_fuzz_attention_varlen_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_attention_varlen",
-                        ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen"), backend,
-                        request.node.nodeid)
+    fuzz.run_bad_inputs(draw_attention_varlen, backend, request.node.nodeid)
 
 
 # Found by the fuzzer: the triton kernels read cu_seqlens with stride 1, and a strided view

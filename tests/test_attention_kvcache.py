@@ -306,16 +306,7 @@ def draw_attention_with_kvcache(d):
                 differentiable=False, outputs=outputs, bad=tuple(bad))
 
 
-@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
-def test_fuzz_attention_with_kvcache(backend, request):
-    fuzz.run(draw_attention_with_kvcache, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("attention_with_kvcache"))
-def test_fuzz_attention_with_kvcache_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_attention_with_kvcache",
-                        ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "cache_leftpad",
-                         "seqlen_new"), backend, request.node.nodeid)
+test_fuzz_attention_with_kvcache, test_fuzz_attention_with_kvcache_bad_inputs = fuzz.tests(draw_attention_with_kvcache, backends_for("attention_with_kvcache"))
 
 
 # Found by the fuzzer: a strided cache_seqlens (every other element of a buffer) gave the

@@ -625,23 +625,7 @@ def draw_masked_lm_loss(d):
                 floors=(1.0,), dtype=dtype, bad=tuple(bad))
 
 
-@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
-def test_fuzz_cross_entropy(backend, request):
-    fuzz.run(draw_cross_entropy, backend, request.node.nodeid)
+test_fuzz_cross_entropy, test_fuzz_cross_entropy_bad_inputs = fuzz.tests(draw_cross_entropy, backends_for("cross_entropy"))
 
 
-@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
-def test_fuzz_cross_entropy_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_cross_entropy", ("logits", "labels"), backend,
-                        request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
-def test_fuzz_masked_lm_loss(backend, request):
-    fuzz.run(draw_masked_lm_loss, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
-def test_fuzz_masked_lm_loss_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_masked_lm_loss", ("hidden", "weight", "bias", "labels"), backend,
-                        request.node.nodeid)
+test_fuzz_masked_lm_loss, test_fuzz_masked_lm_loss_bad_inputs = fuzz.tests(draw_masked_lm_loss, backends_for("masked_lm_loss"))

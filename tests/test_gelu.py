@@ -469,23 +469,7 @@ def draw_gelu_ffn(d):
                 arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
 
 
-@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
-def test_fuzz_bias_gelu(backend, request):
-    fuzz.run(draw_bias_gelu, backend, request.node.nodeid)
+test_fuzz_bias_gelu, test_fuzz_bias_gelu_bad_inputs = fuzz.tests(draw_bias_gelu, backends_for("bias_gelu"))
 
 
-@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
-def test_fuzz_bias_gelu_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_bias_gelu", ("x", "bias", "approximate"), backend,
-                        request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
-def test_fuzz_gelu_ffn(backend, request):
-    fuzz.run(draw_gelu_ffn, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
-def test_fuzz_gelu_ffn_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_gelu_ffn", ("x", "w1", "b1", "w2", "b2"), backend,
-                        request.node.nodeid)
+test_fuzz_gelu_ffn, test_fuzz_gelu_ffn_bad_inputs = fuzz.tests(draw_gelu_ffn, backends_for("gelu_ffn"))

@@ -503,12 +503,4 @@ def draw_add_layer_norm(d):
                 reference_, floors=(1.0, fuzz.POINTWISE), dtype=dtype, bad=tuple(bad))
 
 
-@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
-def test_fuzz_add_layer_norm(backend, request):
-    fuzz.run(draw_add_layer_norm, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
-def test_fuzz_add_layer_norm_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_add_layer_norm", ("x", "residual", "weight", "bias"), backend,
-                        request.node.nodeid)
+test_fuzz_add_layer_norm, test_fuzz_add_layer_norm_bad_inputs = fuzz.tests(draw_add_layer_norm, backends_for("add_layer_norm"))

@@ -194,14 +194,7 @@ def draw_lstm_cell(d):
                 bad=(fuzz.grown("c_prev", len(rows)), fuzz.grown("gates", len(rows))))
 
 
-@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
-def test_fuzz_lstm_cell(backend, request):
-    fuzz.run(draw_lstm_cell, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
-def test_fuzz_lstm_cell_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_lstm_cell", ("gates", "c_prev"), backend, request.node.nodeid)
+test_fuzz_lstm_cell, test_fuzz_lstm_cell_bad_inputs = fuzz.tests(draw_lstm_cell, backends_for("lstm_cell"))
 
 
 # Found by the fuzzer: tanh came from (1 - e) / (1 + e), e = exp(-2|x|), which cancels for

@@ -191,22 +191,7 @@ def draw_pad(d):
                 any_dtype=("packed",))
 
 
-@pytest.mark.parametrize("backend", backends_for("unpad"))
-def test_fuzz_unpad(backend, request):
-    fuzz.run(draw_unpad, backend, request.node.nodeid)
+test_fuzz_unpad, test_fuzz_unpad_bad_inputs = fuzz.tests(draw_unpad, backends_for("unpad"))
 
 
-@pytest.mark.parametrize("backend", backends_for("unpad"))
-def test_fuzz_unpad_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_unpad", ("hidden", "key_padding_mask"), backend,
-                        request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("pad"))
-def test_fuzz_pad(backend, request):
-    fuzz.run(draw_pad, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("pad"))
-def test_fuzz_pad_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(__file__, "draw_pad", ("packed", "indices"), backend, request.node.nodeid)
+test_fuzz_pad, test_fuzz_pad_bad_inputs = fuzz.tests(draw_pad, backends_for("pad"))
