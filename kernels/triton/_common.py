@@ -1,4 +1,5 @@
-"""Pieces the Triton kernels share: autotuning, dropout's keep mask, GELU and its derivative.
+"""Pieces the Triton kernels share: autotuning, dropout's keep mask, GELU and its derivative
+(written not to cancel for negative inputs).
 
 Dropout is a counter-based stream like the cpu backend's (not the same bits): element e
 of a call is kept when Philox(seed, e) >= p, so a backward regenerates the forward's mask
@@ -69,13 +70,26 @@ def tanh(u):
 
 
 @triton.jit
+def normal_cdf(z):
+    """Phi(z) = erfc(-z / sqrt(2)) / 2 to ~1e-7 relative on both sides (1 + erf(z / sqrt(2))
+    would cancel for negative z). erfc(a), a >= 0, from Numerical Recipes' Chebyshev fit."""
+    a = tl.abs(z) * 0.7071067811865476
+    t = 1.0 / (1.0 + 0.5 * a)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    half_tail = 0.5 * t * tl.exp(-a * a + poly)
+    return tl.where(z < 0, half_tail, 1.0 - half_tail)
+
+
+@triton.jit
 def gelu(z, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
         # 0.5 * (1 + tanh(u)) = sigmoid(2u), which does not cancel where tanh(u) nears -1.
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         return z / (1.0 + tl.exp(-2.0 * u))
     else:
-        return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+        return z * normal_cdf(z)
 
 
 @triton.jit
@@ -90,8 +104,7 @@ def gelu_grad(z, APPROX_TANH: tl.constexpr):
         du = 0.7978845608028654 * (1.0 + 0.134145 * z * z)
         return s + 2.0 * z * du * ((e * s) * s)  # e * s = 1 - s <= 1: nothing overflows
     else:
-        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
-        return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+        return normal_cdf(z) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
 
 
 @triton.jit
