@@ -59,6 +59,7 @@ FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # GPUs do) or the rounding noise of gradients that are zero by symmetry (v constant over
 # the keys leaves q no gradient).
 NEGLIGIBLE = 1e-30
+ZERO = 1e-12  # a tensor no element of which is larger is zero but for float64's rounding
 
 
 @dataclasses.dataclass
@@ -243,8 +244,8 @@ def _run(case: Case, d: Draw, dtype, function, upstream_seed: int, jitter=None):
 
 def relative_error(x: torch.Tensor, truth: torch.Tensor, floor: float) -> float:
     """max |x - truth| / (|truth| + floor * max|truth|) (max|truth| at least 1 for a
-    pointwise floor), ignoring differences below NEGLIGIBLE; inf where one is not finite
-    and the other differs."""
+    pointwise floor or a truth that is ZERO), ignoring differences below NEGLIGIBLE; inf
+    where one is not finite and the other differs."""
     x, truth = x.double(), truth.double()
     if x.shape != truth.shape:
         return float("inf")
@@ -255,7 +256,9 @@ def relative_error(x: torch.Tensor, truth: torch.Tensor, floor: float) -> float:
     # Pointwise, at least 1: an element near a root of its function (gelu' at -0.75) is
     # judged against the function's natural scale even where it is the tensor's largest.
     largest = truth[finite].abs().max().item() if finite.any() else 0.0
-    scale = max(largest, 1.0) if floor < 1 else largest
+    # A tensor zero to float64's rounding is zero by symmetry (the queries of one-key
+    # sequences have no gradient): it is judged in absolute terms, as is a pointwise one.
+    scale = max(largest, 1.0) if floor < 1 or largest < ZERO else largest
     denominator = truth.abs() + floor * scale + torch.finfo(torch.float64).tiny
     difference = ((x - truth).abs() - NEGLIGIBLE).clamp(min=0)
     error = torch.where(same, torch.zeros_like(x), difference / denominator)
