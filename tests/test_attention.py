@@ -951,15 +951,17 @@ def draw_attention(d):
                 arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
 
 
-@pytest.mark.parametrize("backend, path", backends_with_paths("attention"))
-def test_fuzz_attention(backend, path, cuda_paths, request):
-    _take(path, cuda_paths)
-    fuzz.run(draw_attention, backend, request.node.nodeid)
+def _fuzz_tests(draw, op):
+    """fuzz.tests, with the cases run once per way the cuda kernels walk their tiles."""
+    @pytest.mark.parametrize("backend, path", backends_with_paths(op))
+    def test_cases(backend, path, cuda_paths, request):
+        _take(path, cuda_paths)
+        fuzz.run(draw, backend, request.node.nodeid)
+
+    return test_cases, fuzz.tests(draw, backends_for(op))[1]
 
 
-@pytest.mark.parametrize("backend", backends_for("attention"))
-def test_fuzz_attention_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(draw_attention, backend, request.node.nodeid)
+test_fuzz_attention, test_fuzz_attention_bad_inputs = _fuzz_tests(draw_attention, "attention")
 
 
 def _offsets(lengths):
@@ -1016,15 +1018,8 @@ def draw_attention_varlen(d):
                 arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
 
 
-@pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
-def test_fuzz_attention_varlen(backend, path, cuda_paths, request):
-    _take(path, cuda_paths)
-    fuzz.run(draw_attention_varlen, backend, request.node.nodeid)
-
-
-@pytest.mark.parametrize("backend", backends_for("attention_varlen"))
-def test_fuzz_attention_varlen_bad_inputs(backend, request):
-    fuzz.run_bad_inputs(draw_attention_varlen, backend, request.node.nodeid)
+test_fuzz_attention_varlen, test_fuzz_attention_varlen_bad_inputs = _fuzz_tests(
+    draw_attention_varlen, "attention_varlen")
 
 
 # Found by the fuzzer: the triton kernels read cu_seqlens with stride 1, and a strided view
