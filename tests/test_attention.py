@@ -1,6 +1,7 @@
 """attention and attention_varlen against the reference, on every backend that has them."""
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -970,10 +971,15 @@ def _offsets(lengths):
 
 
 def draw_attention_varlen(d):
-    dtype = d.dtype()
-    batch, heads = d.size(0, 4), d.size(1, 3)
+    batch = d.size(0, 4)
     lengths_q = [d.size(0, 40, (1, 31, 32, 33)) for _ in range(batch)]
     lengths_k = lengths_q if d.chance(0.5) else [d.size(0, 40, (1, 31, 32, 33)) for _ in range(batch)]
+    return _varlen_case(d, lengths_q, lengths_k)
+
+
+def _varlen_case(d, lengths_q, lengths_k):
+    """attention_varlen over sequences of these lengths, the rest drawn."""
+    dtype, batch, heads = d.dtype(), len(lengths_q), d.size(1, 3)
     head_dim, head_dim_v = _head_dims(d)
     magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
     total_q, total_k = sum(lengths_q), sum(lengths_k)
@@ -1022,6 +1028,18 @@ test_fuzz_attention_varlen, test_fuzz_attention_varlen_bad_inputs = _fuzz_tests(
     draw_attention_varlen, "attention_varlen")
 
 
+# Found by the fuzzer: a sequence with one key has a zero dK by symmetry (its one
+# probability is 1), and the triton kernels left it rounding noise when another sequence
+# passed one key block, taking delta from the rounded O instead of from the exact
+# probabilities; 8 times plain PyTorch's error in float32. Delta is now exact for each
+# sequence whose keys fit one block.
+@pytest.mark.parametrize("backend, path", backends_with_paths("attention_varlen"))
+def test_attention_varlen_one_key_sequence_beside_long_ones(backend, path, cuda_paths, request):
+    _take(path, cuda_paths)
+    fuzz.run(lambda d: _varlen_case(d, [7, 1, 3], [1, 1, 140]), backend, request.node.nodeid,
+             cases=20)
+
+
 # Found by the fuzzer: the triton kernels read cu_seqlens with stride 1, and a strided view
 # (every other element of a buffer) gave 1e38-sized garbage or NaN. The op now passes
 # index tensors on contiguous.
@@ -1038,6 +1056,53 @@ def test_attention_varlen_takes_strided_cu_seqlens(backend, path, cuda_paths):
     expected = reference.attention_varlen(q.double().cpu(), k.double().cpu(), v.double().cpu(),
                                           cu_q.cpu(), cu_k.cpu(), max_q, max_k, **kwargs)
     assert_close(out.cpu(), expected, dtype)
+
+
+# Unchecked on a GPU (without FUSEDLM_DEBUG), cu_seqlens' values reached the kernels as
+# they were: a sequence past the tensor's rows read and wrote outside it. Each span is now
+# clamped into the rows and to max_seqlen, so bad offsets compute on the rows they clamp to.
+# The cpu backend checks them always.
+@pytest.mark.parametrize("backend, path", [p for p in backends_with_paths("attention_varlen")
+                                           if p.values[0] != "cpu"])
+def test_attention_varlen_unchecked_offsets_stay_inside_the_tensors(backend, path, cuda_paths,
+                                                                    monkeypatch):
+    _take(path, cuda_paths)
+    device = backend_device(backend)
+    heads, head_dim, pad = 2, 64, 16
+    # A negative start, an end past the 10 query and 12 key rows, and spans longer than
+    # max_seqlen (5 and 6). They clamp to queries [0, 2), [2, 2), [2, 7) and keys [0, 3),
+    # [3, 3), [3, 9): sequences that do not overlap (overlapping ones would race).
+    bad_q, bad_k = [-3, 2, 2, 50], [-5, 3, 3, 60]
+    clamped_q, clamped_k = [0, 2, 2, 7], [0, 3, 3, 9]
+
+    def call(dtype):
+        q, k, v = (torch.zeros(n, heads, head_dim, dtype=dtype, device=device) for n in (10, 12, 12))
+        cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=device) for o in (clamped_q, clamped_k))
+        return (q, k, v, cu_q, cu_k, 5, 6), {}
+
+    monkeypatch.setattr(sys.modules["fusedlm.ops.attention"], "check_index_data", lambda _: False)
+    dtype = first_taken(backend, "attention_varlen", (torch.float32, torch.float16), call)
+
+    def inside_nan(t):
+        """t, as a view into a buffer that holds NaN on either side of it."""
+        buffer = torch.full((t.shape[0] + 2 * pad, *t.shape[1:]), float("nan"), dtype=dtype,
+                            device=device)
+        buffer[pad:pad + t.shape[0]] = t
+        return buffer[pad:pad + t.shape[0]].requires_grad_()
+
+    q, k, v = (fresh((n, heads, head_dim), dtype, device, requires_grad=False) for n in (10, 12, 12))
+    grad = fresh((10, heads, head_dim), dtype, device, requires_grad=False)
+    results = []
+    for offsets_q, offsets_k, leaves in ((bad_q, bad_k, [inside_nan(t) for t in (q, k, v)]),
+                                         (clamped_q, clamped_k, [t.clone().requires_grad_()
+                                                                 for t in (q, k, v)])):
+        cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=device) for o in (offsets_q, offsets_k))
+        out = fusedlm.ops.attention_varlen(*leaves, cu_q, cu_k, 5, 6, backend=backend)
+        out.backward(grad)
+        results.append((out[:7], leaves[0].grad[:7], leaves[1].grad[:9], leaves[2].grad[:9]))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        assert got.isfinite().all(), f"{name} read outside the tensors"
+        assert torch.equal(got, want), name
 
 
 def _varlen_call(dtype, device):

@@ -119,6 +119,10 @@ Params<T> params(const Problem& pb) {
   p.key_padding = ptr<bool>(pb.key_padding);
   p.cu_q = pb.varlen ? ptr<int>(pb.cu_q) : nullptr;
   p.cu_k = pb.varlen ? ptr<int>(pb.cu_k) : nullptr;
+  if (pb.varlen) {
+    p.total_q = static_cast<int>(pb.q.size(0));
+    p.total_k = static_cast<int>(pb.k.size(0));
+  }
   p.heads = static_cast<int>(pb.heads);
   p.seq_q = static_cast<int>(pb.seq_q);
   p.seq_k = static_cast<int>(pb.seq_k);

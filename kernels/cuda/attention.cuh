@@ -98,12 +98,14 @@ struct Params {
   const bool* key_padding = nullptr;  // [batch, seq_k], True = padding; null: none
   const int* cu_q = nullptr;          // [batch + 1] (varlen); null: padded
   const int* cu_k = nullptr;
+  int total_q = 0, total_k = 0;       // varlen: the rows of q, and of k and v
   int heads = 0;
   int seq_q = 0, seq_k = 0;  // the padded lengths, or max_seqlen (varlen): the dropout pitch
   bool causal = false;
-  // Whether every sequence's keys fit one tile: the dQ kernel then derives delta from
-  // its exact P and dP (rowsum(P * dP)) and stores it for the dK/dV kernel, instead of
-  // the delta kernel taking it from O as rounded to T.
+  // Whether every sequence's keys fit one tile, so that no delta kernel runs. The dQ
+  // kernel derives the delta of each sequence whose keys fit one tile from its exact P
+  // and dP (rowsum(P * dP)) and stores it for the dK/dV kernel, over the delta kernel's
+  // (taken from O as rounded to T).
   bool own_delta = false;
   float scale = 1.0f;
   Dropout dropout;
@@ -115,11 +117,23 @@ struct Seq {
   int len_q, len_k;
 };
 
+// cu_seqlens' values are not checked on the device (fusedlm.backends.check_index_data), so a
+// span is clamped into its tensor's rows and to max_seqlen (the key tiles' shared memory
+// and the grid are sized by it): bad offsets give wrong rows, never an access outside.
+__device__ __forceinline__ void span(const int* cu, int b, int total, int longest, int64_t& start,
+                                     int& len) {
+  const int first = min(max(cu[b], 0), total);
+  len = min(min(max(cu[b + 1], first), total) - first, longest);
+  start = first;
+}
+
 template <typename T>
 __device__ __forceinline__ Seq sequence(const Params<T>& p, int b) {
   if (!p.cu_q) return {0, 0, p.seq_q, p.seq_k};
-  const int q0 = p.cu_q[b], k0 = p.cu_k[b];
-  return {q0, k0, p.cu_q[b + 1] - q0, p.cu_k[b + 1] - k0};
+  Seq s;
+  span(p.cu_q, b, p.total_q, p.seq_q, s.q0, s.len_q);
+  span(p.cu_k, b, p.total_k, p.seq_k, s.k0, s.len_k);
+  return s;
 }
 
 // The dropout stream's index of element (b, h, i, 0) of [batch, heads, seq_q, seq_k].
@@ -773,6 +787,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const int shift = s.len_k - s.len_q;
   const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
   const int tiles = keys.template walked<kRows>(s, p.causal, m0);
+  const bool own_delta = p.own_delta || s.len_k <= kBlockN;
 
   load_pair<kRows, D, kThreads>(q_tile, do_tile, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
   cp_async_commit();
@@ -784,7 +799,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   for (int hh = 0; hh < 2; ++hh) {
     const bool in = rows[hh] < s.len_q;
     lse2[hh] = in ? *p.lse.at(b, h, s.q0 + rows[hh]) * kLog2e : kInf;
-    delta[hh] = in && !p.own_delta ? *p.delta.at(b, h, s.q0 + rows[hh]) : 0.0f;
+    delta[hh] = in && !own_delta ? *p.delta.at(b, h, s.q0 + rows[hh]) : 0.0f;
   }
 
   float dq[D / 8][4] = {};
@@ -822,7 +837,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      if (p.own_delta) {  // this is the row's only key tile
+      if (own_delta) {  // this is the row's only key tile
         float sum = 0.0f, mass = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kBlockN / 8; ++nt) {
@@ -847,7 +862,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   for (int hh = 0; hh < 2; ++hh) {
     if (rows[hh] >= s.len_q) continue;
     // Every row's delta, 0 for a row that sees no key (the dK/dV kernel reads them all).
-    if (p.own_delta && t == 0) *p.delta.at(b, h, s.q0 + rows[hh]) = delta[hh];
+    if (own_delta && t == 0) *p.delta.at(b, h, s.q0 + rows[hh]) = delta[hh];
     T* dq_row = p.dq.at(b, h, s.q0 + rows[hh]);
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)

@@ -11,8 +11,9 @@ Backward recomputes the probabilities from the log-sum-exp. A preprocess kernel 
 delta = rowsum(dO * O); one program per key block accumulates dK and dV over the query
 blocks that see it, and a second kernel, one program per query block, accumulates dQ
 over the key blocks. Every sum stays inside one program (no atomics), so gradients are
-the same bit for bit on every run. When a row's keys fit one key block, delta is taken
-from the exact probabilities (rowsum(P * dP)) instead of from the rounded output.
+the same bit for bit on every run. When a row's keys fit one key block (every row's, or
+a packed sequence's), delta is taken from the exact probabilities (rowsum(P * dP))
+instead of from the rounded output.
 
 A bias gradient is dS summed over the bias's broadcast dimensions: the dQ kernel,
 which visits every (query, key) pair once, writes dS into a float32
@@ -68,7 +69,7 @@ def _tuned(kernel):
                     prune_configs_by={"early_config_prune": _prune})(kernel)
 
 
-def _exact_delta(args):
+def _one_key_block(args):
     """Whether one key block holds every row's keys."""
     return args["seq_k"] <= args["BLOCK_N"]
 
@@ -77,7 +78,7 @@ def _backward(kernel):
     """A dK/dV or dQ kernel: autotuned, and EXACT_DELTA when one key block holds every row's
     keys."""
     jitted = triton.jit(kernel, do_not_specialize=["seed"])
-    return _tuned(triton.heuristics({"EXACT_DELTA": _exact_delta})(jitted))
+    return _tuned(triton.heuristics({"EXACT_DELTA": _one_key_block})(jitted))
 
 
 # --- shared pieces -------------------------------------------------------------------------------
@@ -94,13 +95,11 @@ def _position(seq, heads, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
+def _sequence(CU_Q, CU_K, b, seq_q, seq_k, total_q, total_k, VARLEN: tl.constexpr):
     """(first row, length) of sequence b's queries and keys."""
     if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        q_len = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        k_len = tl.load(CU_K + b + 1) - k_start
+        q_start, q_len = _span(CU_Q, b, total_q, seq_q)
+        k_start, k_len = _span(CU_K, b, total_k, seq_k)
     else:
         q_start = 0
         q_len = seq_q
@@ -110,8 +109,19 @@ def _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN: tl.constexpr, BLOCK: tl.constexpr,
-             OVER_KEYS: tl.constexpr):
+def _span(CU, b, total, longest):
+    """(first row, length) of packed sequence b, clamped into the tensor's ``total`` rows and
+    to max_seqlen (the grid's reach): cu_seqlens' values are not checked on a GPU
+    (fusedlm.backends.check_index_data), and bad ones must give wrong rows, never a read or
+    write outside the tensors."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
+    return start, tl.minimum(end - start, longest)
+
+
+@triton.jit
+def _program(CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN: tl.constexpr,
+             BLOCK: tl.constexpr, OVER_KEYS: tl.constexpr):
     """(b, h, q_start, q_len, k_start, k_len, first) of this program: its batch and head, the
     first row and length of its sequence's queries and keys, and the first row of its block
     of BLOCK queries (of keys when OVER_KEYS)."""
@@ -119,7 +129,8 @@ def _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN: tl.constexpr, BLOCK: tl.co
         block, b, h = _position(seq_k, heads, BLOCK)
     else:
         block, b, h = _position(seq_q, heads, BLOCK)
-    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, VARLEN)
+    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, total_q, total_k,
+                                               VARLEN)
     return b, h, q_start, q_len, k_start, k_len, block * BLOCK
 
 
@@ -201,13 +212,14 @@ def _key_end(m0, q_len, k_len, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
                     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                     sob, soh, sos, sod, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
-                    heads, seq_q, seq_k, head_dim, head_dim_v, qk_scale, p, seed, seq_bucket,
+                    heads, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v, qk_scale, p, seed,
+                    seq_bucket,
                     HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    b, h, q_start, q_len, k_start, k_len, m0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN,
-                                                        BLOCK_M, False)
+    b, h, q_start, q_len, k_start, k_len, m0 = _program(
+        CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_M, False)
     if m0 >= q_len:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -247,10 +259,10 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
 
 @triton.jit
 def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs, sgd, slb, slh,
-                  heads, seq_q, seq_k, head_dim_v, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_DV: tl.constexpr):
-    b, h, q_start, q_len, _, _, m0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN, BLOCK_M,
-                                              False)
+                  heads, seq_q, seq_k, total_q, total_k, head_dim_v, VARLEN: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    b, h, q_start, q_len, _, _, m0 = _program(
+        CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_M, False)
     rows = m0 + tl.arange(0, BLOCK_M)
     o = _tile(OUT, b, h, q_start, rows, sob, soh, sos, sod, q_len, head_dim_v, BLOCK_DV, False)
     do = _tile(DO, b, h, q_start, rows, sgb, sgh, sgs, sgd, q_len, head_dim_v, BLOCK_DV, False)
@@ -262,7 +274,8 @@ def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs,
 def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len, qk_scale, p, seed,
                  PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
                  HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                 DROPOUT: tl.constexpr, EXACT_DELTA: tl.constexpr, PRECISION: tl.constexpr):
+                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """(P after dropout, dS) of a tile: P recomputed from the log-sum-exp, dS = P (dP - delta)."""
     s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
                 BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
@@ -273,10 +286,20 @@ def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
         kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
         dropped = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
         dp = tl.where(kept, dp * (1.0 / (1.0 - p)), 0.0)
-    if EXACT_DELTA:  # rowsum(P * dP) / rowsum(P): see exact_delta in csrc/cpu/attention.cpp
-        mass = tl.sum(prob, 1)
-        delta = tl.sum(prob * dp, 1) / tl.where(mass > 0, mass, 1.0)
+    if EXACT_DELTA:
+        delta = _exact_delta(prob, dp)
+    elif VARLEN:
+        if k_len <= prob.shape[1]:  # this sequence's keys fit the block
+            delta = _exact_delta(prob, dp)
     return dropped, prob * (dp - delta[:, None])
+
+
+@triton.jit
+def _exact_delta(prob, dp):
+    """rowsum(P * dP) / rowsum(P) of a tile holding whole rows: see exact_delta in
+    csrc/cpu/attention.cpp."""
+    mass = tl.sum(prob, 1)
+    return tl.sum(prob * dp, 1) / tl.where(mass > 0, mass, 1.0)
 
 
 @triton.jit
@@ -297,13 +320,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
                  sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                  sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
                  sdkb, sdkh, sdks, sdkd, sdvb, sdvh, sdvs, sdvd,
-                 heads, seq_q, seq_k, head_dim, head_dim_v, scale, qk_scale, p, seed, seq_bucket,
+                 heads, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v, scale, qk_scale, p,
+                 seed, seq_bucket,
                  HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                  DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    b, h, q_start, q_len, k_start, k_len, n0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN,
-                                                        BLOCK_N, True)
+    b, h, q_start, q_len, k_start, k_len, n0 = _program(
+        CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_N, True)
     if n0 >= k_len:
         return
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -321,8 +345,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
                                          slb, slh, UPCAST, BLOCK_D, BLOCK_DV)
         dropped, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
                                    qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
-                                   seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
-                                   PRECISION)
+                                   seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, VARLEN,
+                                   EXACT_DELTA, PRECISION)
         # P and dS rounded to the inputs' dtype, as the tensor cores take them.
         dropped = dropped.to(DO.dtype.element_ty).to(do.dtype)
         dv += tl.dot(tl.trans(dropped), do, input_precision=PRECISION)
@@ -338,14 +362,15 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
                sdqb, sdqh, sdqs, sdqd,
-               heads, seq_q, seq_k, head_dim, head_dim_v, scale, qk_scale, p, seed, seq_bucket,
+               heads, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v, scale, qk_scale, p,
+               seed, seq_bucket,
                HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
                WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    b, h, q_start, q_len, k_start, k_len, m0 = _program(CU_Q, CU_K, heads, seq_q, seq_k, VARLEN,
-                                                        BLOCK_M, False)
+    b, h, q_start, q_len, k_start, k_len, m0 = _program(
+        CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_M, False)
     if m0 >= q_len:
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -359,8 +384,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                           skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
         _, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
                              qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
-                             seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, EXACT_DELTA,
-                             PRECISION)
+                             seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, VARLEN,
+                             EXACT_DELTA, PRECISION)
         if WRITE_DS:  # a dense float32 [batch, heads, seq_q, seq_k] buffer
             offsets = ((b * heads + h) * seq_q + rows)[:, None] * seq_k + cols[None, :]
             tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
@@ -426,9 +451,14 @@ class _Problem:
 
     def sizes(self, with_scale=False):
         scale = (self.scale,) if with_scale else ()
-        return (self.heads, self.seq_q, self.seq_k, self.head_dim, self.head_dim_v, *scale,
+        return (self.heads, self.seq_q, self.seq_k, *self.totals(), self.head_dim, self.head_dim_v,
+                *scale,
                 self.scale * LOG2E.value, self.p, self.seed,
                 max(64, triton.next_power_of_2(max(self.seq_q, self.seq_k, 1))))
+
+    def totals(self):
+        """The rows of packed q, and of packed k and v (the bounds of every sequence)."""
+        return (self.q.shape[0], self.k.shape[0]) if self.cu_q is not None else (0, 0)
 
     def flags(self):
         dtype = self.q.dtype
@@ -457,7 +487,8 @@ class _Problem:
         if self.seq_q:
             _delta_kernel[(triton.cdiv(self.seq_q, 64) * self.batch * self.heads,)](
                 out, grad, delta, self.cu_q, self.cu_k, *self.strides(out), *self.strides(grad),
-                *self.lse_strides(lse), self.heads, self.seq_q, self.seq_k, self.head_dim_v,
+                *self.lse_strides(lse), self.heads, self.seq_q, self.seq_k, *self.totals(),
+                self.head_dim_v,
                 VARLEN=flags["VARLEN"], BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"])
         head = (self.q, self.k, self.v, grad, lse, delta)
         tail = (*self.common(), *self.strides(grad), *self.lse_strides(lse), *self.pad_strides,

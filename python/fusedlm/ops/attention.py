@@ -231,6 +231,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     aligns each sequence to its bottom right. max_seqlen_q/k bound the lengths and lay
     out the dropout stream as [batch, heads, max_seqlen_q, max_seqlen_k]. They may be
     the unbacked ints that unpad returns under torch.compile.
+
+    Offsets that are not increasing, fall outside the tensors or exceed max_seqlen raise
+    for CPU tensors; on a GPU they are checked only under FUSEDLM_DEBUG=1 (the check
+    copies them to the host), and otherwise the kernels clamp each sequence into the
+    tensors and to max_seqlen: a wrong answer, never an access outside them.
     """
     choice = plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal=causal, dropout_p=dropout_p, scale=scale, backend=backend)
