@@ -59,7 +59,7 @@ def _inputs():
 
 
 def test_every_probe_passes_on_the_cpu_backend():
-    for probe in probes.SMALL:
+    for probe in probes.probes():
         for dtype in (torch.float32, torch.float64, torch.bfloat16):
             outcome = probes.run(probe, "cpu", torch.device("cpu"), dtype, seed=3)
             assert outcome.within(dtype), (probe.op, probe.name, dtype, outcome)
@@ -184,7 +184,7 @@ def test_selftest_checks_every_kernel_here_and_writes_a_report(capsys, tmp_path)
     record = json.loads(report.read_text())
     assert record["identity"]["torch"] == torch.__version__ and record["commit"]
     rows = record["rows"]
-    assert {(r["op"], r["problem"]) for r in rows} == {(p.op, p.name) for p in probes.SMALL}
+    assert {(r["op"], r["problem"]) for r in rows} == {(p.op, p.name) for p in probes.probes()}
     assert {r["dtype"] for r in rows} == {"float32", "float64", "bfloat16", "float16"}
     assert all(r["status"] == "ok" and r["error"] <= r["tolerance"] and r["ms"] > 0 for r in rows)
     assert f"{len(rows)} rows: {len(rows)} ok, 0 mismatch" in out

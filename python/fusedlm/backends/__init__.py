@@ -120,12 +120,17 @@ class Kernel:
 @dataclass(frozen=True)
 class OpInfo:
     """What the backends need to know of a declared op: its name, the module of fusedlm.ops
-    that declares it (a kernel module of the same name holds its Triton kernels), and what
-    it takes on each backend where that differs from the backend's default."""
+    that declares it (a kernel module of the same name holds its Triton kernels), what it
+    takes on each backend where that differs from the backend's default, its plain-PyTorch
+    reference (fusedlm.ops.reference.<name>), the reference backend's kernels (forward,
+    backward or None) and its probes (fusedlm.backends.probes)."""
 
     name: str
     module: str
     supports: dict
+    reference: Callable
+    reference_kernels: tuple
+    probes: tuple = ()
 
 
 _OPS: dict[str, OpInfo] = {}
@@ -134,6 +139,11 @@ _OPS: dict[str, OpInfo] = {}
 def declare(op: OpInfo) -> None:
     """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op)."""
     _OPS[op.name] = op
+
+
+def declared() -> dict[str, OpInfo]:
+    """{name: OpInfo} of every declared op, in the order of declaration."""
+    return dict(_OPS)
 
 
 def _native() -> Optional[str]:

@@ -82,7 +82,7 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
     decided = _decided.get((op, backend, device, dtype), _UNDECIDED)
     if decided is None or (decided is not _UNDECIDED and _MODE != "strict"):
         return decided
-    if op not in probes.PROBED:
+    if not probes.probes(op):
         return None
     device_key = _device_key(device)
     name = f"{op}/{backend}/{_dtype_name(dtype)}"

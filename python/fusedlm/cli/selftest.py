@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from fusedlm.bench.report import git_commit
 
     device = resolve_device(args.device)
-    known = sorted(probes.PROBED)
+    known = probes.probed()
     unknown = [op for op in args.ops or () if op not in known]
     if unknown:
         raise UsageError(f"--ops: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     with verify.suspended():  # measured here, not refused
         for size in sizes:
-            for probe in probes.SMALL if size == "small" else probes.REAL:
+            for probe in probes.probes(size=size):
                 if args.ops and probe.op not in args.ops:
                     continue
                 for name in KERNEL_BACKENDS:

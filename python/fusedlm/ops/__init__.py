@@ -6,16 +6,18 @@ Conventions: key_padding_mask is bool [batch, seq_k] with True = padding; with
 seq_q != seq_k, causal aligns to the bottom right; rows with every key masked
 are zeros; dropout draws its seed from torch's generator.
 """
-from . import reference
-from .attention import attention, attention_varlen
-from .attention_kvcache import attention_with_kvcache
-from .cross_entropy import cross_entropy, masked_lm_loss
-from .gelu import bias_gelu, gelu_ffn
-from .layer_norm import add_layer_norm
-from .lstm import lstm_cell
-from .padding import pad, unpad
+import importlib
+import pkgutil
 
-__all__ = [
-    "reference", "attention", "attention_varlen", "attention_with_kvcache", "unpad", "pad",
-    "bias_gelu", "gelu_ffn", "add_layer_norm", "cross_entropy", "masked_lm_loss", "lstm_cell",
-]
+from . import reference
+
+__all__ = ["reference"]
+
+# Every op file (fusedlm/ops/<op>.py) declares its ops and lists its public functions in
+# its __all__; importing it registers them.
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_") and _module.name != "reference":
+        _ops = importlib.import_module(f".{_module.name}", __name__)
+        globals().update({name: getattr(_ops, name) for name in _ops.__all__})
+        __all__ += _ops.__all__
+del _module, _ops

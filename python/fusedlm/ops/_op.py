@@ -1,6 +1,7 @@
 """One declaration per op: its torch.library custom op, fake and autograd, from one definition.
 
-An op file states its op once: the kernels' schema (without the trailing ``str backend``,
+An op file states its op once: its plain-PyTorch reference and the reference backend's
+kernels, its probes, the kernels' schema (without the trailing ``str backend``,
 which this adds), the fake that gives the outputs' shapes under torch.compile, and, for a
 differentiable op, the backward kernels' schema and fake, what the forward saves
 (``setup``) and how its gradient is taken (``grad``). Every backend, the plain-PyTorch
@@ -18,9 +19,9 @@ costly (about 100 µs a forward and backward on a CPU, several times the kernels
 at BERT sizes on a GPU): there a call goes straight to the backend's kernel, under a plain
 ``torch.autograd.Function`` with the same setup and gradient where autograd records it.
 """
-from typing import Callable, Optional
-
 import sys
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 
@@ -62,15 +63,21 @@ class _Direct(torch.autograd.Function):
 class Op:
     """``fusedlm::<name>`` (and ``fusedlm::<name>_backward`` once :meth:`differentiable`)."""
 
-    def __init__(self, name: str, schema: str, fake: Callable, *, mutates: tuple = (),
-                 supports: Optional[dict] = None):
-        """``supports``: {backend: Supports} where the op's kernels on a backend take less than
-        that backend's default (fusedlm.backends)."""
+    def __init__(self, name: str, schema: str, fake: Callable, *, reference: Callable,
+                 reference_kernels: tuple, mutates: tuple = (), supports: Optional[dict] = None,
+                 probes: tuple = ()):
+        """``reference``: the op in plain PyTorch, with the public function's arguments
+        (fusedlm.ops.reference.<name>); ``reference_kernels``: (forward, backward or None),
+        the reference backend's kernels of the op's schemas (fusedlm.backends.reference);
+        ``supports``: {backend: Supports} where the op's kernels on a backend take less
+        than that backend's default (fusedlm.backends); ``probes``: its
+        fusedlm.backends.probes.Probe problems."""
         self.name = name
         # The module of fusedlm.ops declaring the op (fusedlm.backends.triton finds its
         # kernels in the Triton module of the same name).
         module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
-        declare(OpInfo(name, module, supports or {}))
+        declare(OpInfo(name, module, supports or {}, reference, reference_kernels,
+                       tuple(replace(p, op=name) for p in probes)))
         self._arguments = len(torch._C.parse_schema(f"fusedlm::{name}{_with_backend(schema)}").arguments)
         self._forward = self._register(name, schema, fake, lambda backend: kernel(backend, name).forward,
                                        mutates)

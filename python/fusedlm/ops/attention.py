@@ -15,9 +15,14 @@ import torch
 from torch import Tensor
 
 from ..backends import GPU_FLOATS, HALVES, Supports, check_index_data, choose, planner
+from ..backends.probes import RESIDENT, WGMMA, Probe, padding, randn
+from ..backends.reference import keep_mask, laid_out_like, vjp
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
+from .reference import acc_dtype, dropped
+
+__all__ = ["attention", "attention_varlen"]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -161,11 +166,91 @@ def _attention_grad(ctx, grad, _grad_lse):
     return dq, dk, dv, None, dbias if bias_grad else None
 
 
+def attention_reference(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None,
+                        dropout_p=0.0, scale=None, dropout_mask=None, return_lse=False):
+    """softmax(q k^T * scale + bias, masked) v for q/k/v [batch, heads, seq, head_dim].
+
+    key_padding_mask is bool [batch, seq_k], True = padding. causal aligns to the
+    bottom right when seq_q != seq_k. Rows with every key masked are zeros. With
+    return_lse, also each row's log-sum-exp [batch, heads, seq_q] (+inf for such rows).
+    """
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    return attend(q, k, v, allowed, attn_bias, scale, dropout_p, dropout_mask, return_lse)
+
+
+def attend(q, k, v, allowed, attn_bias=None, scale=None, dropout_p=0.0, dropout_mask=None,
+           return_lse=False):
+    """The references' softmax(q k^T * scale + bias) v over the keys ``allowed`` (bool,
+    broadcastable to the scores [batch, heads, seq_q, seq_k]); rows with no allowed key are
+    zeros."""
+    acc = acc_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(acc)
+    allowed = allowed.expand(scores.shape)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
+    probs = dropped(probs, dropout_p, dropout_mask)
+    out = torch.matmul(probs, v.to(acc)).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(scores, dim=-1)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _attention_seeded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed, *,
+                      return_lse=False):
+    keep = keep_mask(seed, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p, q.device)
+    return attention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                               attn_bias=attn_bias, dropout_p=dropout_p, scale=scale,
+                               dropout_mask=keep, return_lse=return_lse)
+
+
+def _attention_reference_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale,
+                                 seed):
+    out, lse = _attention_seeded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale,
+                                 seed, return_lse=True)
+    return laid_out_like(q, out), lse
+
+
+def _attention_reference_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal,
+                                  dropout_p, scale, seed, bias_grad):
+    def run(q, k, v, bias):
+        return _attention_seeded(q, k, v, key_padding_mask, bias, causal, dropout_p, scale, seed)
+    dq, dk, dv, dbias = vjp(run, (q, k, v, attn_bias), (grad,), (True, True, True, bias_grad))
+    return laid_out_like(q, dq), laid_out_like(k, dk), laid_out_like(v, dv), dbias
+
+
+def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False):
+    def make(g):
+        q, k, v = (randn(g, batch, heads, seq, head_dim) for _ in range(3))
+        mask = padding(g, batch, seq) if masked else None
+        return (q, k, v), {"causal": causal, "key_padding_mask": mask}
+    return make
+
+
 ATTENTION = Op(
     "attention",
     "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_bias, bool causal, "
     "float dropout_p, float scale, Tensor seed) -> (Tensor, Tensor)", _attention_fake,
-    supports=_SUPPORTS,
+    supports=_SUPPORTS, reference=attention_reference,
+    reference_kernels=(_attention_reference_forward, _attention_reference_backward),
+    probes=(
+        Probe("padded, head dim 64", _attention_probe(2, 3, 80, 64, masked=True), paths=RESIDENT),
+        Probe("causal, head dim 128", _attention_probe(2, 2, 70, 128, causal=True),
+              paths=RESIDENT),
+        Probe("seq 600 (streamed K/V)", _attention_probe(1, 2, 600, 64), paths=WGMMA),
+        Probe.real("BERT-base, padded 8 x 128", _attention_probe(8, 12, 128, 64, masked=True),
+                   paths=RESIDENT),
+        Probe.real("GPT-2 small, causal 2 x 1024", _attention_probe(2, 12, 1024, 64, causal=True),
+                   paths=WGMMA)),
 ).differentiable(
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor? key_padding_mask, Tensor? attn_bias, bool causal, float dropout_p, float scale, "
@@ -271,11 +356,79 @@ def _varlen_grad(ctx, grad, _grad_lse):
                                      ctx.max_seqlen_k, ctx.causal, ctx.dropout_p, ctx.scale, seed)
 
 
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               causal=False, dropout_p=0.0, scale=None, dropout_mask=None,
+                               return_lse=False):
+    """Attention over packed sequences: q [total_q, heads, head_dim], k/v [total_k, heads, head_dim].
+
+    Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. dropout_mask, if given, is
+    [batch, heads, max_seqlen_q, max_seqlen_k] (each sequence in its top-left corner).
+    With return_lse, also each row's log-sum-exp [heads, total_q].
+    """
+    outs, lses = [], []
+    for i in range(cu_seqlens_q.numel() - 1):
+        q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        keep = None if dropout_mask is None else dropout_mask[i : i + 1, :, : q1 - q0, : k1 - k0]
+        seq, seq_lse = attention_reference(
+            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
+            v[k0:k1].transpose(0, 1)[None], causal=causal, dropout_p=dropout_p, scale=scale,
+            dropout_mask=keep, return_lse=True,
+        )
+        outs.append(seq[0].transpose(0, 1))
+        lses.append(seq_lse[0])
+    # v's head_dim may differ from q's
+    out = torch.cat(outs) if outs else q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if not return_lse:
+        return out
+    return out, (torch.cat(lses, dim=1) if lses
+                 else q.new_empty((q.shape[1], 0), dtype=acc_dtype(q.dtype)))
+
+
+def _varlen_seeded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                   dropout_p, scale, seed, *, return_lse=False):
+    batch = cu_seqlens_q.shape[0] - 1
+    keep = keep_mask(seed, (batch, q.shape[1], max_seqlen_q, max_seqlen_k), dropout_p, q.device)
+    return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, causal=causal, dropout_p=dropout_p,
+                                      scale=scale, dropout_mask=keep, return_lse=return_lse)
+
+
+def _varlen_reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, dropout_p, scale, seed):
+    out, lse = _varlen_seeded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, dropout_p, scale, seed, return_lse=True)
+    return laid_out_like(q, out), lse
+
+
+def _varlen_reference_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, causal, dropout_p, scale, seed):
+    dq, dk, dv = vjp(lambda q, k, v: _varlen_seeded(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
+        seed), (q, k, v), (grad,))
+    return laid_out_like(q, dq), laid_out_like(k, dk), laid_out_like(v, dv)
+
+
+def _varlen_probe(lengths, heads, head_dim):
+    def make(g):
+        total = sum(lengths)
+        q, k, v = (randn(g, total, heads, head_dim) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        return (q, k, v, cu, cu.clone(), max(lengths), max(lengths)), {"causal": True}
+    return make
+
+
 ATTENTION_VARLEN = Op(
     "attention_varlen",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
     "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float dropout_p, float scale, "
     "Tensor seed) -> (Tensor, Tensor)", _varlen_fake, supports=_SUPPORTS,
+    reference=attention_varlen_reference,
+    reference_kernels=(_varlen_reference_forward, _varlen_reference_backward),
+    probes=(Probe("causal, 3 sequences", _varlen_probe([37, 1, 70], 2, 64), paths=RESIDENT),
+            Probe.real("BERT-base, 8 sequences",
+                       _varlen_probe([128, 77, 100, 64, 128, 90, 111, 70], 12, 64),
+                       paths=RESIDENT)),
 ).differentiable(
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "

@@ -11,9 +11,12 @@ import torch
 from torch import Tensor
 
 from ..backends import check_index_data, choose, planner
+from ..backends.probes import Probe, randn
 from . import _validate as check
 from ._op import Op
-from .attention import _check_head_dims, _resolve_scale
+from .attention import _check_head_dims, _resolve_scale, attend
+
+__all__ = ["attention_with_kvcache"]
 
 
 def _check_lengths(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], seq_new: int,
@@ -106,9 +109,51 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                                   _resolve_scale(scale, q.shape[-1]))
 
 
+def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
+                                     cache_leftpad=None, scale=None):
+    """One decoding step: q [batch, seqlen_q, heads, head_dim] over caches [batch,
+    max_cache_len, heads, head_dim].
+
+    k_new/v_new [batch, seqlen_new, ...] are written into the caches (in place) at
+    positions cache_seqlens[b] onwards; query i then sees the keys in
+    [cache_leftpad[b], total_b - seqlen_q + i], total_b = cache_seqlens[b] + seqlen_new.
+    """
+    batch, seq_q = q.shape[:2]
+    seq_new = 0 if k_new is None else k_new.shape[1]
+    if seq_new:
+        rows = torch.arange(batch, device=q.device)[:, None]
+        cols = cache_seqlens.long()[:, None] + torch.arange(seq_new, device=q.device)
+        k_cache[rows, cols] = k_new
+        v_cache[rows, cols] = v_new
+    total = cache_seqlens.long() + seq_new
+    first = torch.zeros_like(total) if cache_leftpad is None else cache_leftpad.long()
+    last = total[:, None] - seq_q + torch.arange(seq_q, device=q.device)  # [batch, seq_q]
+    pos = torch.arange(k_cache.shape[1], device=q.device)
+    allowed = (pos >= first[:, None, None]) & (pos <= last[:, :, None])  # [batch, seq_q, keys]
+    out = attend(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                 allowed[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+def _reference_kernel(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale):
+    return attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                            cache_leftpad=cache_leftpad, scale=scale)
+
+
+def _probe(batch, cache, heads, head_dim):
+    def make(g):
+        q, k_new, v_new = (randn(g, batch, 1, heads, head_dim) for _ in range(3))
+        k_cache, v_cache = (randn(g, batch, cache, heads, head_dim) for _ in range(2))
+        lengths = torch.randint(1, cache, (batch,), generator=g, dtype=torch.int32)
+        return (q, k_cache, v_cache, lengths, k_new, v_new), {}
+    return make
+
+
 ATTENTION_WITH_KVCACHE = Op(
     "attention_with_kvcache",
     "(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
     "Tensor? v_new, Tensor? cache_leftpad, float scale) -> Tensor",
     lambda q, k_cache, v_cache, *_rest: q.new_empty((*q.shape[:3], v_cache.shape[3])),
-    mutates=("k_cache", "v_cache"))
+    mutates=("k_cache", "v_cache"), reference=attention_with_kvcache_reference,
+    reference_kernels=(_reference_kernel, None),
+    probes=(Probe("decoding step", _probe(2, 24, 2, 64), differentiable=False),))

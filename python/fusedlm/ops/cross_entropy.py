@@ -18,11 +18,18 @@ gradient scaled by its grad_output (a second projection rather than stored logit
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import check_index_data, choose, planner
+from ..backends.probes import Probe, randn
+from ..backends.probes import labels as probe_labels
+from ..backends.reference import vjp
 from . import _validate as check
 from ._op import Op
+from .reference import acc_dtype
+
+__all__ = ["cross_entropy", "masked_lm_loss"]
 
 REDUCTIONS = ("mean", "sum", "none")
 # masked_lm_loss projects this many bytes of logits at a time (at least one row): large
@@ -138,10 +145,54 @@ def _cross_entropy_grad(ctx, grad, _grad_of_grad):
     return (CROSS_ENTROPY.backward(ctx, grad, saved_grad, ctx.reduction),)
 
 
+def cross_entropy_reference(logits, labels, *, ignore_index=-100, label_smoothing=0.0,
+                            reduction="mean"):
+    """F.cross_entropy over the last dim of logits [..., classes]; float32 or wider.
+
+    Unlike torch, a mean over no labelled rows is 0 rather than NaN.
+    """
+    logits2 = logits.reshape(-1, logits.shape[-1]).to(acc_dtype(logits.dtype))
+    labels1 = labels.reshape(-1)
+    losses = F.cross_entropy(logits2, labels1, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, reduction="none")
+    if reduction == "none":
+        return losses.view(labels.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (labels1 != ignore_index).sum().clamp(min=1)
+
+
+def _scaled(grad: Tensor, saved: Tensor, reduction: str) -> Tensor:
+    """A gradient saved for grad_output 1, scaled by grad_output (one value per row for
+    "none"): the reference backend's cross_entropy backward."""
+    scale = grad[..., None] if reduction == "none" else grad
+    return (saved.to(grad.dtype) * scale).to(saved.dtype)
+
+
+def _cross_entropy_reference_forward(logits, labels, ignore_index, label_smoothing, reduction,
+                                     with_grad):
+    def loss(logits):
+        return cross_entropy_reference(logits, labels, ignore_index=ignore_index,
+                                       label_smoothing=label_smoothing, reduction=reduction)
+    value = loss(logits)
+    grad = vjp(loss, (logits,), (torch.ones_like(value),))[0] if with_grad else None
+    return value, grad
+
+
+def _cross_entropy_probe(rows, classes):
+    def make(g):
+        return (randn(g, rows, classes, scale=3.0), probe_labels(g, rows, classes)), {}
+    return make
+
+
 CROSS_ENTROPY = Op(
     "cross_entropy",
     "(Tensor logits, Tensor labels, SymInt ignore_index, float label_smoothing, str reduction, "
     "bool with_grad) -> (Tensor, Tensor)", _cross_entropy_fake,
+    reference=cross_entropy_reference,
+    reference_kernels=(_cross_entropy_reference_forward, _scaled),
+    probes=(Probe("1000 classes", _cross_entropy_probe(40, 1000)),
+            Probe.real("GPT-2 small, 1024 x 50257", _cross_entropy_probe(1024, 50257))),
 ).differentiable(
     "(Tensor grad, Tensor saved_grad, str reduction) -> Tensor",
     lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape),
@@ -225,11 +276,56 @@ def _masked_lm_loss_grad(ctx, grad, *_grad_of_grads):
     return tuple(g if need else None for g, need in zip(grads, ctx.needs))
 
 
+def masked_lm_loss_reference(hidden, weight, bias, labels, *, ignore_index=-100,
+                             label_smoothing=0.0, reduction="mean"):
+    """cross_entropy(hidden @ weight^T + bias, labels): the full-vocabulary computation."""
+    return cross_entropy_reference(F.linear(hidden, weight, bias), labels,
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   reduction=reduction)
+
+
+def _masked_lm_loss_of(labels, ignore_index, label_smoothing, reduction):
+    """The reference as a function of (hidden, weight, bias)."""
+    return lambda h, w, b: masked_lm_loss_reference(
+        h, w, b, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction=reduction)
+
+
+def _masked_lm_loss_reference_forward(hidden, weight, bias, labels, ignore_index, label_smoothing,
+                                      reduction, chunk_rows, *needs):
+    loss_of = _masked_lm_loss_of(labels, ignore_index, label_smoothing, reduction)
+    loss = loss_of(hidden, weight, bias)
+    if reduction == "none":  # the backward weighs each row: it computes the gradients
+        return loss, None, None, None
+    return (loss, *vjp(loss_of, (hidden, weight, bias), (torch.ones_like(loss),), needs))
+
+
+def _masked_lm_loss_reference_backward(grad, hidden, weight, bias, labels, dhidden, dweight,
+                                       dbias, ignore_index, label_smoothing, reduction,
+                                       chunk_rows, *needs):
+    if reduction != "none":
+        return tuple(_scaled(grad, saved, "sum") if need else None
+                     for saved, need in zip((dhidden, dweight, dbias), needs))
+    loss_of = _masked_lm_loss_of(labels, ignore_index, label_smoothing, reduction)
+    return vjp(loss_of, (hidden, weight, bias), (grad,), needs)
+
+
+def _masked_lm_probe(rows, hidden, vocab):
+    def make(g):
+        return (randn(g, rows, hidden), randn(g, vocab, hidden, scale=hidden ** -0.5),
+                randn(g, vocab), probe_labels(g, rows, vocab, labelled=0.15)), {}
+    return make
+
+
 MASKED_LM_LOSS = Op(
     "masked_lm_loss",
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, SymInt ignore_index, "
     "float label_smoothing, str reduction, SymInt chunk_rows, bool need_dhidden, "
     "bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)", _masked_lm_loss_fake,
+    reference=masked_lm_loss_reference,
+    reference_kernels=(_masked_lm_loss_reference_forward, _masked_lm_loss_reference_backward),
+    probes=(Probe("vocab 1000", _masked_lm_probe(60, 64, 1000)),
+            Probe.real("BERT-base, 1024 x 768 -> 30522", _masked_lm_probe(1024, 768, 30522))),
 ).differentiable(
     "(Tensor grad, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor dhidden, "
     "Tensor dweight, Tensor dbias, SymInt ignore_index, float label_smoothing, str reduction, "

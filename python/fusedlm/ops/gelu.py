@@ -6,12 +6,18 @@ backward; the activation is recomputed there instead of being kept in memory.
 """
 from typing import Optional
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import HALVES, Supports, choose, planner
+from ..backends.probes import FFN_WGMMA, Probe, randn
+from ..backends.reference import keep_mask, vjp
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
+from .reference import acc_dtype, dropped
+
+__all__ = ["bias_gelu", "gelu_ffn"]
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -47,9 +53,31 @@ def _bias_gelu_grad(ctx, grad):
     return dx, dbias if bias is not None else None
 
 
+def bias_gelu_reference(x, bias=None, approximate="none"):
+    """gelu(x + bias) with bias over the last dimension."""
+    acc = acc_dtype(x.dtype)
+    z = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+    return F.gelu(z, approximate=approximate).to(x.dtype)
+
+
+def _bias_gelu_reference_backward(grad, x, bias, approximate):
+    return vjp(lambda x, b: bias_gelu_reference(x, b, approximate), (x, bias), (grad,))
+
+
+def _bias_gelu_probe(rows, cols, approximate):
+    def make(g):
+        return (randn(g, rows, cols), randn(g, cols), approximate), {}
+    return make
+
+
 BIAS_GELU = Op(
     "bias_gelu", "(Tensor x, Tensor? bias, str approximate) -> Tensor",
     lambda x, bias, approximate: x.new_empty(x.shape),
+    reference=bias_gelu_reference,
+    reference_kernels=(bias_gelu_reference, _bias_gelu_reference_backward),
+    probes=(Probe("erf", _bias_gelu_probe(64, 384, "none")),
+            Probe("tanh", _bias_gelu_probe(64, 384, "tanh")),
+            Probe.real("BERT-base, 1024 x 3072", _bias_gelu_probe(1024, 3072, "none"))),
 ).differentiable(
     "(Tensor grad, Tensor x, Tensor? bias, str approximate) -> (Tensor, Tensor)",
     lambda grad, x, bias, approximate: (x.new_empty(x.shape),
@@ -118,10 +146,46 @@ def _gelu_ffn_grad(ctx, grad, _grad_pre):
     return dx, dw1, db1 if b1 is not None else None, dw2, db2 if b2 is not None else None
 
 
+def gelu_ffn_reference(x, w1, b1, w2, b2, *, approximate="none", dropout_p=0.0,
+                       dropout_mask=None):
+    """Linear(w1, b1) -> GELU -> dropout -> Linear(w2, b2)."""
+    hidden = bias_gelu_reference(F.linear(x, w1), b1, approximate)
+    return F.linear(dropped(hidden, dropout_p, dropout_mask), w2, b2)
+
+
+def _gelu_ffn_seeded(x, w1, b1, w2, b2, approximate, dropout_p, seed):
+    keep = keep_mask(seed, (*x.shape[:-1], w1.shape[0]), dropout_p, x.device)
+    return gelu_ffn_reference(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p,
+                              dropout_mask=keep)
+
+
+def _gelu_ffn_reference_forward(x, w1, b1, w2, b2, approximate, dropout_p, seed):
+    # The pre-activation every backend saves; this one's backward recomputes it instead.
+    pre = F.linear(x, w1).reshape(-1, w1.shape[0])
+    return _gelu_ffn_seeded(x, w1, b1, w2, b2, approximate, dropout_p, seed), pre
+
+
+def _gelu_ffn_reference_backward(grad, x, pre, w1, b1, w2, b2, approximate, dropout_p, seed):
+    return vjp(lambda *weights: _gelu_ffn_seeded(*weights, approximate, dropout_p, seed),
+               (x, w1, b1, w2, b2), (grad,))
+
+
+def _gelu_ffn_probe(rows, d_in, d_ff):
+    def make(g):
+        return (randn(g, rows, d_in), randn(g, d_ff, d_in, scale=d_in ** -0.5), randn(g, d_ff),
+                randn(g, d_in, d_ff, scale=d_ff ** -0.5), randn(g, d_in)), {}
+    return make
+
+
 GELU_FFN = Op(
     "gelu_ffn",
     "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str approximate, float dropout_p, "
     "Tensor seed) -> (Tensor, Tensor)", _gelu_ffn_fake,
+    reference=gelu_ffn_reference,
+    reference_kernels=(_gelu_ffn_reference_forward, _gelu_ffn_reference_backward),
+    probes=(Probe("130 rows", _gelu_ffn_probe(130, 128, 256), paths=FFN_WGMMA),
+            Probe.real("BERT-base, 1024 x 768 -> 3072", _gelu_ffn_probe(1024, 768, 3072),
+                       paths=FFN_WGMMA)),
     # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves; its grid's y
     # dimension (at most 65535) counts tiles of 128 rows.
     supports={"cuda": Supports(dtypes=HALVES, multiple_of=8, max_counts=(("rows", 65535 * 128),))},

@@ -11,12 +11,18 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import GPU_FLOATS, Supports, choose, planner
+from ..backends.probes import Probe, randn
+from ..backends.reference import keep_mask
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
+from .reference import acc_dtype, dropped
+
+__all__ = ["add_layer_norm"]
 
 
 @planner("add_layer_norm")
@@ -95,10 +101,74 @@ def _grad(ctx, grad_out, grad_summed, _grad_mean, _grad_rstd):
             dweight if weight is not None else None, dbias if ctx.has_bias else None)
 
 
+# --- reference ---------------------------------------------------------------------------------
+
+def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, *, dropout_p=0.0,
+                             dropout_mask=None):
+    """(layer_norm(summed), summed) with summed = dropout(x) + residual over the last dim."""
+    acc = acc_dtype(x.dtype)
+    summed = dropped(x.to(acc), dropout_p, dropout_mask)
+    if residual is not None:
+        summed = summed + residual.to(acc)
+    out = F.layer_norm(
+        summed, summed.shape[-1:], None if weight is None else weight.to(acc),
+        None if bias is None else bias.to(acc), eps,
+    )
+    return out.to(x.dtype), summed.to(x.dtype)
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
+    keep = keep_mask(seed, x.shape, dropout_p, x.device)
+    out, summed = add_layer_norm_reference(x, residual, weight, bias, eps, dropout_p=dropout_p,
+                                           dropout_mask=keep)
+    rows = summed.reshape(-1, summed.shape[-1]).to(_stats_dtype(x.dtype))
+    var, mean = torch.var_mean(rows, dim=-1, unbiased=False)
+    return out, summed, mean, torch.rsqrt(var + eps)
+
+
+def _reference_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual,
+                        dropout_p, seed):
+    """The LayerNorm gradient from the saved statistics: with xhat = (s - mean) * rstd and
+    g = grad_out * weight, ds = rstd * (g - mean(g) - xhat * mean(g * xhat))."""
+    acc = _stats_dtype(summed.dtype)
+    hidden = summed.shape[-1]
+    dy = grad_out.reshape(-1, hidden).to(acc)
+    xhat = (summed.reshape(-1, hidden).to(acc) - mean[:, None]) * rstd[:, None]
+    g = dy * weight.to(acc) if weight is not None else dy
+    ds = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if grad_summed is not None:
+        ds = ds + grad_summed.reshape(-1, hidden).to(acc)
+    dweight = (dy * xhat).sum(0).to(weight.dtype) if weight is not None else None
+    dbias = dy.sum(0).to(summed.dtype) if has_bias else None
+    dsummed = ds.view(summed.shape).to(summed.dtype)
+    if dropout_p == 0.0:
+        return dsummed, None, dweight, dbias
+    keep = keep_mask(seed, summed.shape, dropout_p, summed.device)
+    dx = (ds.view(summed.shape) * keep / (1.0 - dropout_p)).to(summed.dtype)
+    return (dsummed if has_residual else None), dx, dweight, dbias
+
+
+def _probe(rows, hidden):
+    def make(g):
+        return (randn(g, rows, hidden), randn(g, rows, hidden), 1 + 0.1 * randn(g, hidden),
+                0.1 * randn(g, hidden)), {}
+    return make
+
+
+# --- the op --------------------------------------------------------------------------------------
+
 ADD_LAYER_NORM = Op(
     "add_layer_norm",
     "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, float dropout_p, "
     "Tensor seed) -> (Tensor, Tensor, Tensor, Tensor)", _fake,
+    reference=add_layer_norm_reference,
+    reference_kernels=(_reference_forward, _reference_backward),
+    probes=(Probe("hidden 256", _probe(40, 256)), Probe("hidden 100", _probe(40, 100)),
+            Probe.real("BERT-base, 1024 x 768", _probe(1024, 768))),
     # The triton kernel holds a row whole in registers: past 32768 elements spills would
     # cost more than two passes.
     supports={"triton": Supports(dtypes=GPU_FLOATS, max_width=32768)},

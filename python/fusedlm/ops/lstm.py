@@ -12,8 +12,13 @@ import torch
 from torch import Tensor
 
 from ..backends import choose, kernel, planner
+from ..backends.probes import Probe, randn
+from ..backends.reference import vjp
 from . import _validate as check
 from ._op import Op
+from .reference import acc_dtype
+
+__all__ = ["lstm_cell"]
 
 
 def _clip_value(cell_clip: Optional[float]) -> float:
@@ -60,9 +65,41 @@ def _grad(ctx, grad_h, grad_c):
                               ctx.cell_clip)
 
 
+# --- reference ---------------------------------------------------------------------------------
+
+def lstm_cell_reference(gates, c_prev, *, cell_clip=None):
+    """(h, c) of an LSTM step: gates [..., 4 * cell] are the input, forget, cell and output
+    pre-activations; c = clamp(i * g + f * c_prev, -cell_clip, cell_clip), h = o * tanh(c)."""
+    acc = acc_dtype(gates.dtype)
+    i, f, g, o = gates.to(acc).chunk(4, dim=-1)
+    c = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * c_prev.to(acc)
+    if cell_clip is not None:
+        c = torch.clamp(c, -cell_clip, cell_clip)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return h.to(gates.dtype), c.to(gates.dtype)
+
+
+def _reference_forward(gates, c_prev, cell_clip):
+    return lstm_cell_reference(gates, c_prev, cell_clip=None if math.isinf(cell_clip) else cell_clip)
+
+
+def _reference_backward(grad_h, grad_c, gates, c_prev, cell_clip):
+    return vjp(lambda g, c: _reference_forward(g, c, cell_clip), (gates, c_prev), (grad_h, grad_c))
+
+
+def _probe(rows, cell):
+    def make(g):
+        return (randn(g, rows, 4 * cell), randn(g, rows, cell)), {"cell_clip": 3.0}
+    return make
+
+
+# --- the op --------------------------------------------------------------------------------------
+
 LSTM_CELL = Op(
     "lstm_cell", "(Tensor gates, Tensor c_prev, float cell_clip) -> (Tensor, Tensor)",
     lambda gates, c_prev, cell_clip: (c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)),
+    reference=lstm_cell_reference, reference_kernels=(_reference_forward, _reference_backward),
+    probes=(Probe("cell 32", _probe(16, 32)), Probe.real("ELMo, 64 x 4096", _probe(64, 4096))),
 ).differentiable(
     "(Tensor grad_h, Tensor grad_c, Tensor gates, Tensor c_prev, float cell_clip) -> (Tensor, Tensor)",
     lambda grad_h, grad_c, gates, c_prev, cell_clip: (gates.new_empty(gates.shape),

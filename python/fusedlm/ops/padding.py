@@ -10,11 +10,15 @@ data-dependent error, as for any unbacked size.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import check_index_data, choose, planner
+from ..backends.probes import Probe, padding, randn
 from . import _validate as check
 from ._op import Op
+
+__all__ = ["unpad", "pad"]
 
 
 def _check_size(name: str, value) -> None:
@@ -77,10 +81,28 @@ def _unpad_grad(ctx, grad, _grad_indices, _grad_cu_seqlens, _grad_max_seqlen):
     return (PAD(ctx.backend, grad, indices, ctx.batch, ctx.seqlen),)
 
 
+def unpad_reference(hidden, key_padding_mask):
+    """(packed [tokens, ...], indices, cu_seqlens int32 [batch + 1], max_seqlen) of the
+    non-padding positions of hidden [batch, seq, ...]; True in the mask = padding."""
+    keep = ~key_padding_mask
+    lengths = keep.sum(dim=1, dtype=torch.int32)
+    indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
+    cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+    packed = hidden.flatten(0, 1)[indices]
+    return packed, indices, cu_seqlens, int(lengths.max()) if lengths.numel() else 0
+
+
+def _unpad_probe(batch, seq, width):
+    def make(g):
+        return (randn(g, batch, seq, width), padding(g, batch, seq)), {}
+    return make
+
+
 # unpad's gradient is the pad op: no backward kernel of its own.
 UNPAD = Op(
     "unpad", "(Tensor hidden, Tensor key_padding_mask) -> (Tensor, Tensor, Tensor, SymInt)",
-    _unpad_fake,
+    _unpad_fake, reference=unpad_reference, reference_kernels=(unpad_reference, None),
+    probes=(Probe("3 x 20", _unpad_probe(3, 20, 64), differentiable=False),),
 ).differentiable(None, None, _unpad_setup, _unpad_grad)
 
 
@@ -117,9 +139,30 @@ def _pad_grad(ctx, grad):
     return (PAD.backward(ctx, grad, indices),)
 
 
+def pad_reference(packed, indices, batch, seqlen):
+    """Inverse of unpad: [batch, seqlen, ...] with zeros at the padding positions."""
+    out = packed.new_zeros((batch * seqlen, *packed.shape[1:]))
+    out[indices] = packed
+    return out.view(batch, seqlen, *packed.shape[1:])
+
+
+def _pad_reference_backward(grad, indices):
+    return grad.flatten(0, 1)[indices]
+
+
+def _pad_probe(batch, seq, width):
+    def make(g):
+        keep = ~padding(g, batch, seq)
+        indices = torch.nonzero(keep.flatten()).flatten()
+        return (randn(g, indices.numel(), width), indices, batch, seq), {}
+    return make
+
+
 PAD = Op(
     "pad", "(Tensor packed, Tensor indices, SymInt batch, SymInt seqlen) -> Tensor",
     lambda packed, indices, batch, seqlen: packed.new_empty((batch, seqlen, *packed.shape[1:])),
+    reference=pad_reference, reference_kernels=(pad_reference, _pad_reference_backward),
+    probes=(Probe("3 x 20", _pad_probe(3, 20, 64)),),
 ).differentiable(
     "(Tensor grad, Tensor indices) -> Tensor",
     lambda grad, indices: grad.new_empty((indices.shape[0], *grad.shape[2:])), _pad_setup, _pad_grad)
