@@ -235,3 +235,22 @@ def test_a_second_process_reads_the_result_from_disk(tmp_path):
                             text=True, check=True).stdout.split()
     assert int(first[0]) > 0 and first[1] == "1"  # checked: the probes ran the broken kernel
     assert second == ["0", "1"]  # read from disk: the kernel never ran, one warning again
+
+
+def test_a_check_inside_a_checkpointed_forward_leaves_the_checkpoint_intact(checks):
+    # Non-reentrant activation checkpointing counts the tensors autograd saves in the
+    # forward and again in the recomputation. A check at first use that ran its probes in
+    # the forward's thread added its own saved tensors to the first count only, and the
+    # backward raised a CheckpointError.
+    x = torch.randn(4, 9, 64, requires_grad=True)
+    b = torch.randn(64, requires_grad=True)
+
+    def block(x, b):
+        return F.bias_gelu(x, b).sum(-1)
+
+    out = torch.utils.checkpoint.checkpoint(block, x, b, use_reentrant=False)
+    out.sum().backward()
+    assert list((checks / "verified").glob("cpu-*.json"))  # the check did run, in the forward
+    x2, b2 = x.detach().requires_grad_(), b.detach().requires_grad_()
+    block(x2, b2).sum().backward()
+    torch.testing.assert_close((x.grad, b.grad), (x2.grad, b2.grad))

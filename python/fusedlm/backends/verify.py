@@ -22,6 +22,7 @@ keeps the backend it was traced with).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -142,8 +143,19 @@ def _may_check(device: torch.device) -> bool:
 def _check(op: str, backend: str, device: torch.device, dtype: torch.dtype,
            record: dict) -> Optional[str]:
     """None where every probe of op passes on backend (after turning off a broken kernel
-    path, if that is what it takes), else what failed."""
-    with suspended():
+    path, if that is what it takes), else what failed.
+
+    The probes run in a thread of their own, on the caller's device: the caller's
+    thread-local state (autograd's saved-tensor hooks, which activation checkpointing
+    counts on; autocast; grad and inference modes) neither reaches them nor is changed."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_check_in_this_thread, op, backend, device, dtype, record).result()
+
+
+def _check_in_this_thread(op: str, backend: str, device: torch.device, dtype: torch.dtype,
+                          record: dict) -> Optional[str]:
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with suspended(), on_device:
         for probe in probes.probes(op):
             failed = _run(probe, backend, device, dtype)
             if failed and backend == "cuda":
