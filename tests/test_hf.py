@@ -19,16 +19,23 @@ def _config(family, dropout=0.0, **overrides):
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=dropout,
                                        embd_pdrop=dropout, attn_pdrop=dropout, **common, **overrides)
+    if family == "distilbert":
+        return transformers.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                                             max_position_embeddings=64, dropout=dropout,
+                                             attention_dropout=dropout, **common, **overrides)
     cls = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig,
-           "electra": transformers.ElectraConfig}[family]
-    extra = {"embedding_size": 32} if family == "electra" else {}
+           "electra": transformers.ElectraConfig, "albert": transformers.AlbertConfig}[family]
+    extra = {"embedding_size": 32} if family in ("electra", "albert") else {}
     return cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                max_position_embeddings=64, hidden_dropout_prob=dropout,
                attention_probs_dropout_prob=dropout, **common, **extra, **overrides)
 
 
 MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
-          "electra": "ElectraForMaskedLM", "gpt2": "GPT2LMHeadModel"}
+          "electra": "ElectraForMaskedLM", "distilbert": "DistilBertForMaskedLM",
+          "albert": "AlbertForMaskedLM", "gpt2": "GPT2LMHeadModel"}
+# The layers a family's config builds: ALBERT's share one set of weights, one module.
+LAYER_MODULES = {"albert": 1}
 
 
 def _pair(family, dtype=torch.float32, **config):
@@ -111,8 +118,9 @@ def test_report_names_every_fused_block_and_patching_twice_changes_nothing(famil
     report = fusedlm.patch_report(patched)
     rules = list(report.replaced.values())
     assert report.replaced[""].startswith(MODELS[family])
-    assert sum("attention" in r for r in rules) == 2  # one per layer
-    assert sum("GELU" in r for r in rules) == 2
+    layers = LAYER_MODULES.get(family, 2)
+    assert sum("attention" in r for r in rules) == layers  # one per layer module
+    assert sum("GELU" in r for r in rules) == layers
     assert type(patched) is type(reference)
     assert patched.config._attn_implementation == NAME != reference.config._attn_implementation
     before = dict(report.replaced)
@@ -243,3 +251,18 @@ def test_gpt2_generation_with_cache_and_left_padding_matches():
     assert torch.equal(out.sequences, expected.sequences)
     for step, (score, ref_score) in enumerate(zip(out.scores, expected.scores)):
         _assert_close(score, ref_score, 1e-4, f"scores of step {step}")
+
+
+def test_gradient_checkpointing_works_on_fused_distilbert_blocks():
+    # The fused block replaces a transformers GradientCheckpointingLayer: checkpointing
+    # switched on before or after patching recomputes it, with the same gradients.
+    reference, patched = _pair("distilbert")
+    for model in (reference, patched):  # transformers 5.x renamed it
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    batch = _batch("distilbert")
+    reference.train()
+    patched.train()
+    reference(**batch).loss.backward()
+    patched(**batch).loss.backward()
+    assert all(layer.gradient_checkpointing for layer in patched.distilbert.transformer.layer)
+    _assert_grads_match(patched, reference, 1e-4)

@@ -1,4 +1,5 @@
-"""Rules for Hugging Face transformers models: BERT, RoBERTa, ELECTRA and GPT-2.
+"""Rules for Hugging Face transformers models: BERT, RoBERTa, ELECTRA, DistilBERT, ALBERT
+and GPT-2.
 
 - self-attention: the module is unchanged, and the model runs the "fusedlm" attention
   implementation (hf/attention.py). transformers picks the implementation (of the
@@ -6,8 +7,10 @@
   object may serve several models, so the switch is made on a copy that every module
   of the patched model holding that config gets in its place: models sharing the
   original keep their implementation;
-- BERT-style SelfOutput/Output and Intermediate, GPT-2's MLP: fused blocks
-  (hf/layers.py) holding the same submodules;
+- BERT-style SelfOutput/Output and Intermediate, GPT-2's MLP, DistilBERT's
+  TransformerBlock, ALBERT's AlbertAttention and AlbertLayer (one object that every layer
+  of its group runs, so it is fused once): fused blocks (hf/layers.py) holding the same
+  submodules;
 - masked-LM and causal-LM models: the loss runs through the fused head (hf/heads.py).
 
 Each rule matches one exact class of one model family. A module whose layout this
@@ -24,7 +27,8 @@ from transformers import activations
 from .. import PATCHED, Rule, register
 from . import attention
 from .heads import LMHead, bind
-from .layers import AddNormOutput, GeluIntermediate, GeluMLP
+from .layers import (AddNormOutput, AlbertAttentionAddNorm, AlbertFusedLayer, DistilBertBlock,
+                     GeluIntermediate, GeluMLP)
 
 VERSION = transformers.__version__
 _ATTENTION_UNAVAILABLE = attention.register()
@@ -91,24 +95,70 @@ def _add_norm(module: nn.Module):
         module.dense, _handled(module.LayerNorm), module.dropout)
 
 
+def _gelu_of(act: nn.Module):
+    """(approximate, None), or (None, why) for an activation that is not a GELU fusedlm computes."""
+    approximate = _approximate(act)
+    if approximate is None:
+        return None, f"activation {type(act).__name__} is not a GELU fusedlm computes"
+    return approximate, None
+
+
 def _intermediate(module: nn.Module):
     why = _layout(module, "dense", "intermediate_act_fn")
     if why:
         return why
-    approximate = _approximate(module.intermediate_act_fn)
-    if approximate is None:
-        return f"activation {type(module.intermediate_act_fn).__name__} is not a GELU fusedlm computes"
-    return GeluIntermediate(module.dense, approximate)
+    approximate, why = _gelu_of(module.intermediate_act_fn)
+    return why or GeluIntermediate(module.dense, approximate)
+
+
+def _distilbert_block(module: nn.Module):
+    why = (_layout(module, "attention", "sa_layer_norm", "ffn", "output_layer_norm")
+           or _layout(module.ffn, "lin1", "lin2", "activation", "dropout"))
+    if why:
+        return why
+    if getattr(module.ffn, "chunk_size_feed_forward", 0):
+        return "chunk_size_feed_forward is set (the fused FFN runs whole)"
+    approximate, why = _gelu_of(module.ffn.activation)
+    if why:
+        return why
+    _handled(module.sa_layer_norm)
+    _handled(module.output_layer_norm)
+    return DistilBertBlock(module, approximate)
+
+
+def _albert_attention(module: nn.Module):
+    why = _layout(module, "query", "key", "value", "dense", "LayerNorm", "attention_dropout",
+                  "output_dropout", "attention_head_size", "scaling")
+    if why:
+        return why
+    checked = _attention(module)
+    if isinstance(checked, str):
+        return checked
+    fused = AlbertAttentionAddNorm(module)
+    setattr(fused, attention.MARK, True)
+    _handled(module.LayerNorm)
+    return fused
+
+
+def _albert_layer(module: nn.Module):
+    why = _layout(module, "attention", "ffn", "ffn_output", "activation", "full_layer_layer_norm")
+    if why:
+        return why
+    if getattr(module, "chunk_size_feed_forward", 0):
+        return "chunk_size_feed_forward is set (the fused FFN runs whole)"
+    approximate, why = _gelu_of(module.activation)
+    if why:
+        return why
+    _handled(module.full_layer_layer_norm)
+    return AlbertFusedLayer(module, approximate)
 
 
 def _gpt2_mlp(module: nn.Module):
     why = _layout(module, "c_fc", "c_proj", "act", "dropout")
     if why:
         return why
-    approximate = _approximate(module.act)
-    if approximate is None:
-        return f"activation {type(module.act).__name__} is not a GELU fusedlm computes"
-    return GeluMLP(module.c_fc, module.c_proj, module.dropout, approximate)
+    approximate, why = _gelu_of(module.act)
+    return why or GeluMLP(module.c_fc, module.c_proj, module.dropout, approximate)
 
 
 def _handled(layer_norm: nn.LayerNorm) -> nn.LayerNorm:
@@ -145,6 +195,15 @@ def _gpt2_transform(model, hidden):
     return hidden
 
 
+def _distilbert_transform(model, hidden):
+    return model.vocab_layer_norm(model.activation(model.vocab_transform(hidden)))
+
+
+def _albert_transform(model, hidden):
+    head = model.predictions
+    return head.LayerNorm(head.activation(head.dense(hidden)))
+
+
 def _families():
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, MaskedLMOutput
 
@@ -161,31 +220,51 @@ def _families():
         "GPT2LMHeadModel": (LMHead("transformer", _gpt2_transform, lambda m: m.lm_head,
                                    CausalLMOutputWithCrossAttentions, causal_extras, causal=True),
                             ("lm_head",)),
+        "DistilBertForMaskedLM": (LMHead("distilbert", _distilbert_transform,
+                                         lambda m: m.vocab_projector, MaskedLMOutput, mlm_extras),
+                                  ("vocab_transform", "activation", "vocab_layer_norm",
+                                   "vocab_projector")),
+        "AlbertForMaskedLM": (LMHead("albert", _albert_transform, lambda m: m.predictions.decoder,
+                                     MaskedLMOutput, mlm_extras), ("predictions",)),
     }
+    add_norm = "dropout + residual add + LayerNorm"
     blocks = {}
     for prefix in ("Bert", "Roberta", "Electra"):
         blocks[f"{prefix}SelfAttention"] = ("attention", _attention)
-        blocks[f"{prefix}SelfOutput"] = ("dropout + residual add + LayerNorm", _add_norm)
-        blocks[f"{prefix}Output"] = ("dropout + residual add + LayerNorm", _add_norm)
+        blocks[f"{prefix}SelfOutput"] = (add_norm, _add_norm)
+        blocks[f"{prefix}Output"] = (add_norm, _add_norm)
         blocks[f"{prefix}Intermediate"] = ("bias + GELU", _intermediate)
+    blocks["DistilBertSelfAttention"] = ("attention", _attention)
+    blocks["DistilBert:TransformerBlock"] = (f"{add_norm} twice, bias + GELU", _distilbert_block)
+    blocks["AlbertAttention"] = (f"attention, {add_norm}", _albert_attention)
+    blocks["AlbertLayer"] = ("bias + GELU, residual add + LayerNorm", _albert_layer)
     blocks["GPT2Attention"] = ("attention", _attention)
     blocks["GPT2MLP"] = ("bias + GELU", _gpt2_mlp)
     return heads, blocks
 
 
-def _model_module(class_name: str):
-    family = {"Bert": "bert", "Roberta": "roberta", "Electra": "electra", "GPT2": "gpt2"}
-    prefix = next(p for p in sorted(family, key=len, reverse=True) if class_name.startswith(p))
-    return importlib.import_module(f"transformers.models.{family[prefix]}.modeling_{family[prefix]}")
+_FAMILIES = {"Bert": "bert", "Roberta": "roberta", "Electra": "electra", "DistilBert": "distilbert",
+             "Albert": "albert", "GPT2": "gpt2"}
+
+
+def _model_class(name: str):
+    """transformers' class ``name``, of the family its prefix names; "Family:Class" for a
+    class whose name has no family prefix (DistilBERT's TransformerBlock)."""
+    prefix, _, bare = name.rpartition(":")
+    family = _FAMILIES[prefix] if prefix else next(
+        _FAMILIES[p] for p in sorted(_FAMILIES, key=len, reverse=True) if name.startswith(p))
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return getattr(module, bare)
 
 
 def _register_all() -> None:
     heads, blocks = _families()
     for name, (what, replace) in blocks.items():
-        cls = getattr(_model_module(name), name)
-        register(Rule(f"{name} -> fusedlm {what}", lambda m, cls=cls: type(m) is cls, replace))
+        cls = _model_class(name)
+        register(Rule(f"{cls.__name__} -> fusedlm {what}", lambda m, cls=cls: type(m) is cls,
+                      replace))
     for name, (head, attrs) in heads.items():
-        cls = getattr(_model_module(name), name)
+        cls = _model_class(name)
         register(Rule(f"{name} loss -> fusedlm masked_lm_loss", lambda m, cls=cls: type(m) is cls,
                       _head_rule(head, *attrs)))
     register(finish=_switch_configs)

@@ -9,6 +9,14 @@ block it replaces, and computes the same function:
   into the GELU.
 - GeluMLP: GPT-2's MLP, dropout(c_proj(gelu(c_fc(h)))) over Conv1D weights
   ([in, out]), with c_fc's bias fused into the GELU.
+- DistilBertBlock: DistilBERT's TransformerBlock, whose two residual adds and
+  LayerNorms sit in the block: each in one add_layer_norm (the FFN's dropout in the
+  second), lin1's bias fused into the GELU.
+- AlbertAttentionAddNorm: ALBERT's AlbertAttention, fused attention then
+  LayerNorm(dropout(dense(a)) + h) in one add_layer_norm.
+- AlbertFusedLayer: ALBERT's AlbertLayer (one object, shared by every layer of its
+  group), LayerNorm(ffn_output(gelu(ffn(a))) + a) with ffn's bias fused into the GELU
+  and the add and norm in one add_layer_norm.
 
 Under autocast they compute in the dtypes the unpatched blocks do (fusedlm.nn's
 autocast rules): GELU in the autocast dtype of the product before it, the norm in
@@ -21,6 +29,25 @@ from torch import Tensor, nn
 
 from ... import ops
 from ...nn._autocast import lower, widen
+from . import attention
+
+try:  # transformers >= 4.52: the base of layers that take gradient checkpointing
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:
+    GradientCheckpointingLayer = nn.Module
+
+
+def _add_norm(x: Tensor, residual: Tensor, layer_norm: nn.LayerNorm, dropout_p: float) -> Tensor:
+    """layer_norm(dropout(x) + residual) in one add_layer_norm."""
+    x, residual, weight, bias = widen(x, residual, layer_norm.weight, layer_norm.bias)
+    out, _ = ops.add_layer_norm(x, residual, weight, bias, layer_norm.eps, dropout_p=dropout_p)
+    return out
+
+
+def _gelu_linear(x: Tensor, linear: nn.Linear, approximate: str) -> Tensor:
+    """gelu(linear(x)), the bias added inside the GELU."""
+    pre, bias = lower(F.linear(x, linear.weight), linear.bias)
+    return ops.bias_gelu(pre, bias, approximate)
 
 
 class AddNormOutput(nn.Module):
@@ -29,11 +56,8 @@ class AddNormOutput(nn.Module):
         self.dense, self.LayerNorm, self.dropout = dense, layer_norm, dropout
 
     def forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
-        x, residual, weight, bias = widen(self.dense(hidden_states), input_tensor,
-                                          self.LayerNorm.weight, self.LayerNorm.bias)
-        out, _ = ops.add_layer_norm(x, residual, weight, bias, self.LayerNorm.eps,
-                                    dropout_p=self.dropout.p if self.training else 0.0)
-        return out
+        return _add_norm(self.dense(hidden_states), input_tensor, self.LayerNorm,
+                         self.dropout.p if self.training else 0.0)
 
 
 class GeluIntermediate(nn.Module):
@@ -43,8 +67,7 @@ class GeluIntermediate(nn.Module):
         self.approximate = approximate
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        pre, bias = lower(F.linear(hidden_states, self.dense.weight), self.dense.bias)
-        return ops.bias_gelu(pre, bias, self.approximate)
+        return _gelu_linear(hidden_states, self.dense, self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
@@ -61,6 +84,67 @@ class GeluMLP(nn.Module):
         pre, bias = lower(torch.matmul(hidden_states, self.c_fc.weight), self.c_fc.bias)
         act = ops.bias_gelu(pre, bias, self.approximate)
         return self.dropout(self.c_proj(act))
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class DistilBertBlock(GradientCheckpointingLayer):
+    def __init__(self, block: nn.Module, approximate: str):
+        super().__init__()
+        self.attention, self.ffn = block.attention, block.ffn
+        self.sa_layer_norm, self.output_layer_norm = block.sa_layer_norm, block.output_layer_norm
+        self.approximate = approximate
+        # Gradient checkpointing switched on before patching stays on.
+        for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+            if name in vars(block):
+                setattr(self, name, vars(block)[name])
+
+    def forward(self, hidden_states: Tensor, attention_mask=None, **kwargs) -> Tensor:
+        attention_output, _ = self.attention(hidden_states, attention_mask=attention_mask, **kwargs)
+        attention_output = _add_norm(attention_output, hidden_states, self.sa_layer_norm, 0.0)
+        ffn = self.ffn
+        ffn_output = ffn.lin2(_gelu_linear(attention_output, ffn.lin1, self.approximate))
+        return _add_norm(ffn_output, attention_output, self.output_layer_norm,
+                         ffn.dropout.p if self.training else 0.0)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class AlbertAttentionAddNorm(nn.Module):
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.config, self.is_causal = module.config, module.is_causal
+        self.attention_head_size, self.scaling = module.attention_head_size, module.scaling
+        self.query, self.key, self.value, self.dense = module.query, module.key, module.value, module.dense
+        self.attention_dropout, self.output_dropout = module.attention_dropout, module.output_dropout
+        self.LayerNorm = module.LayerNorm
+
+    def forward(self, hidden_states: Tensor, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
+        out, weights = attention.attention_forward(
+            self, q, k, v, attention_mask, scaling=self.scaling,
+            dropout=self.attention_dropout.p if self.training else 0.0, **kwargs)
+        out = self.dense(out.reshape(*hidden_states.shape[:-1], -1))
+        return _add_norm(out, hidden_states, self.LayerNorm,
+                         self.output_dropout.p if self.training else 0.0), weights
+
+
+class AlbertFusedLayer(nn.Module):
+    def __init__(self, layer: nn.Module, approximate: str):
+        super().__init__()
+        self.config = layer.config
+        self.attention, self.ffn, self.ffn_output = layer.attention, layer.ffn, layer.ffn_output
+        self.full_layer_layer_norm = layer.full_layer_layer_norm
+        self.approximate = approximate
+
+    def forward(self, hidden_states: Tensor, attention_mask=None, **kwargs) -> Tensor:
+        attention_output, _ = self.attention(hidden_states, attention_mask, **kwargs)
+        ffn_output = self.ffn_output(_gelu_linear(attention_output, self.ffn, self.approximate))
+        return _add_norm(ffn_output, attention_output, self.full_layer_layer_norm, 0.0)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
