@@ -25,6 +25,14 @@ def test_models_example_runs(tmp_path, monkeypatch):
     transformers.BertForMaskedLM.from_pretrained(tmp_path / "tiny-bert-trained")
 
 
+def test_roberta_example_runs(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(_python_block("RoBERTa"), "README.md", "exec"), scope)
+    assert scope["logits"].shape == (1, 4, 100)
+
+
 def test_electra_example_runs(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)

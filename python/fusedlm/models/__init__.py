@@ -1,5 +1,5 @@
 """Models of the pretraining era as transformers models on fusedlm's fused ops: BERT,
-ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
+RoBERTa, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
 
 Each class named as in transformers subclasses ``transformers.PreTrainedModel``, takes
 transformers' config class and loads the same checkpoints, so transformers' loader,
@@ -21,6 +21,9 @@ from .elmo import ELMo, ElmoBiLM, ElmoConfig
 from .gpt import GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
 from .kv_cache import FusedKVCache
 from .masking import mask_tokens
+from .roberta import (RobertaForMaskedLM, RobertaForQuestionAnswering,
+                      RobertaForSequenceClassification, RobertaForTokenClassification, RobertaModel,
+                      RobertaPreTrainedModel)
 
 __all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
@@ -28,4 +31,6 @@ __all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "ElectraForPreTraining", "ElectraForQuestionAnswering", "ElectraForSequenceClassification",
            "ElectraForTokenClassification", "ElectraModel", "ElectraPreTrainedModel", "ELMo", "ElmoBiLM",
            "ElmoConfig", "FusedKVCache", "GPT2LMHeadModel", "GPT2Model", "GPT2PreTrainedModel",
-           "mask_tokens"]
+           "mask_tokens", "RobertaForMaskedLM", "RobertaForQuestionAnswering",
+           "RobertaForSequenceClassification", "RobertaForTokenClassification", "RobertaModel",
+           "RobertaPreTrainedModel"]

@@ -15,7 +15,7 @@ The masked-LM head in training with labels projects only the labelled rows
 
 Shapes: B batch, T tokens, H hidden, nh heads, hs head size, V vocab.
 """
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -233,12 +233,12 @@ def dense_gelu(dense: nn.Linear, x: Tensor, approximate: str) -> Tensor:
     return ops.bias_gelu(pre, bias, approximate)
 
 
-def masked_lm(transform: nn.Module, decoder: nn.Linear, hidden: Tensor, labels: Optional[Tensor],
+def masked_lm(transform: Callable[[Tensor], Tensor], decoder: nn.Linear, hidden: Tensor, labels: Optional[Tensor],
               fused_loss: nn.Module, logits_wanted: bool) -> tuple:
-    """(loss or None, logits [B, T, V] or None) of a masked-LM head: ``transform`` then the
-    ``decoder`` projection. In training with labels, unless ``logits_wanted``, only the
+    """(loss or None, logits [B, T, V] or None) of a masked-LM head: ``transform`` (a
+    callable) then the ``decoder`` projection. In training with labels, unless ``logits_wanted``, only the
     labelled rows are transformed and projected, by one fused loss."""
-    if labels is not None and transform.training and not logits_wanted and is_plain_linear(decoder):
+    if labels is not None and decoder.training and not logits_wanted and is_plain_linear(decoder):
         rows = labels != IGNORE_INDEX
         return fused_loss(transform(hidden[rows]), decoder.weight, labels[rows], decoder.bias), None
     logits = decoder(transform(hidden))
