@@ -20,7 +20,8 @@ from fusedlm.cli.train import read_metrics
 from fusedlm.cli.tokenizer import load as load_tokenizer
 from fusedlm.models import (BertForMaskedLM, BertForSequenceClassification,
                             BertForTokenClassification, ElectraForJointPreTraining,
-                            ElectraForPreTraining, ELMo, ElmoBiLM)
+                            ElectraForPreTraining, ELMo, ElmoBiLM, RobertaForMaskedLM,
+                            RobertaForSequenceClassification)
 from fusedlm.models.gpt import GPT2LMHeadModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -415,6 +416,49 @@ def test_finetune_bad_input(capsys, tmp_path, bert):
     assert code == 2 and "already holds a checkpoint" in err
 
 
+def test_roberta_pretrain_then_fill_mask_embed_and_finetune(capsys, tmp_path, corpus):
+    out = tmp_path / "roberta"
+    code, _, err = run_cli(capsys, "pretrain", "--model", "roberta", "--corpus", corpus,
+                           "--steps", 6, "--out", out, *TINY)
+    assert code == 0, err
+    record = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in record] == list(range(1, 7)) and record[-1]["loss"] < record[0]["loss"]
+    model = RobertaForMaskedLM.from_pretrained(out).eval()
+    config = model.config
+    assert config.type_vocab_size == 1 and config.max_position_embeddings == config.pad_token_id + 513
+    tokenizer = load_tokenizer(out)
+    ids = tokenizer.encode("Return the <mask> of the list.").ids
+    # Byte-level BPE framed as RoBERTa's: <s> text </s>, the mask one token.
+    assert ids[0] == tokenizer.token_to_id("<s>") and ids[-1] == tokenizer.token_to_id("</s>")
+    mask = tokenizer.token_to_id("<mask>")
+    assert ids.count(mask) == 1
+
+    code, text, err = run_cli(capsys, "fill-mask", "--model", out, "--top-k", 2, "--device", "cpu",
+                              "Return the <mask> of the list.")
+    assert code == 0, err
+    with torch.no_grad():
+        best = model(torch.tensor([ids])).logits[0, ids.index(mask)].topk(2).indices.tolist()
+    first = text.splitlines()[0]
+    assert first.startswith("<mask> 1: ")
+    assert [c.rsplit(" (", 1)[0] for c in first.split(": ", 1)[1].split(", ")] == \
+        [tokenizer.decode([t]) for t in best]
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Return the value.\n")
+    code, _, err = run_cli(capsys, "embed", "--model", out, lines, "--out", tmp_path / "v.npy",
+                           "--device", "cpu")
+    assert code == 0, err
+
+    data = _labelled_data(tmp_path)
+    code, _, err = run_cli(capsys, "finetune", "--model", out, "--task", "classify", "--train",
+                           data / "classify_train.csv", "--eval", data / "classify_eval.jsonl",
+                           "--epochs", 1, "--batch-size", 8, "--device", "cpu",
+                           "--out", tmp_path / "classify")
+    assert code == 0, err
+    classifier = RobertaForSequenceClassification.from_pretrained(tmp_path / "classify")
+    assert classifier.config.num_labels == 2
+
+
 def test_electra_pretrain_exports_the_discriminator(capsys, tmp_path, corpus):
     out = tmp_path / "electra"
     code, _, err = run_cli(capsys, "pretrain", "--model", "electra", "--corpus", corpus,
@@ -468,4 +512,4 @@ def test_elmo_pretrain_then_embed(capsys, tmp_path, corpus):
                   (["Return", "the", "value", "."], ["Raise", "ValueError"])]
     torch.testing.assert_close(vectors, torch.stack(expect), atol=1e-5, rtol=1e-5)
     code, _, err = run_cli(capsys, "fill-mask", "--model", out, "a [MASK]")
-    assert code == 2 and "fill-mask needs a bert or electra model, not elmo" in err
+    assert code == 2 and "fill-mask needs a bert or electra or roberta model, not elmo" in err

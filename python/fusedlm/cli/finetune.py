@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     lr = args.lr or _default_lr(model.config.hidden_size)
     index = {name: i for i, name in enumerate(names)}
     train_set, test_set = (_encode(tokenizer, e, index, args.task) for e in (train, test))
-    pad = tok.special_id(tokenizer, "[PAD]")
+    pad = tok.role_id(tokenizer, "pad")
 
     batches = -(-len(train_set) // args.batch_size)
     trainer = Trainer(model, lr=lr, warmup=int(args.warmup * batches * args.epochs),

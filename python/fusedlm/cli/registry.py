@@ -144,14 +144,17 @@ GPT = ModelSpec(
 def _bert_config(config_class, size: Size, tokenizer, dropout: Optional[float], **extra):
     if dropout is not None:
         extra.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    extra.setdefault("max_position_embeddings", 512)
     return config_class(vocab_size=tokenizer.get_vocab_size(), hidden_size=size.hidden,
                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                        intermediate_size=4 * size.hidden, max_position_embeddings=512,
-                        pad_token_id=tok.special_id(tokenizer, "[PAD]"), **extra)
+                        intermediate_size=4 * size.hidden,
+                        pad_token_id=tok.role_id(tokenizer, "pad"), **extra)
 
 
 def _bert_blocks(documents, tokenizer, seq_len: int) -> Tensor:
-    cls, sep = (tok.special_id(tokenizer, t) for t in ("[CLS]", "[SEP]"))
+    """[CLS] text [SEP] blocks (RoBERTa: <s> text </s>), documents separated by [SEP]:
+    full sentences packed across document ends, as RoBERTa's FULL-SENTENCES."""
+    cls, sep = tok.role_id(tokenizer, "cls"), tok.role_id(tokenizer, "sep")
     return pack(token_ids(tokenizer, documents), seq_len, sep, prefix=(cls,), suffix=(sep,))
 
 
@@ -159,9 +162,8 @@ def _masked_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict
     from ..models import mask_tokens
 
     input_ids, labels = mask_tokens(
-        blocks, mask_token_id=tok.special_id(tokenizer, "[MASK]"),
-        vocab_size=tokenizer.get_vocab_size(),
-        special_token_ids=[tok.special_id(tokenizer, t) for t in tok.WORDPIECE_SPECIALS],
+        blocks, mask_token_id=tok.role_id(tokenizer, "mask"),
+        vocab_size=tokenizer.get_vocab_size(), special_token_ids=tok.special_ids(tokenizer),
         generator=generator)
     return {"input_ids": input_ids, "labels": labels}
 
@@ -177,8 +179,9 @@ def _max_positions(config) -> int:
 
 def _encoder_hidden(model, tokenizer, texts, device) -> tuple:
     """``hidden`` of a transformer encoder (BertModel, ElectraModel): WordPiece, padded."""
-    tokenizer.enable_truncation(_max_positions(model.config))
-    tokenizer.enable_padding(pad_id=tok.special_id(tokenizer, "[PAD]"), pad_token="[PAD]")
+    tokenizer.enable_truncation(SPECS_BY_TYPE[model.config.model_type].positions(model.config))
+    pad = tok.role(tokenizer, "pad")
+    tokenizer.enable_padding(pad_id=tokenizer.token_to_id(pad), pad_token=pad)
     batch = tokenizer.encode_batch(texts)
     ids = torch.tensor([e.ids for e in batch], device=device)
     mask = torch.tensor([e.attention_mask for e in batch], device=device)
@@ -220,6 +223,46 @@ BERT = ModelSpec(
                                new=("classifier.",))},
     positions=_max_positions, hidden=_encoder_hidden,
     layers=lambda model: list(model.bert.encoder.layer))
+
+
+# RoBERTa: byte-level BPE, <s> block </s>, no next-sentence task, BERT's dynamic masking
+# drawn for each global batch.
+
+def _roberta_build(size: Size, tokenizer, dropout: Optional[float]):
+    from transformers import RobertaConfig
+
+    from ..models.roberta import RobertaForMaskedLM
+
+    bos, eos = tok.role_id(tokenizer, "cls"), tok.role_id(tokenizer, "sep")
+    # 512 positions after pad_token_id's (RoBERTa's table of 514 for <pad> = 1).
+    pad = tok.role_id(tokenizer, "pad")
+    return RobertaForMaskedLM(_bert_config(RobertaConfig, size, tokenizer, dropout, type_vocab_size=1,
+                                           max_position_embeddings=pad + 513, bos_token_id=bos,
+                                           eos_token_id=eos))
+
+
+def _roberta_positions(config) -> int:
+    """RoBERTa's positions start at pad_token_id + 1."""
+    return config.max_position_embeddings - config.pad_token_id - 1
+
+
+ROBERTA_HEADS = ("lm_head.", "pooler.", "classifier.", "qa_outputs.")
+
+ROBERTA = ModelSpec(
+    name="roberta", model_type="roberta", tokenizer="roberta-bpe", build=_roberta_build,
+    blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
+    heads={"pretrain": loading.Head("roberta.RobertaForMaskedLM"),
+           "fill-mask": loading.Head("roberta.RobertaForMaskedLM", unused=ROBERTA_HEADS,
+                                     what="masked-LM head",
+                                     hint="fill-mask needs a RobertaForMaskedLM folder"),
+           "embed": loading.Head("roberta.RobertaModel", unused=ROBERTA_HEADS,
+                                 kwargs={"add_pooling_layer": False}),
+           "classify": loading.Head("roberta.RobertaForSequenceClassification",
+                                    unused=ROBERTA_HEADS, new=("classifier.",)),
+           "tag": loading.Head("roberta.RobertaForTokenClassification", unused=ROBERTA_HEADS,
+                               new=("classifier.",))},
+    positions=_roberta_positions, hidden=_encoder_hidden,
+    layers=lambda model: list(model.roberta.encoder.layer))
 
 
 def _electra_build(size: Size, tokenizer, dropout: Optional[float]):
@@ -354,8 +397,9 @@ ELMO = ModelSpec(
     export=_elmo_export, hidden=_elmo_hidden,
     layers=lambda model: [*model.lstm.forward_layers, *model.lstm.backward_layers])
 
-SPECS = {spec.name: spec for spec in (BERT, ELECTRA, ELMO, GPT)}
+SPECS = {spec.name: spec for spec in (BERT, ROBERTA, ELECTRA, ELMO, GPT)}
+SPECS_BY_TYPE = {spec.model_type: spec for spec in SPECS.values()}
 
 
 def by_model_type(model_type: str) -> Optional[ModelSpec]:
-    return next((s for s in SPECS.values() if s.model_type == model_type), None)
+    return SPECS_BY_TYPE.get(model_type)

@@ -2,9 +2,13 @@
 corpus and saved with the model as ``tokenizer.json``.
 
 ``wordpiece``: BERT's (lower-cased, [CLS] text [SEP]); ``bpe``: GPT-2's byte-level BPE,
-whose <|endoftext|> separates documents; ``words``: ELMo's softmax vocabulary, the most
-frequent words (case kept) and [UNK] (ELMo reads each word's characters; the ids only
-name the word to predict).
+whose <|endoftext|> separates documents; ``roberta-bpe``: RoBERTa's byte-level BPE
+(case kept, <s> text </s>, <pad> and <mask>); ``words``: ELMo's softmax vocabulary, the
+most frequent words (case kept) and [UNK] (ELMo reads each word's characters; the ids
+only name the word to predict).
+
+The encoders' special tokens are known by their role (:func:`role_id`): [PAD] or <pad>,
+[CLS] or <s>, [SEP] or </s>, [MASK] or <mask>, [UNK] or <unk>.
 """
 from __future__ import annotations
 
@@ -15,7 +19,11 @@ from .errors import UsageError
 
 FILE_NAME = "tokenizer.json"
 WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 ENDOFTEXT = "<|endoftext|>"
+# Each role's token in a WordPiece vocabulary and in RoBERTa's.
+ROLES = {"pad": ("[PAD]", "<pad>"), "cls": ("[CLS]", "<s>"), "sep": ("[SEP]", "</s>"),
+         "mask": ("[MASK]", "<mask>"), "unk": ("[UNK]", "<unk>")}
 
 
 def _tokenizers():
@@ -28,7 +36,8 @@ def _tokenizers():
 
 
 def train(kind: str, documents: Sequence[str], vocab_size: int):
-    """A ``kind`` tokenizer ("wordpiece", "bpe" or "words") of at most vocab_size tokens."""
+    """A ``kind`` tokenizer ("wordpiece", "bpe", "roberta-bpe" or "words") of at most
+    vocab_size tokens."""
     tk = _tokenizers()
     if kind == "wordpiece":
         tokenizer = tk.Tokenizer(tk.models.WordPiece(unk_token="[UNK]"))
@@ -60,6 +69,17 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
                                          initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
                                          show_progress=False)
         tokenizer.train_from_iterator(documents, trainer)
+    elif kind == "roberta-bpe":
+        tokenizer = tk.Tokenizer(tk.models.BPE())
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(ROBERTA_SPECIALS),
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+                                         show_progress=False)
+        tokenizer.train_from_iterator(documents, trainer)
+        tokenizer.post_processor = tk.processors.RobertaProcessing(
+            ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")),
+            add_prefix_space=False)
     elif kind == "words":
         tokenizer = tk.Tokenizer(tk.models.WordLevel(unk_token="[UNK]"))
         tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
@@ -99,3 +119,29 @@ def special_id(tokenizer, token: str) -> int:
     if index is None:
         raise UsageError(f"the tokenizer has no {token} token")
     return index
+
+
+def role(tokenizer, name: str) -> str:
+    """The token of special role ``name`` (see ROLES) in this tokenizer's vocabulary."""
+    token = next((t for t in ROLES[name] if tokenizer.token_to_id(t) is not None), None)
+    if token is None:
+        raise UsageError(f"the tokenizer has no {' or '.join(ROLES[name])} token")
+    return token
+
+
+def role_id(tokenizer, name: str) -> int:
+    return tokenizer.token_to_id(role(tokenizer, name))
+
+
+def special_ids(tokenizer) -> list:
+    """The ids of every role's token the vocabulary has."""
+    return [i for tokens in ROLES.values() for t in tokens
+            if (i := tokenizer.token_to_id(t)) is not None]
+
+
+def shown(tokenizer, token_id: int) -> str:
+    """A token as a person reads it: byte-level BPE's decoded (its Ġ a space), others' as
+    the vocabulary writes them (WordPiece's ##ing)."""
+    if type(tokenizer.decoder).__name__ == "ByteLevel":
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.id_to_token(token_id)
