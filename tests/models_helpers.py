@@ -236,7 +236,8 @@ def assert_attentions_and_outputs_match(ours, theirs, batch: dict, layers: int) 
     """With output_attentions and output_hidden_states, ours (the reference attention path)
     gives theirs' weights and hidden states at real tokens and the fused path's logits;
     the output indexes as transformers' (index, key, attribute, return_dict=False)."""
-    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    names = inspect.signature(ours.forward).parameters  # DistilBERT takes no token types
+    args = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in names}
     with torch.no_grad():
         a = ours(**args, output_attentions=True, output_hidden_states=True)
         b = theirs(**args, output_attentions=True, output_hidden_states=True)

@@ -33,6 +33,14 @@ def test_roberta_example_runs(tmp_path, monkeypatch):
     assert scope["logits"].shape == (1, 4, 100)
 
 
+def test_distilbert_example_runs(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(_python_block("DistilBERT"), "README.md", "exec"), scope)
+    assert scope["logits"].shape == (1, 2)
+
+
 def test_electra_example_runs(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,5 @@
 """Models of the pretraining era as transformers models on fusedlm's fused ops: BERT,
-RoBERTa, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
+RoBERTa, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
 
 Each class named as in transformers subclasses ``transformers.PreTrainedModel``, takes
 transformers' config class and loads the same checkpoints, so transformers' loader,
@@ -14,6 +14,9 @@ except ImportError as e:
 from .bert import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                    BertForSequenceClassification, BertForTokenClassification, BertModel,
                    BertPreTrainedModel)
+from .distilbert import (DistilBertForMaskedLM, DistilBertForQuestionAnswering,
+                         DistilBertForSequenceClassification, DistilBertForTokenClassification,
+                         DistilBertModel, DistilBertPreTrainedModel)
 from .electra import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraForPreTraining,
                       ElectraForQuestionAnswering, ElectraForSequenceClassification,
                       ElectraForTokenClassification, ElectraModel, ElectraPreTrainedModel)
@@ -27,7 +30,9 @@ from .roberta import (RobertaForMaskedLM, RobertaForQuestionAnswering,
 
 __all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
-           "BertPreTrainedModel", "ElectraForJointPreTraining", "ElectraForMaskedLM",
+           "BertPreTrainedModel", "DistilBertForMaskedLM", "DistilBertForQuestionAnswering",
+           "DistilBertForSequenceClassification", "DistilBertForTokenClassification",
+           "DistilBertModel", "DistilBertPreTrainedModel", "ElectraForJointPreTraining", "ElectraForMaskedLM",
            "ElectraForPreTraining", "ElectraForQuestionAnswering", "ElectraForSequenceClassification",
            "ElectraForTokenClassification", "ElectraModel", "ElectraPreTrainedModel", "ELMo", "ElmoBiLM",
            "ElmoConfig", "FusedKVCache", "GPT2LMHeadModel", "GPT2Model", "GPT2PreTrainedModel",
