@@ -304,7 +304,7 @@ def head_cases(family: str, **own) -> dict:
     sequence), then the heads BERT and ELECTRA share (sequence classification with one
     label per class, regression and multi-label; token classification; QA), of
     fusedlm.models' and transformers' classes named ``family`` + "For...". Each case ends
-    with its config changes."""
+    with its config changes (an own case may give them as a sixth element)."""
     import fusedlm.models
 
     def case(head, renames, per_token, per_sequence, changes):
@@ -312,7 +312,7 @@ def head_cases(family: str, **own) -> dict:
                 changes)
 
     sequence = "ForSequenceClassification"
-    return {**{name: spec + ({},) for name, spec in own.items()},
+    return {**{name: spec if len(spec) == 6 else spec + ({},) for name, spec in own.items()},
             "sequence": case(sequence, {"labels": "class_labels"}, (), ("logits",), {}),
             "regression": case(sequence, {"labels": "regression_labels"}, (), ("logits",), {"num_labels": 1}),
             "multi_label": case(sequence, {"labels": "multi_labels"}, (), ("logits",), {"num_labels": 3}),

@@ -33,6 +33,13 @@ def test_roberta_example_runs(tmp_path, monkeypatch):
     assert scope["logits"].shape == (1, 4, 100)
 
 
+def test_albert_example_runs():
+    pytest.importorskip("transformers")
+    scope = {}
+    exec(compile(_python_block("ALBERT"), "README.md", "exec"), scope)
+    assert scope["out"].loss.isfinite() and scope["out"].sop_logits.shape == (2, 2)
+
+
 def test_distilbert_example_runs(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,5 @@
 """Models of the pretraining era as transformers models on fusedlm's fused ops: BERT,
-RoBERTa, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
+RoBERTa, ALBERT, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
 
 Each class named as in transformers subclasses ``transformers.PreTrainedModel``, takes
 transformers' config class and loads the same checkpoints, so transformers' loader,
@@ -11,6 +11,9 @@ except ImportError as e:
     raise ImportError("fusedlm.models needs transformers: pip install 'fusedlm[hf]' "
                       "(fusedlm.ops, fusedlm.nn and fusedlm.patch do not)") from e
 
+from .albert import (AlbertForMaskedLM, AlbertForPreTraining, AlbertForQuestionAnswering,
+                     AlbertForSequenceClassification, AlbertForTokenClassification, AlbertModel,
+                     AlbertPreTrainedModel)
 from .bert import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                    BertForSequenceClassification, BertForTokenClassification, BertModel,
                    BertPreTrainedModel)
@@ -28,7 +31,9 @@ from .roberta import (RobertaForMaskedLM, RobertaForQuestionAnswering,
                       RobertaForSequenceClassification, RobertaForTokenClassification, RobertaModel,
                       RobertaPreTrainedModel)
 
-__all__ = ["BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
+__all__ = ["AlbertForMaskedLM", "AlbertForPreTraining", "AlbertForQuestionAnswering",
+           "AlbertForSequenceClassification", "AlbertForTokenClassification", "AlbertModel",
+           "AlbertPreTrainedModel", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
            "BertPreTrainedModel", "DistilBertForMaskedLM", "DistilBertForQuestionAnswering",
            "DistilBertForSequenceClassification", "DistilBertForTokenClassification",

@@ -378,7 +378,8 @@ class BertModel(EncoderModel, BertPreTrainedModel):
 # --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
 
 def classifier_dropout(config) -> float:
-    return config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout
+    p = getattr(config, "classifier_dropout", None)  # ALBERT's config names it otherwise
+    return config.hidden_dropout_prob if p is None else p
 
 
 def classification_loss(logits: Tensor, labels: Tensor, config) -> Tensor:
