@@ -152,3 +152,12 @@ def test_targets_hold_each_row_to_its_backends_targets():
         ("masked_lm_loss forward [m] fusedlm[cuda]", "eager peak memory", 5.0): True,
         ("attention causal forward [1x16x2048x128 bfloat16] fusedlm[cuda]", "the ceiling", 0.75): False,
     }
+
+
+def test_bert_family_training_steps_run_against_transformers(capsys):
+    code, table, err = run_cli(capsys, "bench", "--quick", "--device", "cpu",
+                               "--models", "roberta", "albert", "distilbert")
+    assert code == 0, err
+    for family in ("RoBERTa", "ALBERT", "DistilBERT"):
+        rows = [line for line in table.splitlines() if line.startswith(f"{family} MLM training step [")]
+        assert any("transformers" in row for row in rows) and any("fusedlm" in row for row in rows), table

@@ -124,6 +124,17 @@ def _case(benchmark: str, shape: str, steps: dict, tokens: int, skipped: dict) -
     return Case(benchmark, shape, steps, unit="tokens/s", work=tokens, skipped=dict(skipped), slow=True)
 
 
+def _masked_lm_training(bench: Bench, family: str, model, batch: dict, twinned=None) -> Case:
+    """The training step of a masked-LM model of ``family``, and of its transformers twin
+    of the same weights (``twinned``: _transformers_twin's answer, when already asked)."""
+    z = sizes_for(bench)
+    twin, skipped = twinned or _transformers_twin(model, type(model).__name__, bench.device)
+    train = _train_step(batch)
+    steps = _ours(model, train) | {name: _step(lambda m=m: train(m)) for name, m in twin.items()}
+    return _case(f"{family} MLM training step", f"{z.batch}x{z.seq} padded, {LABELLED:.0%} labelled",
+                 steps, int(batch["attention_mask"].sum()), skipped)
+
+
 def bert(bench: Bench) -> Iterator[Case]:
     z = sizes_for(bench)
     import transformers
@@ -134,10 +145,7 @@ def bert(bench: Bench) -> Iterator[Case]:
     twin, skipped = _transformers_twin(model, "BertForMaskedLM", bench.device)
     batch = _padded_batch(bench, z)
     tokens = int(batch["attention_mask"].sum())
-    train = _train_step(batch)
-    steps = _ours(model, train) | {name: _step(lambda m=m: train(m)) for name, m in twin.items()}
-    yield _case("BERT MLM training step", f"{z.batch}x{z.seq} padded, {LABELLED:.0%} labelled",
-                steps, tokens, skipped)
+    yield _masked_lm_training(bench, "BERT", model, batch, (twin, skipped))
 
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
@@ -147,6 +155,40 @@ def bert(bench: Bench) -> Iterator[Case]:
 
     steps = _ours(model, forward) | {name: _step(lambda m=m: forward(m)) for name, m in twin.items()}
     yield _case("BERT MLM eval forward", f"{z.batch}x{z.seq} padded, logits", steps, tokens, skipped)
+
+
+def roberta(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    import transformers
+
+    # pad_token_id 0, the padding of _padded_batch (RoBERTa's positions skip it)
+    config = transformers.RobertaConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
+                                        num_attention_heads=z.heads, intermediate_size=z.ffn,
+                                        pad_token_id=0, type_vocab_size=1)
+    model = models.RobertaForMaskedLM(config).to(bench.device)
+    yield _masked_lm_training(bench, "RoBERTa", model, _padded_batch(bench, z))
+
+
+def albert(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    import transformers
+
+    # ALBERT-base's factorization (E = 128) and one set of layer weights for every layer
+    config = transformers.AlbertConfig(vocab_size=z.vocab, embedding_size=min(128, z.hidden),
+                                       hidden_size=z.hidden, num_hidden_layers=z.layers,
+                                       num_attention_heads=z.heads, intermediate_size=z.ffn, pad_token_id=0)
+    model = models.AlbertForMaskedLM(config).to(bench.device)
+    yield _masked_lm_training(bench, "ALBERT", model, _padded_batch(bench, z))
+
+
+def distilbert(bench: Bench) -> Iterator[Case]:
+    z = sizes_for(bench)
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=z.vocab, dim=z.hidden, n_layers=z.layers,
+                                           n_heads=z.heads, hidden_dim=z.ffn, pad_token_id=0)
+    model = models.DistilBertForMaskedLM(config).to(bench.device)
+    yield _masked_lm_training(bench, "DistilBERT", model, _padded_batch(bench, z))
 
 
 def electra(bench: Bench) -> Iterator[Case]:
@@ -274,5 +316,5 @@ def hf_bert(bench: Bench) -> Iterator[Case]:
     yield _case("transformers BERT MLM training step, patched", shape, steps, ids.numel(), {})
 
 
-MODELS = {"bert": bert, "gpt": gpt, "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer,
-          "hf-bert": hf_bert}
+MODELS = {"bert": bert, "roberta": roberta, "albert": albert, "distilbert": distilbert, "gpt": gpt,
+          "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer, "hf-bert": hf_bert}
