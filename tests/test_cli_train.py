@@ -416,13 +416,19 @@ def test_finetune_bad_input(capsys, tmp_path, bert):
     assert code == 2 and "already holds a checkpoint" in err
 
 
-def test_roberta_pretrain_then_fill_mask_embed_and_finetune(capsys, tmp_path, corpus):
-    out = tmp_path / "roberta"
-    code, _, err = run_cli(capsys, "pretrain", "--model", "roberta", "--corpus", corpus,
-                           "--steps", 6, "--out", out, *TINY)
+def _pretrained(capsys, model: str, corpus, out, steps: int):
+    """``fusedlm pretrain --model model`` for ``steps`` steps into out, its loss falling."""
+    code, _, err = run_cli(capsys, "pretrain", "--model", model, "--corpus", corpus,
+                           "--steps", steps, "--out", out, *TINY)
     assert code == 0, err
     record = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in record] == list(range(1, 7)) and record[-1]["loss"] < record[0]["loss"]
+    assert [r["step"] for r in record] == list(range(1, steps + 1))
+    assert record[-1]["loss"] < record[0]["loss"]
+
+
+def test_roberta_pretrain_then_fill_mask_embed_and_finetune(capsys, tmp_path, corpus):
+    out = tmp_path / "roberta"
+    _pretrained(capsys, "roberta", corpus, out, 6)
     model = RobertaForMaskedLM.from_pretrained(out).eval()
     config = model.config
     assert config.type_vocab_size == 1 and config.max_position_embeddings == config.pad_token_id + 513
@@ -461,11 +467,7 @@ def test_roberta_pretrain_then_fill_mask_embed_and_finetune(capsys, tmp_path, co
 
 def test_electra_pretrain_exports_the_discriminator(capsys, tmp_path, corpus):
     out = tmp_path / "electra"
-    code, _, err = run_cli(capsys, "pretrain", "--model", "electra", "--corpus", corpus,
-                           "--steps", 4, "--out", out, *TINY)
-    assert code == 0, err
-    record = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in record] == [1, 2, 3, 4] and record[-1]["loss"] < record[0]["loss"]
+    _pretrained(capsys, "electra", corpus, out, 4)
     whole = ElectraForJointPreTraining.from_pretrained(checkpoint.latest(out))
     exported = ElectraForPreTraining.from_pretrained(out)  # the discriminator
     for name, value in exported.state_dict().items():

@@ -157,38 +157,29 @@ def bert(bench: Bench) -> Iterator[Case]:
     yield _case("BERT MLM eval forward", f"{z.batch}x{z.seq} padded, logits", steps, tokens, skipped)
 
 
-def roberta(bench: Bench) -> Iterator[Case]:
-    z = sizes_for(bench)
-    import transformers
+def _family(name: str, title: str, config: Callable) -> Callable[[Bench], Iterator[Case]]:
+    """The masked-LM training step of fusedlm.models' ``name`` + "ForMaskedLM" built from
+    ``config(transformers, sizes)``, padded with id 0 (its pad_token_id)."""
+    def cases(bench: Bench) -> Iterator[Case]:
+        import transformers
 
-    # pad_token_id 0, the padding of _padded_batch (RoBERTa's positions skip it)
-    config = transformers.RobertaConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
-                                        num_attention_heads=z.heads, intermediate_size=z.ffn,
-                                        pad_token_id=0, type_vocab_size=1)
-    model = models.RobertaForMaskedLM(config).to(bench.device)
-    yield _masked_lm_training(bench, "RoBERTa", model, _padded_batch(bench, z))
+        z = sizes_for(bench)
+        model = getattr(models, f"{name}ForMaskedLM")(config(transformers, z)).to(bench.device)
+        yield _masked_lm_training(bench, title, model, _padded_batch(bench, z))
 
-
-def albert(bench: Bench) -> Iterator[Case]:
-    z = sizes_for(bench)
-    import transformers
-
-    # ALBERT-base's factorization (E = 128) and one set of layer weights for every layer
-    config = transformers.AlbertConfig(vocab_size=z.vocab, embedding_size=min(128, z.hidden),
-                                       hidden_size=z.hidden, num_hidden_layers=z.layers,
-                                       num_attention_heads=z.heads, intermediate_size=z.ffn, pad_token_id=0)
-    model = models.AlbertForMaskedLM(config).to(bench.device)
-    yield _masked_lm_training(bench, "ALBERT", model, _padded_batch(bench, z))
+    return cases
 
 
-def distilbert(bench: Bench) -> Iterator[Case]:
-    z = sizes_for(bench)
-    import transformers
-
-    config = transformers.DistilBertConfig(vocab_size=z.vocab, dim=z.hidden, n_layers=z.layers,
-                                           n_heads=z.heads, hidden_dim=z.ffn, pad_token_id=0)
-    model = models.DistilBertForMaskedLM(config).to(bench.device)
-    yield _masked_lm_training(bench, "DistilBERT", model, _padded_batch(bench, z))
+roberta = _family("Roberta", "RoBERTa", lambda t, z: t.RobertaConfig(
+    vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers, num_attention_heads=z.heads,
+    intermediate_size=z.ffn, pad_token_id=0, type_vocab_size=1))
+# ALBERT-base's factorization (E = 128) and one set of layer weights for every layer
+albert = _family("Albert", "ALBERT", lambda t, z: t.AlbertConfig(
+    vocab_size=z.vocab, embedding_size=min(128, z.hidden), hidden_size=z.hidden,
+    num_hidden_layers=z.layers, num_attention_heads=z.heads, intermediate_size=z.ffn, pad_token_id=0))
+distilbert = _family("DistilBert", "DistilBERT", lambda t, z: t.DistilBertConfig(
+    vocab_size=z.vocab, dim=z.hidden, n_layers=z.layers, n_heads=z.heads, hidden_dim=z.ffn,
+    pad_token_id=0))
 
 
 def electra(bench: Bench) -> Iterator[Case]:

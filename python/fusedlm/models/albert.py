@@ -21,17 +21,15 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 from transformers import AlbertConfig
-from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.albert.modeling_albert import AlbertForPreTrainingOutput
 
 from .. import ops
-from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear, padding_of, run_layers, run_stack
-from ..nn.attention import attention_with_weights
+from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertPreTrainedModel, EncoderModel,
                    EncoderTaskModel, LinearClassifierMixin, MaskedLMMixin, QuestionAnsweringMixin,
                    SequenceClassificationMixin, TokenClassificationMixin, dense_gelu, dropout_p, finish,
-                   masked_lm)
+                   masked_lm, run_encoder, self_attention)
 
 
 class AlbertAttention(nn.Module):
@@ -49,21 +47,9 @@ class AlbertAttention(nn.Module):
 
     def forward(self, x: Tensor, packing: Optional[tuple], padding: Optional[Tensor],
                 attentions: Optional[list]) -> Tensor:
-        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.query, self.key, self.value))
-        p = dropout_p(self, self.attention_dropout)
-        if packing is not None:
-            cu_seqlens, max_seqlen = packing
-            out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=p)
-        else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hs]
-            if attentions is not None:
-                out, weights = attention_with_weights(q, k, v, key_padding_mask=padding, dropout_p=p)
-                attentions.append(weights)
-            else:
-                out = ops.attention(q, k, v, key_padding_mask=padding, dropout_p=p)
-            out = out.transpose(1, 2)
-        out, _ = self.LayerNorm(self.dense(out.flatten(-2)), x,
-                                dropout_p=dropout_p(self, self.output_dropout))
+        a = self_attention(x, (self.query, self.key, self.value), self.heads, packing, padding, attentions,
+                           dropout_p(self, self.attention_dropout))
+        out, _ = self.LayerNorm(self.dense(a), x, dropout_p=dropout_p(self, self.output_dropout))
         return out
 
 
@@ -112,16 +98,8 @@ class AlbertTransformer(nn.Module):
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
                 output_attentions: bool) -> tuple:
-        x = self.embedding_hidden_mapping_in(x)
-        if not output_attentions:
-            hidden, states = run_stack(self.calls(), x, padding_of(attention_mask),
-                                       checkpointing=self.gradient_checkpointing,
-                                       output_hidden_states=output_hidden_states)
-            return hidden, states, None
-        padding = None if attention_mask is None else attention_mask == 0
-        states, attentions = ([] if output_hidden_states else None), []
-        hidden = run_layers(self.calls(), x, None, padding, attentions, states=states)
-        return hidden, None if states is None else tuple(states), tuple(attentions)
+        return run_encoder(self.calls(), self.embedding_hidden_mapping_in(x), attention_mask,
+                           output_hidden_states, output_attentions, self.gradient_checkpointing)
 
 
 class AlbertPreTrainedModel(BertPreTrainedModel):
@@ -131,11 +109,6 @@ class AlbertPreTrainedModel(BertPreTrainedModel):
     config_class = AlbertConfig
     base_model_prefix = "albert"
     _no_split_modules = ["BertEmbeddings", "AlbertLayer"]
-
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, AlbertMLMHead):
-            init.zeros_(module.bias)
 
 
 class AlbertModel(EncoderModel, AlbertPreTrainedModel):
@@ -200,22 +173,24 @@ class AlbertSOPHead(nn.Module):
         return self.classifier(self.dropout(pooled))
 
 
-def _output_embeddings(model) -> nn.Linear:
-    return model.predictions.decoder
+class _WithMaskedLMHead:
+    """``predictions``, the masked-LM head, as the output embeddings (its decoder's weight
+    tied to the word embeddings, its bias to the head's)."""
 
+    _tied_weights_keys = {"predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
+                          "predictions.decoder.bias": "predictions.bias"}
 
-def _set_output_embeddings(model, value: nn.Linear) -> None:
-    model.predictions.decoder = value
-    model.predictions.bias = value.bias
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.predictions.decoder
 
-
-_TIED = {"predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
-         "predictions.decoder.bias": "predictions.bias"}
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.predictions.decoder = value
+        self.predictions.bias = value.bias
 
 
 # --- the models --------------------------------------------------------------------------------
 
-class AlbertForPreTraining(EncoderTaskModel, AlbertTaskModel):
+class AlbertForPreTraining(_WithMaskedLMHead, EncoderTaskModel, AlbertTaskModel):
     """Masked LM + sentence-order prediction: transformers' AlbertForPreTraining. The loss
     is the sum of the two (both labels given; ``labels`` token ids, -100 = not predicted;
     ``sentence_order_label`` 0 = in order, 1 = swapped). In training with labels the
@@ -223,9 +198,6 @@ class AlbertForPreTraining(EncoderTaskModel, AlbertTaskModel):
     unless ``return_logits=True``."""
 
     pooled = True
-    _tied_weights_keys = _TIED
-    get_output_embeddings = _output_embeddings
-    set_output_embeddings = _set_output_embeddings
 
     def __init__(self, config: AlbertConfig):
         super().__init__(config)
@@ -249,12 +221,8 @@ class AlbertForPreTraining(EncoderTaskModel, AlbertTaskModel):
                       self.config, return_dict)
 
 
-class AlbertForMaskedLM(MaskedLMMixin, AlbertTaskModel):
+class AlbertForMaskedLM(_WithMaskedLMHead, MaskedLMMixin, AlbertTaskModel):
     """The masked-LM head alone: transformers' AlbertForMaskedLM."""
-
-    _tied_weights_keys = _TIED
-    get_output_embeddings = _output_embeddings
-    set_output_embeddings = _set_output_embeddings
 
     def __init__(self, config: AlbertConfig):
         super().__init__(config)

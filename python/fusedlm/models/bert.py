@@ -106,20 +106,28 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, packing: Optional[tuple], padding: Optional[Tensor],
                 attentions: Optional[list]) -> Tensor:
-        # each [..., nh, hs]
-        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.query, self.key, self.value))
-        p = dropout_p(self, self.dropout)
-        if packing is not None:
-            cu_seqlens, max_seqlen = packing
-            out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=p)
-            return out.flatten(-2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hs]
-        if attentions is not None:
-            out, weights = attention_with_weights(q, k, v, key_padding_mask=padding, dropout_p=p)
-            attentions.append(weights)
-        else:
-            out = ops.attention(q, k, v, key_padding_mask=padding, dropout_p=p)
-        return out.transpose(1, 2).flatten(-2)
+        return self_attention(x, (self.query, self.key, self.value), self.heads, packing, padding,
+                              attentions, dropout_p(self, self.dropout))
+
+
+def self_attention(x: Tensor, projections: tuple, heads: int, packing: Optional[tuple],
+                   padding: Optional[Tensor], attentions: Optional[list], p: float) -> Tensor:
+    """The fused attention of x's q, k and v ``projections`` over ``heads`` heads: x is
+    [B, T, H] with ``padding`` (bool [B, T], True = padding, or None), or packed
+    [tokens, H] with ``packing`` = (cu_seqlens, max_seqlen); the result has x's shape.
+    With ``attentions`` (a list) the plain-PyTorch path runs and appends the weights."""
+    q, k, v = (proj(x).unflatten(-1, (heads, -1)) for proj in projections)  # each [..., nh, hs]
+    if packing is not None:
+        cu_seqlens, max_seqlen = packing
+        out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=p)
+        return out.flatten(-2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hs]
+    if attentions is not None:
+        out, weights = attention_with_weights(q, k, v, key_padding_mask=padding, dropout_p=p)
+        attentions.append(weights)
+    else:
+        out = ops.attention(q, k, v, key_padding_mask=padding, dropout_p=p)
+    return out.transpose(1, 2).flatten(-2)
 
 
 class BertSelfOutput(nn.Module):
@@ -177,26 +185,35 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """The stack of layers, packed once when the batch has padding."""
+    """The stack of layers (``layer_class``'s: BERT's, or DistilBERT's blocks), packed once
+    when the batch has padding."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_class: Optional[type] = None):
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList((layer_class or BertLayer)(config)
+                                   for _ in range(config.num_hidden_layers))
         self.gradient_checkpointing = False  # transformers' gradient_checkpointing_enable sets it
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
                 output_attentions: bool) -> tuple:
-        """x [B, T, H] -> (last hidden state, hidden states or None, attentions or None)."""
-        if not output_attentions:
-            hidden, states = run_stack(self.layer, x, padding_of(attention_mask),
-                                       checkpointing=self.gradient_checkpointing,
-                                       output_hidden_states=output_hidden_states)
-            return hidden, states, None
-        # The weights exist only on the reference attention, over the padded batch.
-        padding = None if attention_mask is None else attention_mask == 0
-        states, attentions = ([] if output_hidden_states else None), []
-        hidden = run_layers(self.layer, x, None, padding, attentions, states=states)
-        return hidden, None if states is None else tuple(states), tuple(attentions)
+        return run_encoder(self.layer, x, attention_mask, output_hidden_states, output_attentions,
+                           self.gradient_checkpointing)
+
+
+def run_encoder(layers, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
+                output_attentions: bool, checkpointing: bool) -> tuple:
+    """x [B, T, H] through ``layers`` (each called as layer(h, packing, padding, attentions)),
+    packed once when the batch has padding -> (last hidden state, hidden states or None,
+    attentions or None)."""
+    if not output_attentions:
+        hidden, states = run_stack(layers, x, padding_of(attention_mask), checkpointing=checkpointing,
+                                   output_hidden_states=output_hidden_states)
+        return hidden, states, None
+    # The weights exist only on the reference attention, over the padded batch.
+    padding = None if attention_mask is None else attention_mask == 0
+    states, attentions = ([] if output_hidden_states else None), []
+    hidden = run_layers(layers, x, None, padding, attentions, states=states)
+    return hidden, None if states is None else tuple(states), tuple(attentions)
 
 
 class BertPooler(nn.Module):
@@ -321,8 +338,8 @@ class BertPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, BertLMPredictionHead):
-            init.zeros_(module.bias)
+        if hasattr(module, "decoder") and isinstance(getattr(module, "bias", None), nn.Parameter):
+            init.zeros_(module.bias)  # a masked-LM head's bias, which its decoder's is tied to
         elif isinstance(module, BertEmbeddings):  # buffers too: a load builds the model empty
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1])[None])
             init.zeros_(module.token_type_ids)
@@ -376,6 +393,24 @@ class BertModel(EncoderModel, BertPreTrainedModel):
 
 
 # --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
+
+class FirstTokenClassificationHead(nn.Module):
+    """First token -> dropout -> dense -> activation -> dropout -> ``out_proj``:
+    [B, T, H] -> [B, num_labels]. ELECTRA's activation is erf GELU (whatever hidden_act
+    says, as transformers), RoBERTa's tanh."""
+
+    def __init__(self, config, activation: str):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(classifier_dropout(config))
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+        self.activation = activation
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        x = self.dropout(hidden[:, 0])  # [B, H]
+        x = dense_gelu(self.dense, x, "none") if self.activation == "gelu" else torch.tanh(self.dense(x))
+        return self.out_proj(self.dropout(x))
+
 
 def classifier_dropout(config) -> float:
     p = getattr(config, "classifier_dropout", None)  # ALBERT's config names it otherwise

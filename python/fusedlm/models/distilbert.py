@@ -24,11 +24,10 @@ from transformers import initialization as init
 from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput, TokenClassifierOutput)
 
-from .. import ops
-from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear, padding_of, run_layers, run_stack
-from ..nn.attention import attention_with_weights
-from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, check_inputs, classification_loss, config_flag,
-                   dense_gelu, dropout_p, finish, masked_lm, span_logits, span_loss, token_loss)
+from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear
+from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEncoder, check_inputs, classification_loss, config_flag,
+                   dense_gelu, dropout_p, finish, masked_lm, self_attention, span_logits, span_loss,
+                   token_loss)
 
 
 def check_config(config) -> None:
@@ -74,19 +73,8 @@ class DistilBertSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, packing: Optional[tuple], padding: Optional[Tensor],
                 attentions: Optional[list]) -> Tensor:
-        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.q_lin, self.k_lin, self.v_lin))
-        p = dropout_p(self, self.dropout)
-        if packing is not None:
-            cu_seqlens, max_seqlen = packing
-            out = ops.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=p)
-            return self.out_lin(out.flatten(-2))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hs]
-        if attentions is not None:
-            out, weights = attention_with_weights(q, k, v, key_padding_mask=padding, dropout_p=p)
-            attentions.append(weights)
-        else:
-            out = ops.attention(q, k, v, key_padding_mask=padding, dropout_p=p)
-        return self.out_lin(out.transpose(1, 2).flatten(-2))
+        return self.out_lin(self_attention(x, (self.q_lin, self.k_lin, self.v_lin), self.heads, packing,
+                                           padding, attentions, dropout_p(self, self.dropout)))
 
 
 class FFN(nn.Module):
@@ -120,27 +108,6 @@ class TransformerBlock(nn.Module):
         return out
 
 
-class Transformer(nn.Module):
-    """The stack of blocks, packed once when the batch has padding."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.layer = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
-        self.gradient_checkpointing = False  # transformers' gradient_checkpointing_enable sets it
-
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
-                output_attentions: bool) -> tuple:
-        if not output_attentions:
-            hidden, states = run_stack(self.layer, x, padding_of(attention_mask),
-                                       checkpointing=self.gradient_checkpointing,
-                                       output_hidden_states=output_hidden_states)
-            return hidden, states, None
-        padding = None if attention_mask is None else attention_mask == 0
-        states, attentions = ([] if output_hidden_states else None), []
-        hidden = run_layers(self.layer, x, None, padding, attentions, states=states)
-        return hidden, None if states is None else tuple(states), tuple(attentions)
-
-
 class DistilBertPreTrainedModel(PreTrainedModel):
     """transformers' base for DistilBERT: its config class, checkpoint prefix and init."""
 
@@ -165,7 +132,7 @@ class DistilBertModel(DistilBertPreTrainedModel):
     def __init__(self, config: DistilBertConfig):
         super().__init__(config)
         self.embeddings = Embeddings(config)
-        self.transformer = Transformer(config)
+        self.transformer = BertEncoder(config, TransformerBlock)  # transformers' Transformer
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -32,9 +32,10 @@ from transformers.utils import ModelOutput
 from .. import ops
 from ..nn import LinearCrossEntropyLoss, is_plain_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertEncoder,
-                   BertPredictionHeadTransform, BertPreTrainedModel, EncoderModel, LabelledHeadMixin,
-                   MaskedLMMixin, QuestionAnsweringMixin, SequenceClassificationMixin,
-                   TokenClassificationMixin, classifier_dropout, dense_gelu, masked_lm)
+                   BertPredictionHeadTransform, BertPreTrainedModel, EncoderModel,
+                   FirstTokenClassificationHead, LabelledHeadMixin, MaskedLMMixin,
+                   QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
+                   dense_gelu, masked_lm)
 
 GENERATOR_SIZE = 0.25  # the paper's generator: 1/4 of the discriminator's width
 DISCRIMINATOR_WEIGHT = 50.0  # the paper's weight of the discriminator's loss
@@ -112,21 +113,6 @@ def replaced_token_loss(logits: Tensor, labels: Tensor, attention_mask: Optional
     return (per_token * real).sum() / real.sum()
 
 
-class ElectraClassificationHead(nn.Module):
-    """First token -> dropout -> dense -> GELU (erf, whatever hidden_act says, as
-    transformers) -> dropout -> ``out_proj``: [B, T, H] -> [B, num_labels]."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(classifier_dropout(config))
-        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        x = self.dropout(hidden[:, 0])  # [B, H]
-        return self.out_proj(self.dropout(dense_gelu(self.dense, x, "none")))
-
-
 # --- the models --------------------------------------------------------------------------------
 
 class ElectraForPreTraining(LabelledHeadMixin, ElectraTaskModel):
@@ -174,11 +160,12 @@ class ElectraForMaskedLM(MaskedLMMixin, ElectraTaskModel):
 
 
 class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):
-    """ElectraClassificationHead over the first token: logits [B, num_labels]."""
+    """First token -> dropout -> dense -> erf GELU -> dropout -> ``out_proj``: logits
+    [B, num_labels]."""
 
     def __init__(self, config: ElectraConfig):
         super().__init__(config)
-        self.classifier = ElectraClassificationHead(config)
+        self.classifier = FirstTokenClassificationHead(config, "gelu")
         self.post_init()
 
 

@@ -19,13 +19,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 from transformers import RobertaConfig
-from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
 from ..nn import LayerNorm, LinearCrossEntropyLoss
-from .bert import (IGNORE_INDEX, BertEmbeddings, BertEncoder, BertPooler, BertPreTrainedModel,
-                   EncoderModel, MaskedLMMixin, QuestionAnsweringMixin, SequenceClassificationMixin,
-                   TokenClassificationMixin, classifier_dropout, dense_gelu, masked_lm)
+from .bert import (IGNORE_INDEX, BertEmbeddings, BertEncoder, BertModel, BertPooler,
+                   BertPreTrainedModel, EncoderModel, FirstTokenClassificationHead, MaskedLMMixin,
+                   QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
+                   dense_gelu, masked_lm)
 
 
 class RobertaEmbeddings(BertEmbeddings):
@@ -64,11 +63,6 @@ class RobertaPreTrainedModel(BertPreTrainedModel):
     base_model_prefix = "roberta"
     _no_split_modules = ["RobertaEmbeddings", "BertLayer"]
 
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, RobertaLMHead):
-            init.zeros_(module.bias)
-
 
 class RobertaModel(EncoderModel, RobertaPreTrainedModel):
     """Embeddings, BERT's encoder and (``add_pooling_layer``) pooler: transformers'
@@ -91,11 +85,7 @@ class RobertaModel(EncoderModel, RobertaPreTrainedModel):
                                  f"holds at most {self.config.max_position_embeddings - self.embeddings.padding_idx - 1}")
         return super().embed(input_ids, token_type_ids, position_ids, inputs_embeds)
 
-    def output(self, hidden: Tensor, hidden_states, attentions) -> BaseModelOutputWithPoolingAndCrossAttentions:
-        pooled = None if self.pooler is None else self.pooler(hidden)
-        return BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=hidden, pooler_output=pooled, hidden_states=hidden_states,
-            attentions=attentions)
+    output = BertModel.output
 
 
 class RobertaTaskModel(RobertaPreTrainedModel):
@@ -128,21 +118,6 @@ class RobertaLMHead(nn.Module):
         return self.layer_norm(dense_gelu(self.dense, hidden, "none"))
 
 
-class RobertaClassificationHead(nn.Module):
-    """First token -> dropout -> dense -> tanh -> dropout -> ``out_proj``:
-    [B, T, H] -> [B, num_labels]."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(classifier_dropout(config))
-        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        x = self.dropout(hidden[:, 0])
-        return self.out_proj(self.dropout(torch.tanh(self.dense(x))))
-
-
 # --- the models --------------------------------------------------------------------------------
 
 class RobertaForMaskedLM(MaskedLMMixin, RobertaTaskModel):
@@ -170,11 +145,12 @@ class RobertaForMaskedLM(MaskedLMMixin, RobertaTaskModel):
 
 
 class RobertaForSequenceClassification(SequenceClassificationMixin, RobertaTaskModel):
-    """RobertaClassificationHead over the first token: logits [B, num_labels]."""
+    """First token -> dropout -> dense -> tanh -> dropout -> ``out_proj``: logits
+    [B, num_labels]."""
 
     def __init__(self, config: RobertaConfig):
         super().__init__(config)
-        self.classifier = RobertaClassificationHead(config)
+        self.classifier = FirstTokenClassificationHead(config, "tanh")
         self.post_init()
 
 
