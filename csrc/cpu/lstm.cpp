@@ -35,8 +35,13 @@ void backward_row(const T* __restrict__ dh, const T* __restrict__ dc, const T* _
                   T* __restrict__ dg, T* __restrict__ dout, T* __restrict__ dc_prev,
                   int64_t cell, A hi) {
   for (int64_t k = 0; k < cell; ++k) {
-    A i = sigmoid(load(gi[k])), f = sigmoid(load(gf[k]));
-    A g = tanh_(load(gg[k])), o = sigmoid(load(go[k]));
+    // Each gate's 1 - sigmoid and 1 - tanh^2 computed directly (math.h), not from the
+    // rounded activation, where they would cancel.
+    A i, i_rest, f, f_rest, o, o_rest;
+    sigmoid_both(load(gi[k]), i, i_rest);
+    sigmoid_both(load(gf[k]), f, f_rest);
+    sigmoid_both(load(go[k]), o, o_rest);
+    const A gate = load(gg[k]), g = tanh_(gate);
     A prev = load(c_prev[k]);
     A raw = i * g + f * prev;
     // As torch.clamp: the gradient passes where -hi <= raw <= hi (bounds included).
@@ -45,11 +50,11 @@ void backward_row(const T* __restrict__ dh, const T* __restrict__ dc, const T* _
     cn = cn < -hi ? -hi : cn;
     A t = tanh_(cn);
     A grad_h = load(dh[k]);
-    A grad_c = (load(dc[k]) + grad_h * o * (A(1) - t * t)) * inside;
-    store(di[k], grad_c * g * i * (A(1) - i));
-    store(df[k], grad_c * prev * f * (A(1) - f));
-    store(dg[k], grad_c * i * (A(1) - g * g));
-    store(dout[k], grad_h * t * o * (A(1) - o));
+    A grad_c = (load(dc[k]) + grad_h * o * tanh_grad(cn)) * inside;
+    store(di[k], grad_c * g * i * i_rest);
+    store(df[k], grad_c * prev * f * f_rest);
+    store(dg[k], grad_c * i * tanh_grad(gate));
+    store(dout[k], grad_h * t * o * o_rest);
     store(dc_prev[k], grad_c * f);
   }
 }

@@ -111,6 +111,20 @@ inline double normal_cdf(double z) { return 0.5 * std::erfc(-z * 0.7071067811865
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp_f(-x)); }
 inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
+// sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x), both from e = exp(-|x|) <= 1: 1 / (1 + e)
+// and e / (1 + e). The gradient's s (1 - s) then has no cancellation, where 1 - s from a
+// rounded s near 1 loses the bits it needs.
+inline void sigmoid_both(float x, float& s, float& rest) {
+  const float e = exp_f(-std::fabs(x)), big = 1.0f / (1.0f + e), small = e * big;
+  s = x >= 0.0f ? big : small;
+  rest = x >= 0.0f ? small : big;
+}
+inline void sigmoid_both(double x, double& s, double& rest) {
+  const double e = std::exp(-std::fabs(x)), big = 1.0 / (1.0 + e), small = e * big;
+  s = x >= 0.0 ? big : small;
+  rest = x >= 0.0 ? small : big;
+}
+
 inline float exp_(float x) { return exp_f(x); }
 inline double exp_(double x) { return std::exp(x); }
 
@@ -126,6 +140,17 @@ inline float tanh_(float x) {
   return std::copysign(a < 0.625f ? small : (1.0f - e) / (1.0f + e), x);
 }
 inline double tanh_(double x) { return std::tanh(x); }
+
+// 1 - tanh(x)^2 without cancellation: from the polynomial below |x| = 0.625, where
+// tanh^2 < 0.31, and as 4e / (1 + e)^2 with e = exp(-2|x|) above.
+inline float tanh_grad(float x) {
+  const float a = std::fabs(x), t = tanh_(x), e = exp_f(-2.0f * a), d = 1.0f + e;
+  return a < 0.625f ? 1.0f - t * t : 4.0f * e / (d * d);
+}
+inline double tanh_grad(double x) {
+  const double t = std::tanh(x);
+  return 1.0 - t * t;
+}
 
 // Calls f with a typed null pointer for the element type, f(static_cast<T*>(nullptr)).
 template <typename F>
