@@ -20,13 +20,28 @@ def _configs():
 
 
 @triton.jit
+def _gates(G, offsets, mask, CELL):
+    """The i, f, g, o pre-activations (float32) of the units at offsets (row * 4 cell + col)."""
+    zi = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+    zf = tl.load(G + offsets + CELL, mask=mask, other=0.0).to(tl.float32)
+    zg = tl.load(G + offsets + 2 * CELL, mask=mask, other=0.0).to(tl.float32)
+    zo = tl.load(G + offsets + 3 * CELL, mask=mask, other=0.0).to(tl.float32)
+    return zi, zf, zg, zo
+
+
+@triton.jit
 def _activations(G, offsets, mask, CELL):
-    """sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) of the units at offsets (row * 4 cell + col)."""
-    i = tl.sigmoid(tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32))
-    f = tl.sigmoid(tl.load(G + offsets + CELL, mask=mask, other=0.0).to(tl.float32))
-    g = tanh(tl.load(G + offsets + 2 * CELL, mask=mask, other=0.0).to(tl.float32))
-    o = tl.sigmoid(tl.load(G + offsets + 3 * CELL, mask=mask, other=0.0).to(tl.float32))
-    return i, f, g, o
+    """sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) of the units at offsets."""
+    zi, zf, zg, zo = _gates(G, offsets, mask, CELL)
+    return tl.sigmoid(zi), tl.sigmoid(zf), tanh(zg), tl.sigmoid(zo)
+
+
+@triton.jit
+def _tanh_grad(x, t):
+    """1 - tanh(x)^2 (t = tanh(x)) without cancellation: 4e / (1 + e)^2 with e = exp(-2|x|)
+    above |x| = 0.625, where 1 - t * t would lose the bits it needs (as the cpu kernel)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    return tl.where(tl.abs(x) < 0.625, 1.0 - t * t, 4.0 * e / ((1.0 + e) * (1.0 + e)))
 
 
 @autotune(_configs(), key=["CELL"])
@@ -53,20 +68,22 @@ def _lstm_cell_backward_kernel(DH, DC, G, C_PREV, DG, DC_PREV, M, CELL, clip,
     mask = (rows[:, None] < M) & (cols[None, :] < CELL)
     units = rows[:, None] * CELL + cols[None, :]
     gate_at = rows[:, None] * 4 * CELL + cols[None, :]
-    i, f, g, o = _activations(G, gate_at, mask, CELL)
+    zi, zf, zg, zo = _gates(G, gate_at, mask, CELL)
+    i, f, g, o = tl.sigmoid(zi), tl.sigmoid(zf), tanh(zg), tl.sigmoid(zo)
     prev = tl.load(C_PREV + units, mask=mask, other=0.0).to(tl.float32)
     raw = i * g + f * prev
     c = tl.minimum(tl.maximum(raw, -clip), clip)
     t = tanh(c)
     dh = tl.load(DH + units, mask=mask, other=0.0).to(tl.float32)
-    dc = tl.load(DC + units, mask=mask, other=0.0).to(tl.float32) + dh * o * (1.0 - t * t)
+    dc = tl.load(DC + units, mask=mask, other=0.0).to(tl.float32) + dh * o * _tanh_grad(c, t)
     # As torch.clamp: the gradient passes where -clip <= raw <= clip (bounds included).
     dc = tl.where((raw >= -clip) & (raw <= clip), dc, 0.0)
     ty = DG.dtype.element_ty
-    tl.store(DG + gate_at, (dc * g * i * (1.0 - i)).to(ty), mask=mask)
-    tl.store(DG + gate_at + CELL, (dc * prev * f * (1.0 - f)).to(ty), mask=mask)
-    tl.store(DG + gate_at + 2 * CELL, (dc * i * (1.0 - g * g)).to(ty), mask=mask)
-    tl.store(DG + gate_at + 3 * CELL, (dh * t * o * (1.0 - o)).to(ty), mask=mask)
+    # 1 - sigmoid(z) as sigmoid(-z): no cancellation near saturation.
+    tl.store(DG + gate_at, (dc * g * i * tl.sigmoid(-zi)).to(ty), mask=mask)
+    tl.store(DG + gate_at + CELL, (dc * prev * f * tl.sigmoid(-zf)).to(ty), mask=mask)
+    tl.store(DG + gate_at + 2 * CELL, (dc * i * _tanh_grad(zg, g)).to(ty), mask=mask)
+    tl.store(DG + gate_at + 3 * CELL, (dh * t * o * tl.sigmoid(-zo)).to(ty), mask=mask)
     tl.store(DC_PREV + units, (dc * f).to(DC_PREV.dtype.element_ty), mask=mask)
 
 
