@@ -26,15 +26,11 @@ the widest dtype of its inputs.
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.modeling_layers import GradientCheckpointingLayer  # transformers >= 4.52
 
 from ... import ops
 from ...nn._autocast import lower, widen
 from . import attention
-
-try:  # transformers >= 4.52: the base of layers that take gradient checkpointing
-    from transformers.modeling_layers import GradientCheckpointingLayer
-except ImportError:
-    GradientCheckpointingLayer = nn.Module
 
 
 def _add_norm(x: Tensor, residual: Tensor, layer_norm: nn.LayerNorm, dropout_p: float) -> Tensor:
