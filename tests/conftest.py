@@ -8,8 +8,11 @@ import pytest
 import torch
 
 # Kernel checks at first use (fusedlm.backends.verify) keep their results in a folder of
-# the test run's own, read when fusedlm is imported: never the user's cache.
-os.environ.setdefault("FUSEDLM_CACHE_DIR", tempfile.mkdtemp(prefix="fusedlm-tests-"))
+# the test run's own, read when fusedlm is imported: never the user's cache. The child
+# processes the tests start inherit it; it is removed when the run ends.
+if "FUSEDLM_CACHE_DIR" not in os.environ:
+    _cache = tempfile.TemporaryDirectory(prefix="fusedlm-tests-")
+    os.environ["FUSEDLM_CACHE_DIR"] = _cache.name
 
 
 def _hypothesis_that_skips():

@@ -11,9 +11,9 @@ every leaf are compared with the same computation in plain PyTorch (the case's o
 The tolerance is the error plain PyTorch makes on the same computation at the case's
 dtype (the same reference run in that dtype on the same inputs, and on those inputs moved
 by one unit of rounding: the largest of these errors, as one run may round luckily; in
-float64, whose unmoved run is the truth, also float32's errors scaled by the ratio of
-the epsilons), times ERROR_FACTOR,
-plus SLACK, as FlashAttention's tests measure their kernels. Errors are relative per element, against ``|truth| + floor * max|truth|``:
+float64, whose unmoved run is the truth unless the case gives a more exact ``truth``,
+also float32's errors scaled by the ratio of the epsilons), times ERROR_FACTOR, plus
+SLACK, as FlashAttention's tests measure their kernels. Errors are relative per element, against ``|truth| + floor * max|truth|``:
 POINTWISE (1e-4) for pointwise ops, whose every element must be accurate, 1 for outputs
 that sum many terms, whose error scales with their largest element; never finer than the
 dtype's epsilon.
@@ -69,7 +69,10 @@ class Case:
     ``arguments(t)`` gives the op's (args, kwargs), ``reference(t)`` the outputs plain
     PyTorch computes, and ``outputs(result, t)`` the op's in the same order (by default its
     result, as a tuple). ``floors`` gives each output's floor (see the module's
-    docstring); the gradients take ``grad_floor``."""
+    docstring); the gradients take ``grad_floor``. ``truth(t)``, where given, computes
+    the reference's outputs without the cancellation its plain formula has even in float64
+    (a log-softmax near 0): the float64 truth is then its run, and plain PyTorch's float64
+    run is measured against it like any other."""
     op: str
     description: str
     arguments: Callable
@@ -81,6 +84,7 @@ class Case:
     outputs: Optional[Callable] = None
     bad: tuple = ()  # (description, argument, corrupt(t) -> t): calls its validation refuses
     any_dtype: tuple = ()  # arguments of any dtype (pad's and unpad's data)
+    truth: Optional[Callable] = None
 
     def call(self, t, backend: str, explain: bool = False):
         args, kwargs = self.arguments(t)
@@ -284,17 +288,17 @@ def check_case(case: Case, d: Draw, backend: str):
     """Compares the op on ``backend`` with the float64 reference; returns the failures."""
     upstream = d.rng.randrange(2**31)
     outputs, grads = _run(case, d, None, lambda t: case.call(t, backend), upstream)
-    truth, truth_grads = _run(case, d, torch.float64, case.reference, upstream)
+    truth, truth_grads = _run(case, d, torch.float64, case.truth or case.reference, upstream)
     # Where one rounding dominates an error (a row's mean, a cell's sum that cancels), a
     # single run of plain PyTorch may round luckily: its error is taken as the largest of
     # that run and of runs on inputs moved by one unit of rounding (JITTERED_RUNS).
     jitter = torch.Generator().manual_seed(upstream)
     plain = [_run(case, d, None, case.reference, upstream, jitter) for _ in range(JITTERED_RUNS)]
-    if case.dtype != torch.float64:
+    if case.dtype != torch.float64 or case.truth:
         plain.append(_run(case, d, None, case.reference, upstream))
-    # In float64 the unmoved run is the truth, and moved inputs miss the rounding inside the
-    # computation: the same runs in float32, their errors scaled by the epsilons' ratio,
-    # measure it (float32 kept as many digits, in proportion, of a sum that cancels).
+    # In float64 the unmoved run is usually the truth, and moved inputs miss the rounding
+    # inside the computation: the same runs in float32, their errors scaled by the epsilons'
+    # ratio, measure it (float32 kept as many digits, in proportion, of a sum that cancels).
     plain32 = []
     if case.dtype == torch.float64:
         plain32 = [_run(case, d, torch.float32, case.reference, upstream, jitter)

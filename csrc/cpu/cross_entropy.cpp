@@ -134,10 +134,12 @@ void rows_kernel(const T* logits, const int64_t* labels, acc_t<T>* loss, T* grad
       m = next;
       if (kGrad) block_ref[b] = ref;
     }
-    const A lse = m + std::log(s);
-    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j).
-    const A nll = lse - x_y;
-    loss[r] = eps == A(0) ? nll : (A(1) - eps) * nll + eps * (lse - sum_lanes(sum_x) / A(classes));
+    const A log_s = std::log(s), lse = m + log_s;
+    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j). Each term is
+    // a sum of non-negative parts: lse - x_y would keep only lse's rounding of a small loss.
+    const A nll = (m - x_y) + log_s;
+    loss[r] = eps == A(0) ? nll
+                          : (A(1) - eps) * nll + eps * ((m - sum_lanes(sum_x) / A(classes)) + log_s);
     if (!kGrad) continue;
 
     // d loss / d x_j = scale * (softmax_j - eps / C - (1 - eps) [j == y]).

@@ -155,12 +155,16 @@ __global__ void __launch_bounds__(kThreads)
         }
       });
   block_lse(lse, sum_x, shared);
-  const float log_z = lse.max + __logf(lse.sum);
+  // The loss of a confident row is about sum - 1 (sum counts the max as exp(0) = 1):
+  // --use_fast_math makes logf lg2.approx, whose absolute error near 1 (2^-21.4) can exceed
+  // it, and leaves log1pf exact. sum - 1 is exact for sums up to 2.
+  const float log_sum = log1pf(lse.sum - 1.0f), log_z = lse.max + log_sum;
 
   if (threadIdx.x == 0) {
-    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j).
-    float l = (1.0f - smoothing) * (log_z - target);
-    if (smoothing != 0.0f) l += smoothing * (log_z - sum_x / classes);
+    // torch's label smoothing: (1 - eps) * nll + eps * mean_j(-log softmax_j). Sums of
+    // non-negative parts: log_z - target would keep only log_z's rounding of a small loss.
+    float l = log_sum + (1.0f - smoothing) * (lse.max - target);
+    if (smoothing != 0.0f) l += smoothing * (lse.max - sum_x / classes);
     loss[row] = valid ? l : std::numeric_limits<float>::quiet_NaN();
   }
   // block_lse's barrier came after every read of the first sweep: the gradient may now

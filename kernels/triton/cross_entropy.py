@@ -45,15 +45,17 @@ def _cross_entropy_kernel(LOGITS, LABELS, LOSS, GRAD, SCALE, ROW_SCALE, C, ignor
         running_max = new_max
         if SMOOTHING:
             sum_logits += tl.sum(tl.where(start + cols < C, x, 0.0), axis=0)
-    lse = running_max + tl.log(sum_exp)
+    log_sum = tl.log(sum_exp)
+    lse = running_max + log_sum
 
     label = tl.load(LABELS + row)
     ignored = label == ignore_index
     valid = (label >= 0) & (label < C)
     target = tl.load(base + label, mask=valid & ~ignored, other=0.0).to(tl.float32)
-    loss = lse - (1.0 - smoothing) * target
+    # Sums of non-negative parts: lse - target would keep only lse's rounding of a small loss.
+    loss = log_sum + (1.0 - smoothing) * (running_max - target)
     if SMOOTHING:
-        loss -= smoothing / C * sum_logits
+        loss += smoothing * (running_max - sum_logits / C)
     # A label out of range (unchecked on the GPU) shows as a NaN loss rather than a wrong read.
     loss = tl.where(ignored, 0.0, tl.where(valid, loss, float("nan")))
     tl.store(LOSS + row, loss)
