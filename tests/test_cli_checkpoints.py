@@ -255,7 +255,7 @@ def test_finetune_needs_an_encoder(capsys, tmp_path, folders):
     rows = write_jsonl(tmp_path / "rows.jsonl", film_reviews(4))
     code, _, err = run_cli(capsys, "finetune", "--model", folders["GPT2LMHeadModel"], "--task",
                            "classify", "--train", rows, "--eval", rows, "--out", tmp_path / "out")
-    assert code == 2 and "classify needs a bert or electra or roberta model, not gpt" in err
+    assert code == 2 and "classify needs a model of one of albert, bert, distilbert, electra, roberta, not gpt" in err
 
 
 # --- tensors that do not fit ---------------------------------------------------------------------

@@ -194,7 +194,9 @@ def test_fsdp_shards_the_layers_keeps_ties_and_gradients(corpus, fsdp_group, nam
     assert layers and all(isinstance(m, FSDPModule) for m in [model, *layers])
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert _ties(model) == ties
+    # A loss may come with metrics (ALBERT's sentence-order accuracy).
     losses = [spec.loss(m, inputs, torch.Generator().manual_seed(2)) for m in (model, whole)]
+    losses = [loss[0] if isinstance(loss, tuple) else loss for loss in losses]
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-6)
@@ -465,6 +467,83 @@ def test_roberta_pretrain_then_fill_mask_embed_and_finetune(capsys, tmp_path, co
     assert classifier.config.num_labels == 2
 
 
+def _serves_every_command(capsys, tmp_path, out, mask: str, classifier_class):
+    """fill-mask, embed and finetune (classify) all take the folder ``out``."""
+    code, text, err = run_cli(capsys, "fill-mask", "--model", out, "--device", "cpu",
+                              f"Return the {mask} of the list.")
+    assert code == 0 and text.startswith(f"{mask} 1: "), err
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Return the value.\n")
+    code, _, err = run_cli(capsys, "embed", "--model", out, lines, "--out", tmp_path / "v.npy",
+                           "--device", "cpu")
+    assert code == 0, err
+    data = _labelled_data(tmp_path)
+    code, _, err = run_cli(capsys, "finetune", "--model", out, "--task", "classify", "--train",
+                           data / "classify_train.csv", "--eval", data / "classify_eval.jsonl",
+                           "--epochs", 1, "--batch-size", 8, "--device", "cpu",
+                           "--out", tmp_path / "classify")
+    assert code == 0, err
+    assert classifier_class.from_pretrained(tmp_path / "classify").config.num_labels == 2
+
+
+def test_albert_pretrain_with_sentence_order_then_every_command(capsys, tmp_path, corpus):
+    import transformers
+
+    out = tmp_path / "albert"
+    code, _, err = run_cli(capsys, "pretrain", "--model", "albert", "--corpus", corpus,
+                           "--steps", 8, "--embedding-size", 32, "--out", out, *TINY)
+    assert code == 0, err
+    record = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in record] == list(range(1, 9))
+    assert record[-1]["loss"] < record[0]["loss"]
+    # Each record's accuracy is of its step's 4 sentence-order predictions.
+    assert all(r["sop_accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in record)
+    # transformers' own class reads the folder: one shared layer, embeddings of 32.
+    model = transformers.AlbertForPreTraining.from_pretrained(out)
+    assert model.config.embedding_size == 32 and model.config.num_hidden_groups == 1
+    assert model.config.hidden_size == 128
+    code, _, err = run_cli(capsys, "pretrain", "--resume", "--out", out, "--steps", 9,
+                           "--device", "cpu")
+    assert code == 0, err
+    assert "sop_accuracy" in read_metrics(out / "metrics.jsonl")[-1]
+    from fusedlm.models import AlbertForSequenceClassification
+
+    _serves_every_command(capsys, tmp_path, out, "[MASK]", AlbertForSequenceClassification)
+    code, _, err = run_cli(capsys, "pretrain", "--model", "bert", "--corpus", corpus,
+                           "--embedding-size", 32, "--out", tmp_path / "bert", *TINY)
+    assert code == 2 and "--embedding-size: bert's embeddings are as wide" in err
+
+
+def test_sentence_order_rows_are_two_consecutive_segments(tmp_path, corpus):
+    tokenizer = tokenizer_module.train("wordpiece", [open(corpus).read()], 400)
+    cls, sep = (tokenizer_module.role_id(tokenizer, r) for r in ("cls", "sep"))
+    blocks = torch.arange(1000, 1000 + 64 * 13).view(64, 13)  # ids no tokenizer role has
+    batch = registry.ALBERT.batch(blocks, tokenizer, torch.Generator().manual_seed(0))
+    labels, order = batch["labels"], batch["sentence_order_label"]
+    assert 10 < order.sum() < 54  # about half swapped
+    ids = torch.where(labels >= 0, labels, batch["input_ids"])  # unmasked
+    for row, block, swapped, types in zip(ids, blocks, order, batch["token_type_ids"]):
+        assert row[0] == cls and row[-1] == sep and (row == sep).sum() == 2
+        middle = int((row[1:-1] == sep).nonzero()) + 1
+        first, second = row[1:middle], row[middle + 1:-1]
+        assert len(first) and len(second)
+        a, b = (second, first) if swapped else (first, second)
+        assert torch.equal(torch.cat([a, b]), block)
+        assert types.tolist() == [0] * (middle + 1) + [1] * (len(row) - middle - 1)
+
+
+def test_distilbert_pretrain_then_every_command(capsys, tmp_path, corpus):
+    import transformers
+
+    out = tmp_path / "distilbert"
+    _pretrained(capsys, "distilbert", corpus, out, 6)
+    model = transformers.DistilBertForMaskedLM.from_pretrained(out)
+    assert model.config.n_layers == 2 and model.config.dim == 128
+    from fusedlm.models import DistilBertForSequenceClassification
+
+    _serves_every_command(capsys, tmp_path, out, "[MASK]", DistilBertForSequenceClassification)
+
+
 def test_electra_pretrain_exports_the_discriminator(capsys, tmp_path, corpus):
     out = tmp_path / "electra"
     _pretrained(capsys, "electra", corpus, out, 4)
@@ -514,4 +593,4 @@ def test_elmo_pretrain_then_embed(capsys, tmp_path, corpus):
                   (["Return", "the", "value", "."], ["Raise", "ValueError"])]
     torch.testing.assert_close(vectors, torch.stack(expect), atol=1e-5, rtol=1e-5)
     code, _, err = run_cli(capsys, "fill-mask", "--model", out, "a [MASK]")
-    assert code == 2 and "fill-mask needs a bert or electra or roberta model, not elmo" in err
+    assert code == 2 and "fill-mask needs a model of one of albert, bert, distilbert, electra, roberta, not elmo" in err

@@ -118,8 +118,8 @@ def load_model(directory, command: str, device: torch.device, **config_changes):
                          "does not know")
     if command not in spec.heads:
         can = sorted(s.name for s in registry.SPECS.values() if command in s.heads)
-        raise UsageError(f"--model {directory}: {command} needs a {' or '.join(can)} model, "
-                         f"not {spec.name}")
+        raise UsageError(f"--model {directory}: {command} needs a model of one of "
+                         f"{', '.join(can)}, not {spec.name}")
     tokenizer = tok.load(_tokenizer_file(Path(directory)))
     architectures = config.get("architectures") or [""]
     loaded = loading.load(directory, spec.heads[command], holds=str(architectures[0]),

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         for start in range(0, len(order), args.batch_size):
             inputs = _collate([train_set[i] for i in order[start:start + args.batch_size]], pad,
                               device)
-            losses.append(trainer.step([functools.partial(_loss, inputs=inputs)]))
+            losses.append(trainer.step([functools.partial(_loss, inputs=inputs)])[0])
         scores = _evaluate(model, test_set, test, names, args, pad, device)
         scores = {"epoch": epoch, "train_loss": sum(losses) / len(losses), **scores}
         print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

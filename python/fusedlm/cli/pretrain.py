@@ -23,7 +23,7 @@ from .train import MetricsLog, Progress, Trainer, inputs_to, plot_losses, rows
 # as it would change the losses); None here: no default, derived at the start.
 FIXED = {"model": None, "size": "tiny", "corpus": None, "tokenizer": None, "vocab_size": None,
          "seq_len": 128, "grad_accum": 1, "lr": None, "warmup": None, "clip": 1.0,
-         "dropout": None, "dtype": "fp32", "seed": 0, "fsdp": False}
+         "dropout": None, "dtype": "fp32", "seed": 0, "fsdp": False, "embedding_size": None}
 
 
 HELP = "train a model from scratch on a corpus"
@@ -53,6 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, help="warm-up steps (default: a tenth of --steps)")
     p.add_argument("--clip", type=float, help="gradient norm clip, 0 for none (default 1.0)")
     p.add_argument("--dropout", type=float, help="dropout probability (default the model's)")
+    p.add_argument("--embedding-size", type=positive_int,
+                   help="width of the token embeddings, projected up to the hidden size "
+                        "(albert, electra; default 128)")
     p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
     add_device_argument(p)
     p.add_argument("--seed", type=int, help="random seed (default 0)")
@@ -110,6 +113,7 @@ def _settings(args, processes: Processes) -> tuple:
         state = checkpoint.load_state(found)
         settings = dict(state["settings"])
         settings.setdefault("fsdp", False)  # written before --fsdp existed
+        settings.setdefault("embedding_size", None)  # and --embedding-size
         for name, value in given.items():
             if value is not None and value != settings[name]:
                 flag = "--" + name.replace("_", "-")
@@ -142,6 +146,9 @@ def _settings(args, processes: Processes) -> tuple:
             raise UsageError(f"--{name} must not be negative, got {settings[name]}")
     if not settings["lr"] > 0:
         raise UsageError(f"--lr must be positive, got {settings['lr']}")
+    if settings["embedding_size"] is not None and not registry.SPECS[settings["model"]].factorized:
+        raise UsageError(f"--embedding-size: {settings['model']}'s embeddings are as wide as its "
+                         "hidden size (albert and electra factorize them)")
     if settings["dropout"] is not None and not 0 <= settings["dropout"] < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {settings['dropout']}")
     if checkpoint.holds_model(settings["out"]):
@@ -165,7 +172,7 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     tokenizer = _tokenizer(spec, settings, resumed, corpus, processes)
     torch.manual_seed(settings["seed"])
     if resumed is None:
-        model = spec.build(size, tokenizer, settings["dropout"])
+        model = spec.build(size, tokenizer, settings["dropout"], settings["embedding_size"])
     else:
         model = spec.load_checkpoint(resumed)
     positions = spec.positions(model.config)
@@ -216,19 +223,21 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
                 hash((settings["seed"], step, m, processes.rank)) % 2**63)
             micro.append(functools.partial(spec.loss, inputs=inputs, generator=draw))
         lr = trainer.lr
-        loss = trainer.step(micro)
+        loss, measured = trainer.step(micro)
         done = step + 1
         tokens_per_s = tokens_per_step / (time.perf_counter() - tick)
-        since_log.append(loss)
-        progress.update(done, loss, tokens_per_s)
+        since_log.append({"loss": loss, **measured})
+        progress.update(done, loss, tokens_per_s, measured)
         if metrics is not None and (done % args.log_every == 0 or done == settings["steps"]):
-            metrics.write({"step": done, "loss": sum(since_log) / len(since_log), "lr": lr,
-                           "tokens": done * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1),
+            means = {k: sum(r[k] for r in since_log) / len(since_log) for k in since_log[0]}
+            metrics.write({"step": done, **means, "lr": lr, "tokens": done * tokens_per_step,
+                           "tokens_per_s": round(tokens_per_s, 1),
                            "elapsed_s": round(time.perf_counter() - began, 3)})
             since_log = []
         if done % save_every == 0 or done == settings["steps"]:
             _save(out, done, spec, model, tokenizer, trainer, settings, blocks, device, processes,
-                  fresh=functools.partial(spec.build, size, tokenizer, settings["dropout"]))
+                  fresh=functools.partial(spec.build, size, tokenizer, settings["dropout"],
+                                          settings["embedding_size"]))
     progress.close()
     if processes.main:
         plot_losses(out)

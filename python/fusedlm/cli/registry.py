@@ -37,7 +37,8 @@ SIZES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """``build(size, tokenizer, dropout)``: a fresh model to pretrain.
+    """``build(size, tokenizer, dropout, embedding_size)``: a fresh model to pretrain
+    (``embedding_size``: None, or the width of factorized embeddings: ``factorized``).
     ``blocks(documents, tokenizer, seq_len)``: the corpus (a list of texts) as a
     [blocks, seq_len, ...] tensor.
     ``batch(blocks, tokenizer, generator)``: the inputs of a global micro-batch (dict of
@@ -70,6 +71,7 @@ class ModelSpec:
     resume: Optional[Callable] = None
     hidden: Optional[Callable] = None
     layers: Optional[Callable] = None
+    factorized: bool = False
 
     def load_checkpoint(self, folder):
         """The model a pretraining checkpoint holds, every tensor of it from the files."""
@@ -103,7 +105,7 @@ def pack(documents, length: int, separator: Optional[int], prefix=(), suffix=())
 
 # GPT: byte-level BPE, documents separated by <|endoftext|>, every position a target.
 
-def _gpt_build(size: Size, tokenizer, dropout: Optional[float]):
+def _gpt_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
     from transformers import GPT2Config
 
     from ..models.gpt import GPT2LMHeadModel
@@ -189,7 +191,7 @@ def _encoder_hidden(model, tokenizer, texts, device) -> tuple:
     return out, mask.bool(), sum(bool(e.overflowing) for e in batch)
 
 
-def _bert_build(size: Size, tokenizer, dropout: Optional[float]):
+def _bert_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
     from transformers import BertConfig
 
     from ..models.bert import BertForMaskedLM
@@ -228,7 +230,7 @@ BERT = ModelSpec(
 # RoBERTa: byte-level BPE, <s> block </s>, no next-sentence task, BERT's dynamic masking
 # drawn for each global batch.
 
-def _roberta_build(size: Size, tokenizer, dropout: Optional[float]):
+def _roberta_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
     from transformers import RobertaConfig
 
     from ..models.roberta import RobertaForMaskedLM
@@ -265,15 +267,125 @@ ROBERTA = ModelSpec(
     layers=lambda model: list(model.roberta.encoder.layer))
 
 
-def _electra_build(size: Size, tokenizer, dropout: Optional[float]):
+# ALBERT: WordPiece, one layer's weights shared by every layer, embeddings of
+# --embedding-size projected up, and sentence-order prediction: each row is two
+# consecutive segments of a block, [CLS] A [SEP] B [SEP], swapped in half the rows.
+
+def _albert_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
+    from transformers import AlbertConfig
+
+    from ..models.albert import AlbertForPreTraining
+
+    # The sentence-order head's dropout too.
+    extra = {} if dropout is None else {"classifier_dropout_prob": dropout}
+    return AlbertForPreTraining(_bert_config(
+        AlbertConfig, size, tokenizer, dropout, **extra, embedding_size=embedding_size or 128,
+        num_hidden_groups=1, inner_group_num=1, hidden_act="gelu_new",
+        bos_token_id=tok.role_id(tokenizer, "cls"), eos_token_id=tok.role_id(tokenizer, "sep")))
+
+
+def _albert_blocks(documents, tokenizer, seq_len: int) -> Tensor:
+    """The text of each row without its [CLS] and two [SEP]s, which the batch places."""
+    if seq_len < 5:
+        raise UsageError(f"--seq-len {seq_len}: sentence-order prediction needs at least 5 "
+                         "tokens, two segments of text and [CLS] [SEP] [SEP]")
+    return pack(token_ids(tokenizer, documents), seq_len - 3, tok.role_id(tokenizer, "sep"))
+
+
+def _sentence_order_batch(blocks: Tensor, tokenizer, generator: torch.Generator) -> dict:
+    """Each block cut in two consecutive segments at a random point, A B in order
+    (sentence_order_label 0) or B A (1), then masked as BERT's."""
+    n, body = blocks.shape
+    cut = torch.randint(1, body, (n, 1), generator=generator)
+    swapped = torch.rand(n, 1, generator=generator) < 0.5
+    # Swapped rows read the block from the cut on, around: B then A.
+    start = torch.where(swapped, cut, 0)
+    text = blocks.gather(1, (torch.arange(body) + start) % body)
+    first = torch.where(swapped, body - cut, cut)  # the first segment's length
+    seq = torch.arange(body + 3)
+    after_first = seq > first + 1  # past [CLS] first [SEP]
+    at = (seq - 1 - after_first.long()).clamp(0, body - 1).expand(n, -1)
+    ids = text.gather(1, at)
+    ids[:, 0] = tok.role_id(tokenizer, "cls")
+    sep = tok.role_id(tokenizer, "sep")
+    ids = torch.where(seq == first + 1, sep, ids)
+    ids[:, -1] = sep
+    batch = _masked_batch(ids, tokenizer, generator)
+    return {**batch, "token_type_ids": after_first.long(),
+            "sentence_order_label": swapped.long().view(n)}
+
+
+def _albert_loss(model, inputs: dict, generator: torch.Generator) -> tuple:
+    out = model(inputs["input_ids"], token_type_ids=inputs["token_type_ids"],
+                labels=inputs["labels"], sentence_order_label=inputs["sentence_order_label"])
+    right = out.sop_logits.detach().argmax(-1) == inputs["sentence_order_label"]
+    return out.loss, {"sop_accuracy": right.float().mean()}
+
+
+ALBERT_HEADS = ("predictions.", "sop_classifier.", "pooler.", "classifier.", "qa_outputs.")
+
+ALBERT = ModelSpec(
+    name="albert", model_type="albert", tokenizer="wordpiece", build=_albert_build,
+    blocks=_albert_blocks, batch=_sentence_order_batch, loss=_albert_loss,
+    heads={"pretrain": loading.Head("albert.AlbertForPreTraining"),
+           "fill-mask": loading.Head("albert.AlbertForMaskedLM", unused=ALBERT_HEADS,
+                                     what="masked-LM head",
+                                     hint="fill-mask needs an AlbertForMaskedLM or "
+                                          "AlbertForPreTraining folder"),
+           "embed": loading.Head("albert.AlbertModel", unused=ALBERT_HEADS,
+                                 kwargs={"add_pooling_layer": False}),
+           "classify": loading.Head("albert.AlbertForSequenceClassification",
+                                    unused=ALBERT_HEADS, new=("classifier.", "pooler.")),
+           "tag": loading.Head("albert.AlbertForTokenClassification", unused=ALBERT_HEADS,
+                               new=("classifier.",))},
+    positions=_max_positions, hidden=_encoder_hidden, factorized=True,
+    # One layer's weights serve every layer: the encoder is sharded as one unit.
+    layers=lambda model: [model.albert.encoder])
+
+
+# DistilBERT: BERT's data without token types, 6 layers in its own layout.
+
+def _distilbert_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
+    from transformers import DistilBertConfig
+
+    from ..models.distilbert import DistilBertForMaskedLM
+
+    extra = {} if dropout is None else dict(dropout=dropout, attention_dropout=dropout)
+    return DistilBertForMaskedLM(DistilBertConfig(
+        vocab_size=tokenizer.get_vocab_size(), dim=size.hidden, n_layers=size.layers,
+        n_heads=size.heads, hidden_dim=4 * size.hidden, max_position_embeddings=512,
+        pad_token_id=tok.role_id(tokenizer, "pad"), **extra))
+
+
+DISTILBERT_HEADS = ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.",
+                    "pre_classifier.", "classifier.", "qa_outputs.")
+
+DISTILBERT = ModelSpec(
+    name="distilbert", model_type="distilbert", tokenizer="wordpiece", build=_distilbert_build,
+    blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
+    heads={"pretrain": loading.Head("distilbert.DistilBertForMaskedLM"),
+           "fill-mask": loading.Head("distilbert.DistilBertForMaskedLM", unused=DISTILBERT_HEADS,
+                                     what="masked-LM head",
+                                     hint="fill-mask needs a DistilBertForMaskedLM folder"),
+           "embed": loading.Head("distilbert.DistilBertModel", unused=DISTILBERT_HEADS),
+           "classify": loading.Head("distilbert.DistilBertForSequenceClassification",
+                                    unused=DISTILBERT_HEADS, new=("pre_classifier.", "classifier.")),
+           "tag": loading.Head("distilbert.DistilBertForTokenClassification",
+                               unused=DISTILBERT_HEADS, new=("classifier.",))},
+    positions=_max_positions, hidden=_encoder_hidden,
+    layers=lambda model: list(model.distilbert.transformer.layer))
+
+
+def _electra_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
     from transformers import ElectraConfig
 
     from ..models.electra import ElectraForJointPreTraining
 
     # ELECTRA-Small's 128-wide embeddings, projected up, below base size.
+    if embedding_size is None:
+        embedding_size = 128 if size.hidden <= 256 else size.hidden
     return ElectraForJointPreTraining(_bert_config(
-        ElectraConfig, size, tokenizer, dropout,
-        embedding_size=128 if size.hidden <= 256 else size.hidden))
+        ElectraConfig, size, tokenizer, dropout, embedding_size=embedding_size))
 
 
 def _electra_resume(folder):
@@ -300,7 +412,7 @@ ELECTRA = ModelSpec(
                                     unused=ELECTRA_HEADS, new=("classifier.",)),
            "tag": loading.Head("electra.ElectraForTokenClassification", unused=ELECTRA_HEADS,
                                new=("classifier.",))},
-    positions=_max_positions,
+    positions=_max_positions, factorized=True,
     # The discriminator is the model ELECTRA's pretraining is for (transformers'
     # ElectraForPreTraining); the checkpoints keep both halves.
     export=lambda model: model.discriminator, resume=_electra_resume, hidden=_encoder_hidden,
@@ -312,7 +424,7 @@ ELECTRA = ModelSpec(
 # ELMo: words read as characters; a block holds, per word, its id in the softmax
 # vocabulary and its character ids ([blocks, seq_len, 1 + max characters]).
 
-def _elmo_build(size: Size, tokenizer, dropout: Optional[float]):
+def _elmo_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
     from ..models.elmo import ElmoBiLM, ElmoConfig
 
     projection = min(size.hidden, 512)
@@ -397,7 +509,7 @@ ELMO = ModelSpec(
     export=_elmo_export, hidden=_elmo_hidden,
     layers=lambda model: [*model.lstm.forward_layers, *model.lstm.backward_layers])
 
-SPECS = {spec.name: spec for spec in (BERT, ROBERTA, ELECTRA, ELMO, GPT)}
+SPECS = {spec.name: spec for spec in (BERT, ROBERTA, ALBERT, DISTILBERT, ELECTRA, ELMO, GPT)}
 SPECS_BY_TYPE = {spec.model_type: spec for spec in SPECS.values()}
 
 

@@ -60,11 +60,13 @@ class Trainer:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as scaler
         self.scaler = scaler(device.type, enabled=dtype == torch.float16)
 
-    def step(self, micro_losses: List[Callable]) -> float:
-        """Runs forward and backward of every micro-batch (``loss(model)`` each), then the
-        optimizer: the mean loss over micro-batches and processes."""
+    def step(self, micro_losses: List[Callable]) -> tuple:
+        """Runs forward and backward of every micro-batch (``loss(model)`` each: the loss,
+        or (the loss, a dict of metrics such as an accuracy)), then the optimizer: (the
+        mean loss, the mean of each metric) over micro-batches and processes."""
         self.model.train()
         total = torch.zeros((), device=self.device)
+        metrics = {}
         for i, micro_loss in enumerate(micro_losses):
             last = i == len(micro_losses) - 1
             if self.processes.fsdp:
@@ -74,6 +76,10 @@ class Trainer:
                 with torch.autocast(self.device.type, dtype=self.dtype,
                                     enabled=self.dtype != torch.float32):
                     loss = micro_loss(self.model)
+                    if isinstance(loss, tuple):
+                        loss, measured = loss
+                        for name, value in measured.items():
+                            metrics[name] = metrics.get(name, 0.0) + value.detach().float()
                 self.scaler.scale(loss / len(micro_losses)).backward()
             total += loss.detach().float()
         self.scaler.unscale_(self.optimizer)
@@ -83,7 +89,9 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return float(self.processes.mean(total / len(micro_losses)))
+        n = len(micro_losses)
+        return (float(self.processes.mean(total / n)),
+                {name: float(self.processes.mean(value / n)) for name, value in metrics.items()})
 
     @property
     def lr(self) -> float:
@@ -126,16 +134,20 @@ class Progress:
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
                             file=sys.stderr)
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float,
+               metrics: Optional[dict] = None) -> None:
         if not self.enabled:
             return
+        metrics = metrics or {}
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4f}", **{k: f"{v:.4f}" for k, v in metrics.items()},
+                                 tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         elif step % self.log_every == 0 or step == self.total:
             done = step - self.start
             eta = (time.perf_counter() - self.began) / max(done, 1) * (self.total - step)
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+            shown = "".join(f"  {k} {v:.4f}" for k, v in metrics.items())
+            print(f"step {step}/{self.total}  loss {loss:.4f}{shown}  {tokens_per_s:,.0f} tok/s  "
                   f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}", file=sys.stderr)
 
     def close(self) -> None:
