@@ -1,4 +1,4 @@
-// cross_entropy and masked_lm_loss on the CPU.
+// cross_entropy, distillation_loss and masked_lm_loss on the CPU.
 //
 // cross_entropy: one pass of the fused kernel gives the per-row losses and, in a new
 // buffer, d(loss)/d(logits), already divided by the number of labelled rows for
@@ -7,6 +7,7 @@
 // masked_lm_loss: the loop of csrc/masked_lm.cpp, with the fused kernel for each chunk
 // (which also sums the gradient's columns, the bias gradient).
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "checks.h"
@@ -166,6 +167,45 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& save
                                   const std::string& reduction) {
   check_cross_entropy_grad(grad, saved_grad, reduction, check_cpu);
   return scaled(saved_grad, grad.to(acc_dtype(saved_grad.scalar_type())).contiguous());
+}
+
+std::tuple<at::Tensor, at::Tensor> distillation_loss_forward(const at::Tensor& student_logits,
+                                                             const at::Tensor& teacher_logits,
+                                                             double temperature,
+                                                             const std::string& reduction,
+                                                             bool with_grad) {
+  check_cpu(student_logits, "student_logits");
+  check_cpu(teacher_logits, "teacher_logits");
+  TORCH_CHECK_VALUE(student_logits.dim() >= 1 && student_logits.size(-1) > 0,
+                    "student_logits must have a last dimension of at least one class, got shape ",
+                    student_logits.sizes());
+  TORCH_CHECK_VALUE(teacher_logits.sizes() == student_logits.sizes(),
+                    "teacher_logits must have student_logits' shape ", student_logits.sizes(),
+                    ", got ", teacher_logits.sizes());
+  TORCH_CHECK_TYPE(teacher_logits.scalar_type() == student_logits.scalar_type(),
+                   "teacher_logits must have student_logits' dtype");
+  TORCH_CHECK_VALUE(temperature > 0 && std::isfinite(temperature),
+                    "temperature must be a positive float, got ", temperature);
+  const auto red = parse_reduction(reduction);
+  const auto dtype = kernel_dtype(student_logits);
+  const auto s = as_rows(student_logits), t = as_rows(teacher_logits);
+  const int64_t rows = s.size(0), classes = s.size(1);
+  auto losses = at::empty(student_logits.sizes().slice(0, student_logits.dim() - 1),
+                          s.options().dtype(acc_dtype(student_logits.scalar_type())));
+  auto grad = with_grad ? at::empty(student_logits.sizes(), s.options()) : at::Tensor();
+  const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(rows, 1) : 1.0;
+  const size_t elem = s.element_size(), acc = losses.element_size();
+  const char* x = static_cast<const char*>(s.data_ptr());
+  const char* y = static_cast<const char*>(t.data_ptr());
+  char* l = static_cast<char*>(losses.data_ptr());
+  char* g = grad.defined() ? static_cast<char*>(grad.data_ptr()) : nullptr;
+  at::parallel_for(0, rows, grain_rows(classes), [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * classes * elem;
+    cpu_kernels().distillation_loss_forward(dtype, x + at, y + at, l + begin * acc,
+                                            g ? g + at : nullptr, end - begin, classes,
+                                            temperature, grad_scale);
+  });
+  return {reduce_losses(losses, red, rows), with_grad ? grad : nothing(student_logits)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward(

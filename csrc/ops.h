@@ -65,6 +65,14 @@ using cross_entropy_forward_t = std::tuple<at::Tensor, at::Tensor>(
 using cross_entropy_backward_t = at::Tensor(const at::Tensor& grad, const at::Tensor& saved_grad,
                                             const std::string& reduction);
 
+// DistilBERT's soft-target loss over the last dimension of student_logits and teacher_logits
+// (one shape and dtype): T^2 * KL(softmax(teacher / T) || softmax(student / T)) per row.
+// Returns (loss, grad) as cross_entropy_forward does ("mean": over the rows); grad is of the
+// student logits only, and cross_entropy_backward scales it.
+using distillation_loss_forward_t = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& student_logits, const at::Tensor& teacher_logits, double temperature,
+    const std::string& reduction, bool with_grad);
+
 // cross_entropy(hidden @ weight^T + bias, labels), projecting only the rows whose label is
 // not ignore_index, chunk_rows of them at a time. Returns (loss, dhidden, dweight, dbias):
 // for reduction "mean"/"sum" the gradients asked for by need_* (for grad_output 1), the
@@ -175,7 +183,7 @@ using lstm_cell_backward_t = std::tuple<at::Tensor, at::Tensor>(
 #define FUSEDLM_CPU_OPS(X)                                                                 \
   FUSEDLM_SHARED_OPS(X)                                                                    \
   X(attention_with_kvcache_forward) X(unpad_forward) X(pad_forward) X(pad_backward)        \
-  X(lstm_cell_forward) X(lstm_cell_backward)
+  X(lstm_cell_forward) X(lstm_cell_backward) X(distillation_loss_forward)
 #define FUSEDLM_CUDA_OPS(X) FUSEDLM_SHARED_OPS(X)
 
 #define FUSEDLM_DECLARE_OP(name) name##_t name;

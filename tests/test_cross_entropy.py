@@ -1,6 +1,7 @@
-"""cross_entropy and masked_lm_loss against the reference, on every backend that has them:
-small cases, and BERT-base and GPT-2-small shapes on a GPU."""
+"""cross_entropy, distillation_loss and masked_lm_loss against the reference, on every
+backend that has them: small cases, and BERT-base and GPT-2-small shapes on a GPU."""
 import importlib
+import math
 
 import pytest
 import torch
@@ -301,6 +302,130 @@ def test_cross_entropy_rejects_bad_input():
     # The compiled kernel checks labels itself, for callers that bypass the Python checks.
     with pytest.raises(ValueError, match="labels"):
         torch.ops.fusedlm.cross_entropy(logits, torch.tensor([1, 2, 10, 0]), -100, 0.0, "mean", True, "cpu")
+
+
+# --- distillation_loss ---------------------------------------------------------------------------
+
+def _distillation_inputs(shape, dtype, device):
+    student = fresh(shape, dtype, device, scale=3.0)
+    teacher = fresh(shape, dtype, device, scale=3.0, requires_grad=False)
+    return student, teacher
+
+
+@pytest.mark.parametrize("backend", backends_for("distillation_loss"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
+def test_distillation_loss_matches_reference(backend, dtype, reduction, temperature):
+    device = backend_device(backend)
+    batch = (2, 5) if slow_backend(backend) else (3, 37)
+    student, teacher = _distillation_inputs((*batch, 203), dtype, device)
+    before = student.detach().clone()
+    loss = fusedlm.ops.distillation_loss(student, teacher, temperature=temperature,
+                                         reduction=reduction, backend=backend)
+    grad = upstream_grad(loss, reduction)
+    loss.backward(grad)
+    assert torch.equal(student.detach(), before), "the op wrote into the caller's logits"
+
+    ref_student, ref_teacher = as_reference(student, teacher)
+    expected = reference.distillation_loss(ref_student, ref_teacher, temperature=temperature,
+                                           reduction=reduction)
+    expected.backward(grad.double())
+    assert loss.dtype == torch.float32 and loss.shape == expected.shape == grad.shape
+    assert_close(loss, expected, scale=loss_tolerance(reduction, batch[0] * batch[1]), name="loss")
+    assert student.grad.dtype == dtype
+    assert_close(student.grad, ref_student.grad, name="dstudent")
+
+
+def test_distillation_loss_is_distilberts_formula():
+    # KLDivLoss(batchmean) of log_softmax(s / T) against softmax(t / T), times T², over the
+    # rows, as DistilBERT's distiller writes it; float64 on the CPU kernel.
+    s, t = torch.randn(6, 50, dtype=torch.float64) * 2, torch.randn(6, 50, dtype=torch.float64) * 2
+    expected = torch.nn.KLDivLoss(reduction="batchmean")(
+        torch.log_softmax(s / 3.0, dim=-1), torch.softmax(t / 3.0, dim=-1)) * 9.0
+    got = fusedlm.ops.distillation_loss(s, t, temperature=3.0, backend="cpu")
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    # The same student and teacher: no divergence, no gradient.
+    s.requires_grad_()
+    same = fusedlm.ops.distillation_loss(s, s.detach(), temperature=3.0, backend="cpu")
+    (g,) = torch.autograd.grad(same, s)
+    assert abs(same.item()) < 1e-13 and g.abs().max() < 1e-15
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_distillation_loss_gradcheck(reduction):
+    student = torch.randn(3, 4, 17, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(3, 4, 17, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda s: fusedlm.ops.distillation_loss(s, teacher, temperature=1.5, reduction=reduction,
+                                                backend="cpu"), (student,))
+
+
+def test_distillation_loss_every_instruction_set(cpu_isa):
+    for classes in (1, 7, 16, 33, 1000, 2049):
+        for dtype in DTYPES:
+            student, teacher = _distillation_inputs((5, classes), dtype, "cpu")
+            loss = fusedlm.ops.distillation_loss(student, teacher, temperature=2.0, reduction="none",
+                                                 backend="cpu")
+            (got,) = torch.autograd.grad(loss.sum(), student)
+            ref_student, ref_teacher = as_reference(student, teacher)
+            expected = reference.distillation_loss(ref_student, ref_teacher, temperature=2.0,
+                                                   reduction="none")
+            (expected_grad,) = torch.autograd.grad(expected.sum(), ref_student)
+            name = f"{cpu_isa} {dtype} classes={classes}"
+            assert_close(loss, expected, name=f"{name} loss")
+            assert_close(got, expected_grad, name=f"{name} dstudent")
+
+
+@pytest.mark.parametrize("backend", backends_for("distillation_loss"))
+def test_distillation_loss_classes_the_teacher_rules_out(backend):
+    # A class of teacher logit -inf has probability 0 and adds nothing (not 0 * inf).
+    device = backend_device(backend)
+    student, teacher = _distillation_inputs((4, 30), torch.float32, device)
+    teacher = teacher.clone()
+    teacher[:, :5] = float("-inf")
+    loss = fusedlm.ops.distillation_loss(student, teacher, reduction="none", backend=backend)
+    (got,) = torch.autograd.grad(loss.sum(), student)
+    ref_student, ref_teacher = as_reference(student, teacher)
+    expected = reference.distillation_loss(ref_student, ref_teacher, reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected.sum(), ref_student)
+    assert torch.isfinite(loss).all() and torch.isfinite(got).all()
+    assert_close(loss, expected, name="loss")
+    assert_close(got, expected_grad, name="dstudent")
+
+
+def test_distillation_loss_compiles_without_graph_breaks():
+    student, teacher = _distillation_inputs((4, 7, 50), torch.float32, "cpu")
+
+    def f(s, t):
+        return fusedlm.ops.distillation_loss(s * 2, t, temperature=2.0) + 1
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    got = compiled(student, teacher)
+    (g,) = torch.autograd.grad(got, student)
+    ref_student, ref_teacher = as_reference(student, teacher)
+    expected = reference.distillation_loss(ref_student * 2, ref_teacher, temperature=2.0) + 1
+    (expected_grad,) = torch.autograd.grad(expected, ref_student)
+    assert_close(got, expected, name="loss")
+    assert_close(g, expected_grad, name="dstudent")
+
+
+def test_distillation_loss_rejects_bad_input():
+    s, t = torch.randn(4, 10, requires_grad=True), torch.randn(4, 10)
+    cases = [((s, t[:, :9]), {}, ValueError, "teacher_logits"),
+             ((s, t.double()), {}, TypeError, "teacher_logits"),
+             ((s, t), {"temperature": 0.0}, ValueError, "temperature"),
+             ((s, t), {"temperature": float("inf")}, ValueError, "temperature"),
+             ((s, t), {"reduction": "batchmean"}, ValueError, "reduction"),
+             ((s.long(), t), {}, TypeError, "student_logits"),
+             ((torch.randn(4, 0), torch.randn(4, 0)), {}, ValueError, "student_logits"),
+             ((s, t.requires_grad_()), {}, ValueError, "teacher_logits must not require grad")]
+    for args, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            fusedlm.ops.distillation_loss(*args, **kwargs)
+    # The compiled kernel checks shapes itself, for callers that bypass the Python checks.
+    with pytest.raises(ValueError, match="teacher_logits"):
+        torch.ops.fusedlm.distillation_loss(s.detach(), torch.randn(4, 9), 1.0, "mean", False, "cpu")
 
 
 # --- masked_lm_loss ------------------------------------------------------------------------------
@@ -646,6 +771,65 @@ def draw_masked_lm_loss(d):
            *_labels_out_of_range(d, vocab, options["ignore_index"])]
     return Case("masked_lm_loss", f"masked_lm_loss {dtype} {width}->{vocab}", arguments, reference_,
                 floors=(1.0,), dtype=dtype, bad=tuple(bad), truth=truth)
+
+
+def _plain_distillation_loss(student, teacher, temperature, reduction):
+    """DistilBERT's formula in the logits' dtype."""
+    log_q = torch.log_softmax(student / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher / temperature, dim=-1)
+    p = log_p.exp()
+    losses = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1) * temperature ** 2
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.sum() / max(losses.numel(), 1)
+
+
+def _exact_distillation_loss(student, teacher, temperature, reduction):
+    """The same divergence as a sum of non-negative terms, q_j * h(w_j) with w = log p - log q
+    and h(w) = 1 - e^w (1 - w) (the terms p log(p / q) - p + q; the added -p + q sum to 0).
+    Near-equal distributions make the plain sum cancel; this one does not, h taken from its
+    series for small w."""
+    log_q = _exact_log_softmax(student / temperature, dim=-1)
+    log_p = _exact_log_softmax(teacher / temperature, dim=-1)
+    w = log_p - log_q
+    small = w.abs() < 0.5
+    ws = torch.where(small, w, 0.0)
+    series = sum(ws ** k * ((k - 1) / math.factorial(k)) for k in range(2, 26))
+    large = torch.where(small, 0.0, w) * torch.exp(w) - torch.expm1(torch.where(small, 0.0, w))
+    losses = (log_q.exp() * torch.where(small, series, large)).sum(-1) * temperature ** 2
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.sum() / max(losses.numel(), 1)
+
+
+def draw_distillation_loss(d):
+    dtype = d.dtype()
+    classes = d.size(1, 3000, (2, 127, 128, 129, 2049))
+    rows = tuple(d.size(0, 6, (1,)) for _ in range(d.size(0, 2)))
+    scale = d.magnitude(30.0)
+    d.tensor("student", (*rows, classes), dtype, scale=scale, expand_dims=range(len(rows)))
+    d.tensor("teacher", (*rows, classes), dtype, scale=scale, grad=False,
+             expand_dims=range(len(rows)))
+    options = {"temperature": d.choice([1.0, 2.0, 0.5, 4.0]),
+               "reduction": d.choice(["mean", "sum", "none"])}
+    d.note(str(options))
+
+    def arguments(t):
+        return (t["student"], t["teacher"]), options
+
+    def reference_(t):
+        return (_plain_distillation_loss(t["student"], t["teacher"], **options),)
+
+    def truth(t):
+        return (_exact_distillation_loss(t["student"], t["teacher"], **options),)
+
+    bad = [fuzz.grown("teacher", -1), fuzz.with_extra_dim("teacher")]
+    return Case("distillation_loss", f"distillation_loss {dtype} classes={classes}", arguments,
+                reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad), truth=truth)
+
+
+test_fuzz_distillation_loss, test_fuzz_distillation_loss_bad_inputs = fuzz.tests(
+    draw_distillation_loss, backends_for("distillation_loss"))
 
 
 test_fuzz_cross_entropy, test_fuzz_cross_entropy_bad_inputs = fuzz.tests(draw_cross_entropy, backends_for("cross_entropy"))

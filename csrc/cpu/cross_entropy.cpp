@@ -157,6 +157,53 @@ void rows_kernel(const T* logits, const int64_t* labels, acc_t<T>* loss, T* grad
   }
 }
 
+// sum of exp(x_j * inv_t - m) over x[0, n), in kLanes partial sums.
+template <typename T, typename A>
+inline A sum_exp_scaled(const T* x, int64_t n, A inv_t, A m) {
+  A s[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t k = 0; k < kLanes; ++k) s[k] += exp_(load(x[j + k]) * inv_t - m);
+  for (; j < n; ++j) s[0] += exp_(load(x[j]) * inv_t - m);
+  return sum_lanes(s);
+}
+
+// DistilBERT's soft-target loss of each row, with p = softmax(teacher / T) and
+// q = softmax(student / T): loss = T^2 * sum_j p_j (log p_j - log q_j), and
+// grad_j = grad_scale * T * (q_j - p_j). Three sweeps over the row pair (L2-resident at
+// a BERT vocabulary): the maxima, the sums of exponentials, then the divergence and the
+// gradient, with log p and log q formed from the shifted logits (no softmax is stored).
+// A class the teacher gives probability 0 adds 0, as xlogy does.
+template <typename T>
+void distill_rows(const T* student, const T* teacher, acc_t<T>* loss, T* grad, int64_t rows,
+                  int64_t classes, double temperature, double grad_scale) {
+  using A = acc_t<T>;
+  const A inv_t = A(1) / A(temperature), t = A(temperature);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = student + r * classes;
+    const T* y = teacher + r * classes;
+    const A mx = A(block_max(x, classes)) * inv_t, my = A(block_max(y, classes)) * inv_t;
+    // log q_j = (x_j / T - mx) - log_zq: the shift first, as log_softmax does, so that a
+    // class near the max keeps its digits (mx + log_zq would round to mx's precision).
+    const A log_zq = std::log(sum_exp_scaled(x, classes, inv_t, mx));
+    const A log_zp = std::log(sum_exp_scaled(y, classes, inv_t, my));
+    A kl[kLanes] = {};
+    const A scale = A(grad_scale) * t;
+    auto term = [&](int64_t j, int64_t lane) {
+      const A log_q = (load(x[j]) * inv_t - mx) - log_zq;
+      const A log_p = (load(y[j]) * inv_t - my) - log_zp;
+      const A p = exp_(log_p);
+      kl[lane] += p > A(0) ? p * (log_p - log_q) : A(0);
+      if (grad) store(grad[r * classes + j], scale * (exp_(log_q) - p));
+    };
+    int64_t j = 0;
+    for (; j + kLanes <= classes; j += kLanes)
+      for (int64_t k = 0; k < kLanes; ++k) term(j + k, k);
+    for (; j < classes; ++j) term(j, 0);
+    loss[r] = t * t * sum_lanes(kl);
+  }
+}
+
 template <typename T>
 void scale_rows(const T* src, T* dst, int64_t rows, int64_t cols, const acc_t<T>* scale,
                 int64_t scale_stride) {
@@ -183,6 +230,17 @@ void cross_entropy_forward(DType dtype, const void* logits, const int64_t* label
     run(static_cast<const T*>(logits), labels, static_cast<A*>(loss), static_cast<T*>(grad),
         static_cast<A*>(col_sum), rows, classes, ignore_index, label_smoothing, grad_scale,
         static_cast<const A*>(row_scale));
+  });
+}
+
+void distillation_loss_forward(DType dtype, const void* student, const void* teacher, void* loss,
+                               void* grad, int64_t rows, int64_t classes, double temperature,
+                               double grad_scale) {
+  dispatch_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    distill_rows(static_cast<const T*>(student), static_cast<const T*>(teacher),
+                 static_cast<acc_t<T>*>(loss), static_cast<T*>(grad), rows, classes, temperature,
+                 grad_scale);
   });
 }
 

@@ -49,6 +49,13 @@ using cross_entropy_forward_fn = void(DType, const void* logits, const int64_t* 
                                       void* grad, void* col_sum, int64_t rows, int64_t classes,
                                       int64_t ignore_index, double label_smoothing,
                                       double grad_scale, const void* row_scale);
+// DistilBERT's soft-target loss of rows x classes (row-major student and teacher logits, one
+// dtype), p = softmax(teacher / T) and q = softmax(student / T) per row:
+//   loss[r] = T^2 * sum_j p_j (log p_j - log q_j)      (accumulation type)
+//   grad[r, j] = grad_scale * T * (q_j - p_j)           (grad may be null: loss only)
+using distillation_loss_forward_fn = void(DType, const void* student, const void* teacher,
+                                          void* loss, void* grad, int64_t rows, int64_t classes,
+                                          double temperature, double grad_scale);
 // dst[r, c] = src[r, c] * scale[r * scale_stride], scale in the accumulation type
 // (scale_stride 0: one scale for every row). The backward of cross_entropy.
 using cross_entropy_scale_grad_fn = void(DType, const void* src, void* dst, int64_t rows,
@@ -127,7 +134,7 @@ using lstm_cell_backward_fn = void(DType, const void* dh, const void* dc, const 
 // X(name) for every kernel of the table.
 #define FUSEDLM_CPU_KERNELS(X)                                                                 \
   X(dropout_mask) X(bias_gelu_forward) X(bias_gelu_backward) X(cross_entropy_forward)          \
-  X(cross_entropy_scale_grad) X(attn_pack) X(attn_unpack) X(attn_dropout_keep)                 \
+  X(cross_entropy_scale_grad) X(distillation_loss_forward) X(attn_pack) X(attn_unpack) X(attn_dropout_keep)                 \
   X(attn_forward_block) X(attn_forward_finish) X(attn_delta) X(attn_backward_block)            \
   X(attn_bias_grad) X(add_layer_norm_forward) X(add_layer_norm_backward)                       \
   X(lstm_cell_forward) X(lstm_cell_backward)

@@ -1,4 +1,4 @@
-"""cross_entropy and masked_lm_loss in Triton.
+"""cross_entropy, distillation_loss and masked_lm_loss in Triton.
 
 One program per row of logits. A first sweep over the classes in blocks keeps an
 online log-sum-exp (running max and the sum of exponentials rescaled to it), so a row
@@ -7,6 +7,10 @@ With a gradient wanted, a second sweep writes (softmax - target) * scale over th
 row: the gradient comes out of the forward pass, and the backward only rescales it.
 Rows labelled ignore_index get a zero loss and gradient. Traffic: two reads of the
 logits and one write of the gradient.
+
+distillation_loss works the same way on a student and a teacher row at once: a first
+sweep keeps both online log-sum-exps, a second forms log p and log q from the shifted
+logits, sums the divergence and writes the gradient.
 
 masked_lm_loss gathers the labelled rows and projects them chunk_rows at a time with
 torch's matrix product; the kernel overwrites each chunk's logits with their gradient
@@ -122,6 +126,65 @@ def _reduce(losses, reduction, labelled):
         return losses.sum(dtype=torch.float64).float()
     count = labelled.clamp(min=1) if isinstance(labelled, torch.Tensor) else max(labelled, 1)
     return (losses.sum(dtype=torch.float64) / count).float()
+
+
+# --- distillation_loss ---------------------------------------------------------------------------
+
+@triton.jit
+def _online_lse(x, running_max, sum_exp):
+    """The running (max, sum of exp(x - max)) with a block x merged in; a block of -inf
+    leaves the max at -inf (shifted by 0 then)."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+    return new_max, sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+
+
+@autotune(_configs(), key=["C", "WITH_GRAD"])
+@triton.jit
+def _distillation_kernel(STUDENT, TEACHER, LOSS, GRAD, SCALE, C, inv_t, WITH_GRAD: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    max_q, sum_q = -float("inf"), 0.0
+    max_p, sum_p = -float("inf"), 0.0
+    for start in range(0, C, BLOCK):
+        mask = start + cols < C
+        x = tl.load(STUDENT + row * C + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        y = tl.load(TEACHER + row * C + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        max_q, sum_q = _online_lse(x * inv_t, max_q, sum_q)
+        max_p, sum_p = _online_lse(y * inv_t, max_p, sum_p)
+    # log q = (x / T - max) - log(sum): the shift first, as log_softmax does, so that a class
+    # near the max keeps its digits.
+    log_zq = tl.log(sum_q)
+    log_zp = tl.log(sum_p)
+    scale = tl.load(SCALE) / inv_t
+    kl = 0.0
+    for start in range(0, C, BLOCK):
+        mask = start + cols < C
+        x = tl.load(STUDENT + row * C + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(TEACHER + row * C + start + cols, mask=mask, other=0.0).to(tl.float32)
+        log_q = (x * inv_t - max_q) - log_zq
+        log_p = (y * inv_t - max_p) - log_zp
+        p = tl.exp(log_p)
+        # A class the teacher gives probability 0 adds 0, as xlogy does.
+        kl += tl.sum(tl.where(mask & (p > 0.0), p * (log_p - log_q), 0.0), axis=0)
+        if WITH_GRAD:
+            g = scale * (tl.exp(log_q) - p)
+            tl.store(GRAD + row * C + start + cols, g.to(GRAD.dtype.element_ty), mask=mask)
+    tl.store(LOSS + row, kl / (inv_t * inv_t))
+
+
+def distillation_loss_forward(student_logits, teacher_logits, temperature, reduction, with_grad):
+    x, y = rows_of(student_logits), rows_of(teacher_logits)
+    rows, classes = x.shape
+    scale = _unit_scale(x.device, 1.0 / max(rows, 1) if reduction == "mean" else 1.0)
+    grad = student_logits.new_empty(student_logits.shape) if with_grad else None
+    losses = torch.empty(student_logits.shape[:-1], dtype=torch.float32, device=x.device)
+    if rows:
+        _distillation_kernel[(rows,)](x, y, losses, grad, scale, classes, 1.0 / temperature,
+                                      WITH_GRAD=with_grad)
+    loss = losses if reduction == "none" else _reduce(losses, reduction, rows)
+    return loss, grad if with_grad else student_logits.new_empty(0)
 
 
 # --- cross_entropy -------------------------------------------------------------------------------

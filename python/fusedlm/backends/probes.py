@@ -40,6 +40,7 @@ class Probe:
     make: Callable[[torch.Generator], tuple]
     size: str = "small"  # or "real"
     differentiable: bool = True
+    constant: tuple = ()  # positions of floating arguments that take no gradient
     # The cuda kernel paths (fusedlm.backends.cuda.paths()) this problem takes when they are
     # on: where it fails, turning one off shows whether that path is the broken one.
     paths: tuple = ()
@@ -133,7 +134,8 @@ class _Call:
                      else a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
         self.kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                        for k, v in kwargs.items()}
-        self.grad_of = [i for i, a in enumerate(args) if _floating(a)] if probe.differentiable else []
+        self.grad_of = [i for i, a in enumerate(args) if _floating(a) and i not in probe.constant] \
+            if probe.differentiable else []
         for i in self.grad_of:
             self.args[i].requires_grad_()
 

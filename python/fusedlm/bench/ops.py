@@ -152,6 +152,29 @@ def cross_entropy(bench: Bench) -> Iterator[Case]:
                               skipped=skipped)
 
 
+def distillation_loss(bench: Bench) -> Iterator[Case]:
+    s = shapes_for(bench)
+    for dtype in s.matmul_dtypes:
+        for tokens, vocab in s.cross_entropy:
+            # The teacher's logits come from a model run without gradients.
+            inputs = [bench.tensor(tokens, vocab, dtype=dtype, scale=3.0),
+                      bench.tensor(tokens, vocab, dtype=dtype, scale=3.0).detach()]
+
+            def eager(student, teacher, temperature=2.0):
+                """DistilBERT's distiller: KLDivLoss(batchmean) of the two softmaxes, times T²."""
+                return F.kl_div(F.log_softmax(student.float() / temperature, dim=-1),
+                                F.softmax(teacher.float() / temperature, dim=-1),
+                                reduction="batchmean") * temperature ** 2
+
+            impls, skipped = bench.fused("distillation_loss", inputs, temperature=2.0)
+            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
+            # Both rows of logits read; with the backward, the student's gradient written too.
+            size = tokens * vocab * inputs[0].element_size()
+            yield from passes("distillation_loss", f"{tokens}x{vocab} {_name(dtype)}, T=2", impls,
+                              unit="GB/s", work={"forward": 2 * size, "forward+backward": 3 * size},
+                              skipped=skipped)
+
+
 def masked_lm_loss(bench: Bench) -> Iterator[Case]:
     s = shapes_for(bench)
     tokens, d, vocab = s.tokens, s.hidden, s.vocab
@@ -252,4 +275,5 @@ def attention(bench: Bench) -> Iterator[Case]:
 
 
 OPS = {"attention": attention, "add_layer_norm": add_layer_norm, "bias_gelu": bias_gelu,
-       "gelu_ffn": gelu_ffn, "cross_entropy": cross_entropy, "masked_lm_loss": masked_lm_loss}
+       "gelu_ffn": gelu_ffn, "cross_entropy": cross_entropy,
+       "distillation_loss": distillation_loss, "masked_lm_loss": masked_lm_loss}

@@ -1,5 +1,6 @@
-"""cross_entropy and masked_lm_loss: softmax cross-entropy fused with its gradient,
-and the masked-LM head (vocabulary projection + cross-entropy) on labelled rows only.
+"""cross_entropy, distillation_loss and masked_lm_loss: softmax cross-entropy fused with
+its gradient, DistilBERT's soft-target loss the same way, and the masked-LM head
+(vocabulary projection + cross-entropy) on labelled rows only.
 
 cross_entropy computes d(loss)/d(logits) in the same pass as the loss, into a new
 buffer (nothing the caller holds is written); the backward only scales it by
@@ -29,7 +30,7 @@ from . import _validate as check
 from ._op import Op
 from .reference import acc_dtype
 
-__all__ = ["cross_entropy", "masked_lm_loss"]
+__all__ = ["cross_entropy", "distillation_loss", "masked_lm_loss"]
 
 REDUCTIONS = ("mean", "sum", "none")
 # masked_lm_loss projects this many bytes of logits at a time (at least one row): large
@@ -197,6 +198,102 @@ CROSS_ENTROPY = Op(
     "(Tensor grad, Tensor saved_grad, str reduction) -> Tensor",
     lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape),
     _cross_entropy_setup, _cross_entropy_grad)
+
+
+# --- distillation_loss ---------------------------------------------------------------------------
+
+@planner("distillation_loss")
+def plan_distillation_loss(student_logits, teacher_logits, *, temperature=1.0, reduction="mean",
+                           backend=None):
+    check.tensor("student_logits", student_logits, min_ndim=1)
+    check.tensor("teacher_logits", teacher_logits, min_ndim=1)
+    if student_logits.shape[-1] == 0:
+        raise ValueError("student_logits must have at least one class in its last dimension, got "
+                         f"shape {tuple(student_logits.shape)}")
+    check.shape("teacher_logits", teacher_logits, tuple(student_logits.shape))
+    check.same_dtype(student_logits=student_logits, teacher_logits=teacher_logits)
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not 0.0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a positive float, got {temperature!r}")
+    check.choice("reduction", reduction, REDUCTIONS)
+    device = check.same_device(student_logits=student_logits, teacher_logits=teacher_logits)
+    if torch.is_grad_enabled() and teacher_logits.requires_grad:
+        raise ValueError("teacher_logits must not require grad: the loss trains the student only "
+                         "(pass teacher_logits.detach(), or compute them under torch.no_grad())")
+    return choose("distillation_loss", device, backend, dtype=student_logits.dtype)
+
+
+def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, *, temperature: float = 1.0,
+                      reduction: str = "mean", backend: Optional[str] = None) -> Tensor:
+    """DistilBERT's soft-target loss over the last dimension of logits [..., classes]:
+    T² · KL(softmax(teacher_logits / T) ‖ softmax(student_logits / T)) per row (T the
+    temperature), reduced over the rows ("mean": their average, as KLDivLoss's
+    "batchmean"). The gradient reaches the student only; the softmaxes are never stored.
+
+    The loss is float32 (float64 for float64 logits).
+    """
+    choice = plan_distillation_loss(student_logits, teacher_logits, temperature=temperature,
+                                    reduction=reduction, backend=backend)
+    (with_grad,) = _wants_grad(student_logits)
+    loss, _ = DISTILLATION_LOSS(choice.backend, student_logits, teacher_logits, float(temperature),
+                                reduction, with_grad)
+    return loss
+
+
+def _distillation_fake(student_logits, teacher_logits, temperature, reduction, with_grad):
+    shape = student_logits.shape[:-1] if reduction == "none" else ()
+    loss = student_logits.new_empty(shape, dtype=_acc_dtype(student_logits.dtype))
+    return loss, student_logits.new_empty(student_logits.shape) if with_grad else None
+
+
+def _distillation_setup(ctx, inputs, output):
+    ctx.reduction = inputs[3]
+    ctx.save_for_backward(output[1])
+    _non_differentiable(ctx, output[1])
+
+
+def distillation_loss_reference(student_logits, teacher_logits, *, temperature=1.0,
+                                reduction="mean"):
+    """T² · KLDivLoss(log_softmax(student / T), softmax(teacher / T)) per row, as
+    DistilBERT trains; float32 or wider."""
+    acc = acc_dtype(student_logits.dtype)
+    log_q = torch.log_softmax(student_logits.to(acc) / temperature, dim=-1)
+    p = torch.softmax(teacher_logits.to(acc) / temperature, dim=-1)
+    # Probabilities as the target: xlogy makes a class of teacher probability 0 add 0.
+    losses = F.kl_div(log_q, p, reduction="none").sum(-1) * temperature ** 2
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total if reduction == "sum" else total / max(losses.numel(), 1)
+
+
+def _distillation_reference_forward(student_logits, teacher_logits, temperature, reduction,
+                                    with_grad):
+    def loss(student):
+        return distillation_loss_reference(student, teacher_logits, temperature=temperature,
+                                           reduction=reduction)
+    value = loss(student_logits)
+    grad = vjp(loss, (student_logits,), (torch.ones_like(value),))[0] if with_grad else None
+    return value, grad
+
+
+def _distillation_probe(rows, classes):
+    def make(g):
+        return (randn(g, rows, classes, scale=3.0), randn(g, rows, classes, scale=3.0)), \
+            {"temperature": 2.0}
+    return make
+
+
+# The gradient is the saved one scaled by grad_output: cross_entropy's backward.
+DISTILLATION_LOSS = Op(
+    "distillation_loss",
+    "(Tensor student_logits, Tensor teacher_logits, float temperature, str reduction, "
+    "bool with_grad) -> (Tensor, Tensor)", _distillation_fake,
+    reference=distillation_loss_reference,
+    reference_kernels=(_distillation_reference_forward, None),
+    probes=(Probe("1000 classes", _distillation_probe(40, 1000), constant=(1,)),
+            Probe.real("BERT-base, 1024 x 30522", _distillation_probe(1024, 30522), constant=(1,))),
+).differentiable(None, None, _distillation_setup, _cross_entropy_grad)
 
 
 # --- masked_lm_loss ------------------------------------------------------------------------------
