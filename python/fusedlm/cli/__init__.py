@@ -1,4 +1,4 @@
-"""The ``fusedlm`` command: pretrain, finetune, fill-mask, generate, embed, bench, selftest, info
+"""The ``fusedlm`` command: pretrain, distill, finetune, fill-mask, generate, embed, bench, selftest, info
 (``fusedlm --help``).
 
 Each command is a module with ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` (unless it
@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from .errors import UsageError
 
-COMMANDS = ("pretrain", "finetune", "fill-mask", "generate", "embed", "bench", "selftest", "info")
+COMMANDS = ("pretrain", "distill", "finetune", "fill-mask", "generate", "embed", "bench", "selftest", "info")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -38,31 +38,36 @@ def add_arguments(p) -> None:
     p.add_argument("--size", choices=list(registry.SIZES),
                    help="tiny: 2 layers, hidden 128; small: 12 layers, hidden 256; base: "
                         "BERT-base / GPT-2 small (default tiny)")
-    p.add_argument("--corpus", nargs="+", metavar="FILE_OR_DIR",
-                   help="text files or folders of them (default: Python's docstrings)")
+    add_training_arguments(p)
     p.add_argument("--tokenizer", metavar="PATH",
                    help="a tokenizer.json (or a folder with one) to use instead of training one")
     p.add_argument("--vocab-size", type=positive_int,
                    help="the most tokens the trained tokenizer may have (default by --size)")
+    p.add_argument("--dropout", type=float, help="dropout probability (default the model's)")
+    p.add_argument("--embedding-size", type=positive_int,
+                   help="width of the token embeddings, projected up to the hidden size "
+                        "(albert, electra; default 128)")
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard parameters, gradients and optimizer state between the processes "
+                        "(FSDP2), for a model that does not fit on one GPU")
+
+
+def add_training_arguments(p, lr_default: str = "by --size") -> None:
+    """The corpus, schedule, precision, output and checkpoint options pretrain and distill share."""
+    p.add_argument("--corpus", nargs="+", metavar="FILE_OR_DIR",
+                   help="text files or folders of them (default: Python's docstrings)")
     p.add_argument("--steps", type=positive_int, help="optimizer steps in all (default 1000)")
     p.add_argument("--batch-size", type=positive_int,
                    help="sequences per process per micro-batch (default 8)")
     p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 128)")
     p.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (default 1)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default by --size)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {lr_default})")
     p.add_argument("--warmup", type=int, help="warm-up steps (default: a tenth of --steps)")
     p.add_argument("--clip", type=float, help="gradient norm clip, 0 for none (default 1.0)")
-    p.add_argument("--dropout", type=float, help="dropout probability (default the model's)")
-    p.add_argument("--embedding-size", type=positive_int,
-                   help="width of the token embeddings, projected up to the hidden size "
-                        "(albert, electra; default 128)")
     p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
     add_device_argument(p)
     p.add_argument("--seed", type=int, help="random seed (default 0)")
-    p.add_argument("--fsdp", action="store_true", default=None,
-                   help="shard parameters, gradients and optimizer state between the processes "
-                        "(FSDP2), for a model that does not fit on one GPU")
-    p.add_argument("--out", help="output folder (default <model>-<size>)")
+    p.add_argument("--out", help="output folder")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, with its settings")
     p.add_argument("--save-every", type=positive_int,
@@ -72,88 +77,102 @@ def add_arguments(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    processes = Processes.from_env()
-    device = resolve_device(args.device)
-    if processes.world > 1 and device.type == "cuda":
-        device = torch.device("cuda", processes.local_rank)
+    processes, device = start_processes(args)
     resumed, settings, state = _settings(args, processes)
     spec, size = registry.SPECS[settings["model"]], registry.SIZES[settings["size"]]
     processes.fsdp = settings["fsdp"]
     if processes.fsdp and spec.layers is None:
         raise UsageError(f"--fsdp: {spec.name} has no layers to shard; train it without --fsdp")
-    out = Path(settings["out"])
-    corpus = read_corpus(settings["corpus"]) if settings["corpus"] else default_corpus()
-    if corpus.replaced_bytes and processes.main:
-        print(f"fusedlm pretrain: warning: {corpus.replaced_bytes} undecodable bytes in the "
-              "corpus were replaced by U+FFFD", file=sys.stderr)
-    processes.start(device)
-    try:
-        status = _train(args, processes, device, resumed, settings, state, spec, size, out, corpus)
-    except BaseException:
-        processes.stop()
-        raise
-    processes.stop(wait=True)
-    return status
+    return train(args, processes, device, resumed, settings, state, spec, size)
 
 
-def _settings(args, processes: Processes) -> tuple:
-    """(checkpoint resumed or None, settings, its trainer state or None)."""
-    given = {name: getattr(args, name) for name in FIXED}
-    if given["corpus"]:
+def start_processes(args) -> tuple:
+    """(the processes of a torchrun launch, or the one; this process's device)."""
+    processes = Processes.from_env()
+    device = resolve_device(args.device)
+    if processes.world > 1 and device.type == "cuda":
+        device = torch.device("cuda", processes.local_rank)
+    return processes, device
+
+
+def resumed_settings(args, processes: Processes, fixed: dict, flag_of=None) -> tuple:
+    """(the latest checkpoint in --out, its settings, its trainer state) for --resume: a
+    setting of ``fixed`` given again must equal the checkpoint's."""
+    out = args.out or (getattr(args, "model", None) and f"{args.model}-{args.size or 'tiny'}")
+    if not out:
+        raise UsageError("--resume needs --out, the folder of the run to continue")
+    found = checkpoint.latest(out)
+    if found is None:
+        raise UsageError(f"--resume: {out} holds no checkpoint to continue")
+    state = checkpoint.load_state(found)
+    settings = dict(state["settings"])
+    settings.setdefault("fsdp", False)  # written before --fsdp existed
+    settings.setdefault("embedding_size", None)  # and --embedding-size
+    for name, value in _given(args, fixed).items():
+        if value is not None and value != settings[name]:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {value} differs from the checkpoint's "
+                             f"{settings[name]}: a resumed run keeps its settings")
+    if args.batch_size is not None and args.batch_size * processes.world != settings["global_batch"]:
+        raise UsageError(f"--batch-size {args.batch_size} x {processes.world} processes differs "
+                         f"from the checkpoint's global batch of {settings['global_batch']}")
+    if settings["global_batch"] % processes.world:
+        raise UsageError(f"the checkpoint's global batch of {settings['global_batch']} does "
+                         f"not split between {processes.world} processes")
+    settings["steps"] = args.steps or settings["steps"]
+    if settings["steps"] <= state["step"]:
+        raise UsageError(f"--steps {settings['steps']}: {found} is already at step "
+                         f"{state['step']}")
+    settings["out"] = str(out)
+    return found, settings, state
+
+
+def _given(args, fixed: dict) -> dict:
+    """The settings of ``fixed`` as given on the command line (None: not given), paths
+    made absolute."""
+    given = {name: getattr(args, name) for name in fixed}
+    if given.get("corpus"):
         given["corpus"] = [str(Path(c).resolve()) for c in given["corpus"]]
-    if given["tokenizer"]:
-        given["tokenizer"] = str(Path(given["tokenizer"]).resolve())
-    if args.resume:
-        out = args.out or (args.model and f"{args.model}-{args.size or 'tiny'}")
-        if not out:
-            raise UsageError("--resume needs --out, the folder of the run to continue")
-        found = checkpoint.latest(out)
-        if found is None:
-            raise UsageError(f"--resume: {out} holds no checkpoint to continue")
-        state = checkpoint.load_state(found)
-        settings = dict(state["settings"])
-        settings.setdefault("fsdp", False)  # written before --fsdp existed
-        settings.setdefault("embedding_size", None)  # and --embedding-size
-        for name, value in given.items():
-            if value is not None and value != settings[name]:
-                flag = "--" + name.replace("_", "-")
-                raise UsageError(f"{flag} {value} differs from the checkpoint's "
-                                 f"{settings[name]}: a resumed run keeps its settings")
-        if args.batch_size is not None and args.batch_size * processes.world != settings["global_batch"]:
-            raise UsageError(f"--batch-size {args.batch_size} x {processes.world} processes differs "
-                             f"from the checkpoint's global batch of {settings['global_batch']}")
-        if settings["global_batch"] % processes.world:
-            raise UsageError(f"the checkpoint's global batch of {settings['global_batch']} does "
-                             f"not split between {processes.world} processes")
-        settings["steps"] = args.steps or settings["steps"]
-        if settings["steps"] <= state["step"]:
-            raise UsageError(f"--steps {settings['steps']}: {found} is already at step "
-                             f"{state['step']}")
-        settings["out"] = str(out)
-        return found, settings, state
-    if args.model is None:
-        raise UsageError("--model is needed (one of " + ", ".join(sorted(registry.SPECS)) + ")")
-    settings = {name: FIXED[name] if value is None else value for name, value in given.items()}
-    size = registry.SIZES[settings["size"]]
+    for name in ("tokenizer", "teacher"):
+        if given.get(name):
+            given[name] = str(Path(given[name]).resolve())
+    return given
+
+
+def new_settings(args, processes: Processes, fixed: dict, lr: float, out: str) -> dict:
+    """The settings of a new run: ``fixed``'s given or default, and the schedule's."""
+    settings = {name: fixed[name] if value is None else value
+                for name, value in _given(args, fixed).items()}
     settings["steps"] = args.steps or 1000
-    settings["lr"] = size.lr if settings["lr"] is None else settings["lr"]
+    settings["lr"] = lr if settings["lr"] is None else settings["lr"]
     settings["warmup"] = settings["steps"] // 10 if settings["warmup"] is None else settings["warmup"]
-    settings["vocab_size"] = settings["vocab_size"] or size.vocab
     settings["global_batch"] = (args.batch_size or 8) * processes.world
-    settings["out"] = args.out or f"{settings['model']}-{settings['size']}"
+    settings["out"] = args.out or out
     for name in ("warmup", "clip"):
         if settings[name] < 0:
             raise UsageError(f"--{name} must not be negative, got {settings[name]}")
     if not settings["lr"] > 0:
         raise UsageError(f"--lr must be positive, got {settings['lr']}")
+    if checkpoint.holds_model(settings["out"]):
+        raise UsageError(f"--out {settings['out']} already holds a checkpoint: pass --resume to "
+                         "continue it, or choose another --out")
+    return settings
+
+
+def _settings(args, processes: Processes) -> tuple:
+    """(checkpoint resumed or None, settings, its trainer state or None)."""
+    if args.resume:
+        return resumed_settings(args, processes, FIXED)
+    if args.model is None:
+        raise UsageError("--model is needed (one of " + ", ".join(sorted(registry.SPECS)) + ")")
+    size = registry.SIZES[args.size or FIXED["size"]]
+    settings = new_settings(args, processes, FIXED, size.lr, f"{args.model}-{args.size or 'tiny'}")
+    settings["vocab_size"] = settings["vocab_size"] or size.vocab
     if settings["embedding_size"] is not None and not registry.SPECS[settings["model"]].factorized:
         raise UsageError(f"--embedding-size: {settings['model']}'s embeddings are as wide as its "
                          "hidden size (albert and electra factorize them)")
     if settings["dropout"] is not None and not 0 <= settings["dropout"] < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {settings['dropout']}")
-    if checkpoint.holds_model(settings["out"]):
-        raise UsageError(f"--out {settings['out']} already holds a checkpoint: pass --resume to "
-                         "continue it, or choose another --out")
     return None, settings, None
 
 
@@ -166,6 +185,24 @@ def _tokenizer(spec, settings, resumed, corpus, processes: Processes):
     text = tok.train(spec.tokenizer, corpus.documents, settings["vocab_size"]).to_str() \
         if processes.main else None
     return tok.from_json(processes.broadcast(text))
+
+
+def train(args, processes, device, resumed, settings, state, spec, size) -> int:
+    """Trains ``spec``'s model (built at ``size``, or resumed) with ``settings`` on the
+    corpus they name, across ``processes``: pretrain's loop, which distill shares."""
+    out = Path(settings["out"])
+    corpus = read_corpus(settings["corpus"]) if settings["corpus"] else default_corpus()
+    if corpus.replaced_bytes and processes.main:
+        print(f"fusedlm {args.command}: warning: {corpus.replaced_bytes} undecodable bytes in "
+              "the corpus were replaced by U+FFFD", file=sys.stderr)
+    processes.start(device)
+    try:
+        status = _train(args, processes, device, resumed, settings, state, spec, size, out, corpus)
+    except BaseException:
+        processes.stop()
+        raise
+    processes.stop(wait=True)
+    return status
 
 
 def _train(args, processes, device, resumed, settings, state, spec, size, out, corpus) -> int:
@@ -241,7 +278,7 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     progress.close()
     if processes.main:
         plot_losses(out)
-        params = sum(p.numel() for p in model.parameters())
+        params = sum(p.numel() for p in spec.export(model).parameters())
         print(f"{spec.name} ({params / 1e6:.1f}M parameters) trained to step {settings['steps']}, "
               f"loss {loss:.4f}: {out}")
     return 0

@@ -17,6 +17,7 @@ from .albert import (AlbertForMaskedLM, AlbertForPreTraining, AlbertForQuestionA
 from .bert import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                    BertForSequenceClassification, BertForTokenClassification, BertModel,
                    BertPreTrainedModel)
+from .distillation import Distiller, student_from_teacher
 from .distilbert import (DistilBertForMaskedLM, DistilBertForQuestionAnswering,
                          DistilBertForSequenceClassification, DistilBertForTokenClassification,
                          DistilBertModel, DistilBertPreTrainedModel)
@@ -37,10 +38,10 @@ __all__ = ["AlbertForMaskedLM", "AlbertForPreTraining", "AlbertForQuestionAnswer
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",
            "BertPreTrainedModel", "DistilBertForMaskedLM", "DistilBertForQuestionAnswering",
            "DistilBertForSequenceClassification", "DistilBertForTokenClassification",
-           "DistilBertModel", "DistilBertPreTrainedModel", "ElectraForJointPreTraining", "ElectraForMaskedLM",
+           "DistilBertModel", "DistilBertPreTrainedModel", "Distiller", "ElectraForJointPreTraining", "ElectraForMaskedLM",
            "ElectraForPreTraining", "ElectraForQuestionAnswering", "ElectraForSequenceClassification",
            "ElectraForTokenClassification", "ElectraModel", "ElectraPreTrainedModel", "ELMo", "ElmoBiLM",
            "ElmoConfig", "FusedKVCache", "GPT2LMHeadModel", "GPT2Model", "GPT2PreTrainedModel",
-           "mask_tokens", "RobertaForMaskedLM", "RobertaForQuestionAnswering",
+           "mask_tokens", "student_from_teacher", "RobertaForMaskedLM", "RobertaForQuestionAnswering",
            "RobertaForSequenceClassification", "RobertaForTokenClassification", "RobertaModel",
            "RobertaPreTrainedModel"]

@@ -1,0 +1,87 @@
+"""fusedlm distill end to end: a pretrained tiny BERT distilled into a DistilBERT that
+transformers loads, every loss term lower after training, resume, and bad input."""
+import pytest
+import torch
+import transformers
+
+from cli_helpers import run_cli, write_corpus
+from fusedlm.cli import registry
+from fusedlm.cli import tokenizer as tokenizer_module
+from fusedlm.cli.train import read_metrics
+from fusedlm.models import BertForMaskedLM, DistilBertForMaskedLM, Distiller, student_from_teacher
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DATA = ["--seq-len", "32", "--batch-size", "8", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A tiny BERT trained far enough that one of its layers alone predicts worse."""
+    root = tmp_path_factory.mktemp("distill")
+    corpus = write_corpus(root / "corpus.txt")
+    out = root / "teacher"
+    from fusedlm.cli import main
+
+    code = main([str(a) for a in ("pretrain", "--model", "bert", "--size", "tiny", "--vocab-size",
+                                  400, "--corpus", corpus, "--steps", 300, "--lr", "3e-3",
+                                  "--out", out, *DATA)])
+    assert code == 0
+    return corpus, out
+
+
+def _losses(distiller, batch) -> dict:
+    with torch.no_grad():
+        _, terms = distiller(batch["input_ids"], batch["labels"])
+    return {name: float(value) for name, value in terms.items()}
+
+
+def test_distill_trains_a_distilbert_every_loss_falling(capsys, tmp_path, teacher):
+    corpus, teacher_dir = teacher
+    out = tmp_path / "student"
+    code, stdout, err = run_cli(capsys, "distill", "--teacher", teacher_dir, "--layers", 1,
+                                "--corpus", corpus, "--steps", 30, "--lr", "3e-3",
+                                "--log-every", 1, "--out", out, *DATA)
+    assert code == 0, err
+    assert "distilled bert" in stdout
+    record = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in record] == list(range(1, 31))
+    assert all({"loss", "loss_ce", "loss_mlm", "loss_cos"} <= set(r) for r in record)
+    # transformers' own class reads the student: one layer, the teacher's width and vocabulary.
+    student = transformers.DistilBertForMaskedLM.from_pretrained(out)
+    assert student.config.n_layers == 1 and student.config.dim == 128
+
+    # Each term on one fixed batch of the corpus: the student as the teacher started it,
+    # and as trained.
+    teacher_model = BertForMaskedLM.from_pretrained(teacher_dir).eval()
+    tokenizer = tokenizer_module.load(teacher_dir)
+    blocks = registry.BERT.blocks(corpus.read_text().split("\n\n"), tokenizer, 32)[:64]
+    batch = registry.BERT.batch(blocks, tokenizer, torch.Generator().manual_seed(5))
+    before = _losses(Distiller(student_from_teacher(teacher_model, 1), teacher_model).eval(), batch)
+    after = _losses(Distiller(DistilBertForMaskedLM.from_pretrained(out), teacher_model).eval(), batch)
+    for name in before:
+        assert after[name] < before[name], (name, before, after)
+
+    code, _, err = run_cli(capsys, "distill", "--resume", "--out", out, "--steps", 32,
+                           "--log-every", 1, "--device", "cpu")
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-2:] == [31, 32]
+    code, _, err = run_cli(capsys, "distill", "--resume", "--out", out, "--steps", 40,
+                           "--temperature", 3.0, "--device", "cpu")
+    assert code == 2 and "--temperature 3.0 differs from the checkpoint's 2.0" in err
+
+
+def test_distill_rejects_bad_input(capsys, tmp_path, teacher):
+    corpus, teacher_dir = teacher
+    cases = [(["--out", tmp_path / "a"], "--teacher is needed"),
+             (["--teacher", teacher_dir], "--out is needed"),
+             (["--teacher", teacher_dir, "--layers", 3, "--out", tmp_path / "b"],
+              "--layers 3: the teacher has only 2"),
+             (["--teacher", teacher_dir, "--temperature", 0, "--out", tmp_path / "c"],
+              "--temperature must be positive"),
+             (["--teacher", teacher_dir, "--alpha-cos", -1, "--out", tmp_path / "d"],
+              "--alpha-cos must not be negative"),
+             (["--resume", "--out", tmp_path / "e"], "holds no checkpoint")]
+    for argv, message in cases:
+        code, _, err = run_cli(capsys, "distill", "--corpus", corpus, *argv, *DATA)
+        assert code == 2 and message in err, err
