@@ -62,7 +62,7 @@ def test_json_has_device_versions_ceilings_and_every_row(quick_run):
         impls = {impl for benchmark, impl in rows if benchmark == step}
         expected = {"fusedlm", "reference"}
         if importlib.util.find_spec("transformers"):
-            expected.add("transformers")
+            expected |= {"transformers", "transformers-compiled"}
         assert impls == expected
         assert all(rows[(step, impl)]["time_ms"] > 0 for impl in impls)
         assert rows[(step, "fusedlm")]["unit"] == "tokens/s"

@@ -1,7 +1,7 @@
 """The models' cases: a training or inference step of each fusedlm model, against the same
 model with every op pinned to the plain-PyTorch ``reference`` backend (what the kernels
-buy inside the model) and, for BERT and GPT, transformers' model with the same weights
-(SDPA attention).
+buy inside the model) and transformers' model with the same weights (SDPA attention),
+eager and under torch.compile (but for generate, which compiling the module leaves eager).
 
 Shapes (CPU and GPU): hidden 256, 4 layers, 4 heads, FFN 1024, vocab 8192, float32,
 randomly initialised. BERT and ELECTRA: batch 8 x seq 128, lengths uniform in [64, 128],
@@ -88,9 +88,9 @@ def _ours(model, fn: Callable) -> dict:
     return {"fusedlm": _step(lambda: fn(model)), "reference": _step(lambda: fn(model), "reference")}
 
 
-def _transformers_twin(model, class_name: str, device) -> tuple[dict, dict]:
-    """({"transformers": model}, {}) with model's weights loaded into transformers' class,
-    or ({}, {"transformers": why not})."""
+def _transformers_twin(model, class_name: str, bench: Bench) -> tuple[dict, dict]:
+    """({"transformers": model, "transformers-compiled": torch.compile of it}, {}) with
+    model's weights loaded into transformers' class, or ({}, {"transformers": why not})."""
     try:
         import transformers
     except ImportError:
@@ -98,7 +98,8 @@ def _transformers_twin(model, class_name: str, device) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         twin = getattr(transformers, class_name).from_pretrained(tmp, attn_implementation="sdpa")
-    return {"transformers": twin.to(device)}, {}
+    twin = twin.to(bench.device)
+    return {"transformers": twin, "transformers-compiled": bench.compile(twin)}, {}
 
 
 def _train_step(batch: dict) -> Callable:
@@ -128,7 +129,7 @@ def _masked_lm_training(bench: Bench, family: str, model, batch: dict, twinned=N
     """The training step of a masked-LM model of ``family``, and of its transformers twin
     of the same weights (``twinned``: _transformers_twin's answer, when already asked)."""
     z = sizes_for(bench)
-    twin, skipped = twinned or _transformers_twin(model, type(model).__name__, bench.device)
+    twin, skipped = twinned or _transformers_twin(model, type(model).__name__, bench)
     train = _train_step(batch)
     steps = _ours(model, train) | {name: _step(lambda m=m: train(m)) for name, m in twin.items()}
     return _case(f"{family} MLM training step", f"{z.batch}x{z.seq} padded, {LABELLED:.0%} labelled",
@@ -142,7 +143,7 @@ def bert(bench: Bench) -> Iterator[Case]:
     config = transformers.BertConfig(vocab_size=z.vocab, hidden_size=z.hidden, num_hidden_layers=z.layers,
                                      num_attention_heads=z.heads, intermediate_size=z.ffn)
     model = models.BertForMaskedLM(config).to(bench.device)
-    twin, skipped = _transformers_twin(model, "BertForMaskedLM", bench.device)
+    twin, skipped = _transformers_twin(model, "BertForMaskedLM", bench)
     batch = _padded_batch(bench, z)
     tokens = int(batch["attention_mask"].sum())
     yield _masked_lm_training(bench, "BERT", model, batch, (twin, skipped))
@@ -208,7 +209,7 @@ def gpt(bench: Bench) -> Iterator[Case]:
                                      n_layer=z.layers, n_head=z.heads, n_inner=z.ffn, bos_token_id=None,
                                      eos_token_id=None)
     model = models.GPT2LMHeadModel(config).to(bench.device)
-    twin, skipped = _transformers_twin(model, "GPT2LMHeadModel", bench.device)
+    twin, skipped = _transformers_twin(model, "GPT2LMHeadModel", bench)
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=bench.device)
     train = _train_step({"input_ids": ids, "labels": ids})
     steps = _ours(model, train) | {name: _step(lambda m=m: train(m)) for name, m in twin.items()}
@@ -222,7 +223,9 @@ def gpt(bench: Bench) -> Iterator[Case]:
                                 do_sample=False, use_cache=True, pad_token_id=0)
         assert out.shape[1] == z.prompt + z.new_tokens
 
-    steps = _ours(model, generate) | {name: _step(lambda m=m: generate(m)) for name, m in twin.items()}
+    # generate() is the module's method, which torch.compile's wrapper leaves uncompiled.
+    eager = {name: m for name, m in twin.items() if name == "transformers"}
+    steps = _ours(model, generate) | {name: _step(lambda m=m: generate(m)) for name, m in eager.items()}
     yield _case("GPT greedy generate", f"1x{z.prompt} prompt, {z.new_tokens} new tokens", steps,
                 z.new_tokens, skipped)
 
