@@ -157,44 +157,64 @@ void rows_kernel(const T* logits, const int64_t* labels, acc_t<T>* loss, T* grad
   }
 }
 
-// sum of exp(x_j * inv_t - m) over x[0, n), in kLanes partial sums.
+// sum of e_j = exp(x_j * inv_t - m) over x[0, n), in kLanes partial sums; e receives e_j.
 template <typename T, typename A>
-inline A sum_exp_scaled(const T* x, int64_t n, A inv_t, A m) {
+inline A exp_scaled(const T* x, int64_t n, A inv_t, A m, A* e) {
   A s[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
-    for (int64_t k = 0; k < kLanes; ++k) s[k] += exp_(load(x[j + k]) * inv_t - m);
-  for (; j < n; ++j) s[0] += exp_(load(x[j]) * inv_t - m);
+    for (int64_t k = 0; k < kLanes; ++k) s[k] += e[j + k] = exp_(load(x[j + k]) * inv_t - m);
+  for (; j < n; ++j) s[0] += e[j] = exp_(load(x[j]) * inv_t - m);
   return sum_lanes(s);
+}
+
+// The term of class j of KL(p || q) written as q_j * h(w_j), w = log p_j - log q_j, with
+// h(w) = 1 - e^w (1 - w) = p log(p / q) - p + q over q (the added -p + q sum to 0 over
+// the classes). Every term is >= 0, so the sum does not cancel as sum p log(p / q) does
+// when the two distributions are close, and a constant error in w (the rounding of the
+// log-sum-exps) moves it only in proportion. Near w = 0, where 1 - e^w (1 - w) cancels,
+// h is its series: sum over k >= 2 of (k - 1) / k! * w^k.
+// Both forms are computed and one selected, without branches, so that the loop vectorises.
+template <typename A>
+inline A divergence_term(A p, A q, A w) {
+  constexpr double kFactorial[] = {2, 6, 24, 120, 720, 5040, 40320, 362880, 3628800, 39916800,
+                                   479001600};
+  A poly = A(11 / kFactorial[10]);  // k = 12 down to 2, Horner
+  for (int k = 11; k >= 2; --k) poly = poly * w + A((k - 1) / kFactorial[k - 2]);
+  const A near = q * w * w * poly, far = q - p * (A(1) - w);
+  const A term = (w < A(0.25)) & (w > A(-0.25)) ? near : far;
+  return p > A(0) ? term : q;  // h(-inf) = 1: a class the teacher rules out adds q
 }
 
 // DistilBERT's soft-target loss of each row, with p = softmax(teacher / T) and
 // q = softmax(student / T): loss = T^2 * sum_j p_j (log p_j - log q_j), and
 // grad_j = grad_scale * T * (q_j - p_j). Three sweeps over the row pair (L2-resident at
-// a BERT vocabulary): the maxima, the sums of exponentials, then the divergence and the
-// gradient, with log p and log q formed from the shifted logits (no softmax is stored).
-// A class the teacher gives probability 0 adds 0, as xlogy does.
+// a BERT vocabulary): the maxima; the exponentials, summed and kept in two scratch rows;
+// then the divergence (as divergence_term's sum) and the gradient, with p and q from the
+// scratch rows (two exponentials per class in all) and log p, log q from the shifted
+// logits, the shift first, as log_softmax does, so that a class near the max keeps its
+// digits.
 template <typename T>
 void distill_rows(const T* student, const T* teacher, acc_t<T>* loss, T* grad, int64_t rows,
                   int64_t classes, double temperature, double grad_scale) {
   using A = acc_t<T>;
   const A inv_t = A(1) / A(temperature), t = A(temperature);
+  std::vector<A> eq(classes), ep(classes);
   for (int64_t r = 0; r < rows; ++r) {
     const T* x = student + r * classes;
     const T* y = teacher + r * classes;
     const A mx = A(block_max(x, classes)) * inv_t, my = A(block_max(y, classes)) * inv_t;
-    // log q_j = (x_j / T - mx) - log_zq: the shift first, as log_softmax does, so that a
-    // class near the max keeps its digits (mx + log_zq would round to mx's precision).
-    const A log_zq = std::log(sum_exp_scaled(x, classes, inv_t, mx));
-    const A log_zp = std::log(sum_exp_scaled(y, classes, inv_t, my));
+    const A zq = exp_scaled(x, classes, inv_t, mx, eq.data());
+    const A zp = exp_scaled(y, classes, inv_t, my, ep.data());
+    const A log_zq = std::log(zq), log_zp = std::log(zp), rq = A(1) / zq, rp = A(1) / zp;
     A kl[kLanes] = {};
     const A scale = A(grad_scale) * t;
     auto term = [&](int64_t j, int64_t lane) {
       const A log_q = (load(x[j]) * inv_t - mx) - log_zq;
       const A log_p = (load(y[j]) * inv_t - my) - log_zp;
-      const A p = exp_(log_p);
-      kl[lane] += p > A(0) ? p * (log_p - log_q) : A(0);
-      if (grad) store(grad[r * classes + j], scale * (exp_(log_q) - p));
+      const A p = ep[j] * rp, q = eq[j] * rq;
+      kl[lane] += divergence_term(p, q, log_p - log_q);
+      if (grad) store(grad[r * classes + j], scale * (q - p));
     };
     int64_t j = 0;
     for (; j + kLanes <= classes; j += kLanes)

@@ -10,7 +10,8 @@ logits and one write of the gradient.
 
 distillation_loss works the same way on a student and a teacher row at once: a first
 sweep keeps both online log-sum-exps, a second forms log p and log q from the shifted
-logits, sums the divergence and writes the gradient.
+logits, sums the divergence (_divergence_term: without cancellation) and writes the
+gradient.
 
 masked_lm_loss gathers the labelled rows and projects them chunk_rows at a time with
 torch's matrix product; the kernel overwrites each chunk's logits with their gradient
@@ -139,7 +140,21 @@ def _online_lse(x, running_max, sum_exp):
     return new_max, sum_exp * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
 
 
-@autotune(_configs(), key=["C", "WITH_GRAD"])
+@triton.jit
+def _divergence_term(p, q, w):
+    """Class j's term of KL(p || q) as q * h(w), w = log p - log q, h(w) = 1 - e^w (1 - w)
+    (p log(p / q) - p + q over q; the -p + q sum to 0): every term >= 0, so close
+    distributions do not cancel, and a constant error in w moves the sum only in
+    proportion. Near 0, h is its series, sum over k >= 2 of (k - 1) / k! * w^k; a class
+    the teacher rules out (p = 0) adds q."""
+    poly = 0.5 + w * (1 / 3 + w * (1 / 8 + w * (1 / 30 + w * (1 / 144 + w * (1 / 840 + w * (
+        1 / 5760 + w * (1 / 45360 + w * (1 / 403200 + w * (1 / 3991680 + w * (11 / 479001600))))))))))
+    term = tl.where((w < 0.25) & (w > -0.25), q * w * w * poly, q - p * (1.0 - w))
+    return tl.where(p > 0.0, term, q)
+
+
+# Two rows in flight: blocks of 16384 spill registers on sm_90 (scripts/triton_compile_check.py).
+@autotune([c for c in _configs() if c.kwargs["BLOCK"] < 16384], key=["C", "WITH_GRAD"])
 @triton.jit
 def _distillation_kernel(STUDENT, TEACHER, LOSS, GRAD, SCALE, C, inv_t, WITH_GRAD: tl.constexpr,
                          BLOCK: tl.constexpr):
@@ -166,10 +181,10 @@ def _distillation_kernel(STUDENT, TEACHER, LOSS, GRAD, SCALE, C, inv_t, WITH_GRA
         log_q = (x * inv_t - max_q) - log_zq
         log_p = (y * inv_t - max_p) - log_zp
         p = tl.exp(log_p)
-        # A class the teacher gives probability 0 adds 0, as xlogy does.
-        kl += tl.sum(tl.where(mask & (p > 0.0), p * (log_p - log_q), 0.0), axis=0)
+        q = tl.exp(log_q)
+        kl += tl.sum(tl.where(mask, _divergence_term(p, q, log_p - log_q), 0.0), axis=0)
         if WITH_GRAD:
-            g = scale * (tl.exp(log_q) - p)
+            g = scale * (q - p)
             tl.store(GRAD + row * C + start + cols, g.to(GRAD.dtype.element_ty), mask=mask)
     tl.store(LOSS + row, kl / (inv_t * inv_t))
 
