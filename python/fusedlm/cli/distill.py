@@ -54,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--out is needed: the folder the student is written to")
         resumed, state = None, None
         settings = pretrain.new_settings(args, processes, FIXED, LR, args.out)
-        for name in ("temperature",):
-            if not settings[name] > 0:
-                raise UsageError(f"--{name} must be positive, got {settings[name]}")
+        if not settings["temperature"] > 0:
+            raise UsageError(f"--temperature must be positive, got {settings['temperature']}")
         for name in ("alpha_ce", "alpha_mlm", "alpha_cos"):
             if settings[name] < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must not be negative, got "

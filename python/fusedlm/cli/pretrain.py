@@ -95,7 +95,7 @@ def start_processes(args) -> tuple:
     return processes, device
 
 
-def resumed_settings(args, processes: Processes, fixed: dict, flag_of=None) -> tuple:
+def resumed_settings(args, processes: Processes, fixed: dict) -> tuple:
     """(the latest checkpoint in --out, its settings, its trainer state) for --resume: a
     setting of ``fixed`` given again must equal the checkpoint's."""
     out = args.out or (getattr(args, "model", None) and f"{args.model}-{args.size or 'tiny'}")
