@@ -36,7 +36,8 @@ def add_arguments(p) -> None:
                         "folder with its tokenizer.json")
     p.add_argument("--layers", type=positive_int,
                    help="the student's layers (default half the teacher's)")
-    pretrain.add_training_arguments(p, lr_default=f"{LR:g}")
+    pretrain.add_training_arguments(p, lr_default=f"{LR:g}",
+                                    out_help="the folder the student is written to (needed)")
     p.add_argument("--temperature", type=float, help="of the soft targets (default 2.0)")
     p.add_argument("--alpha-ce", type=float, help="weight of the soft-target loss (default 5.0)")
     p.add_argument("--alpha-mlm", type=float, help="weight of the masked-LM loss (default 2.0)")

@@ -52,7 +52,8 @@ def add_arguments(p) -> None:
                         "(FSDP2), for a model that does not fit on one GPU")
 
 
-def add_training_arguments(p, lr_default: str = "by --size") -> None:
+def add_training_arguments(p, lr_default: str = "by --size",
+                           out_help: str = "output folder (default <model>-<size>)") -> None:
     """The corpus, schedule, precision, output and checkpoint options pretrain and distill share."""
     p.add_argument("--corpus", nargs="+", metavar="FILE_OR_DIR",
                    help="text files or folders of them (default: Python's docstrings)")
@@ -67,7 +68,7 @@ def add_training_arguments(p, lr_default: str = "by --size") -> None:
     p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
     add_device_argument(p)
     p.add_argument("--seed", type=int, help="random seed (default 0)")
-    p.add_argument("--out", help="output folder")
+    p.add_argument("--out", help=out_help)
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, with its settings")
     p.add_argument("--save-every", type=positive_int,
