@@ -450,21 +450,7 @@ def test_roberta_pretrain_then_fill_mask_embed_and_finetune(capsys, tmp_path, co
     assert first.startswith("<mask> 1: ")
     assert [c.rsplit(" (", 1)[0] for c in first.split(": ", 1)[1].split(", ")] == \
         [tokenizer.decode([t]) for t in best]
-
-    lines = tmp_path / "lines.txt"
-    lines.write_text("Return the value.\n")
-    code, _, err = run_cli(capsys, "embed", "--model", out, lines, "--out", tmp_path / "v.npy",
-                           "--device", "cpu")
-    assert code == 0, err
-
-    data = _labelled_data(tmp_path)
-    code, _, err = run_cli(capsys, "finetune", "--model", out, "--task", "classify", "--train",
-                           data / "classify_train.csv", "--eval", data / "classify_eval.jsonl",
-                           "--epochs", 1, "--batch-size", 8, "--device", "cpu",
-                           "--out", tmp_path / "classify")
-    assert code == 0, err
-    classifier = RobertaForSequenceClassification.from_pretrained(tmp_path / "classify")
-    assert classifier.config.num_labels == 2
+    _serves_every_command(capsys, tmp_path, out, "<mask>", RobertaForSequenceClassification)
 
 
 def _serves_every_command(capsys, tmp_path, out, mask: str, classifier_class):

@@ -115,8 +115,10 @@ def _cross_entropy_fake(logits, labels, ignore_index, label_smoothing, reduction
     return loss, logits.new_empty(logits.shape) if with_grad else None
 
 
-def _cross_entropy_setup(ctx, inputs, output):
-    ctx.reduction = inputs[4]
+def _saved_grad_setup(ctx, inputs, output):
+    """cross_entropy's and distillation_loss's: both take (..., reduction, with_grad) and
+    return (loss, the gradient for grad_output 1), which the backward scales."""
+    ctx.reduction = inputs[-2]
     ctx.save_for_backward(output[1])
     _non_differentiable(ctx, output[1])
 
@@ -197,7 +199,7 @@ CROSS_ENTROPY = Op(
 ).differentiable(
     "(Tensor grad, Tensor saved_grad, str reduction) -> Tensor",
     lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape),
-    _cross_entropy_setup, _cross_entropy_grad)
+    _saved_grad_setup, _cross_entropy_grad)
 
 
 # --- distillation_loss ---------------------------------------------------------------------------
@@ -246,12 +248,6 @@ def _distillation_fake(student_logits, teacher_logits, temperature, reduction, w
     return loss, student_logits.new_empty(student_logits.shape) if with_grad else None
 
 
-def _distillation_setup(ctx, inputs, output):
-    ctx.reduction = inputs[3]
-    ctx.save_for_backward(output[1])
-    _non_differentiable(ctx, output[1])
-
-
 def distillation_loss_reference(student_logits, teacher_logits, *, temperature=1.0,
                                 reduction="mean"):
     """T² · KLDivLoss(log_softmax(student / T), softmax(teacher / T)) per row, as
@@ -293,7 +289,7 @@ DISTILLATION_LOSS = Op(
     reference_kernels=(_distillation_reference_forward, None),
     probes=(Probe("1000 classes", _distillation_probe(40, 1000), constant=(1,)),
             Probe.real("BERT-base, 1024 x 30522", _distillation_probe(1024, 30522), constant=(1,))),
-).differentiable(None, None, _distillation_setup, _cross_entropy_grad)
+).differentiable(None, None, _saved_grad_setup, _cross_entropy_grad)
 
 
 # --- masked_lm_loss ------------------------------------------------------------------------------
