@@ -18,6 +18,7 @@ Environment:
 import glob
 import os
 import platform
+import sysconfig
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -128,13 +129,15 @@ EMULATE_MACROS = [("FUSEDLM_WITH_CUDA", None), ("FUSEDLM_EMULATE", None), ("FUSE
 
 
 def emulated_cuda_libraries(sources):
-    """The emulation build's static libraries, in link order: csrc/cuda/*.cu compiled as C++
+    """The emulation build's static libraries, in link order: the cuda backend compiled as C++
     with ThreadSanitizer's instrumentation (whose hooks the emulator implements, to check
     every load and store of the kernels), then the emulator itself, uninstrumented."""
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     torch_flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-std=c++20", "-fPIC", "-O2",
                    "-fvisibility=hidden"]
-    include_dirs = CUDA_INCLUDE_DIRS + cpp_extension.include_paths()
+    # Python's headers too: entry points bind themselves (csrc/bind.h).
+    include_dirs = [*CUDA_INCLUDE_DIRS, *cpp_extension.include_paths(),
+                    sysconfig.get_paths()["include"]]
     return [
         ("fusedlm_cuda_emulated", {
             "sources": sources["cuda"],
@@ -155,6 +158,12 @@ def emulated_cuda_libraries(sources):
     ]
 
 
+# Nothing outside the emulated cuda backend refers to it (its entry points bind themselves,
+# csrc/bind.h), so the linker takes its whole library, then the emulator that serves it.
+EMULATED_LINK_FLAGS = ["-Wl,--whole-archive", "-lfusedlm_cuda_emulated", "-Wl,--no-whole-archive",
+                       "-lfusedlm_emulator", "-ldl"]
+
+
 def extension(sources, with_cuda, emulated):
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", *(sm90a_flags() if with_cuda else [])]
     macros = [("FUSEDLM_WITH_CUDA", None)] if with_cuda else EMULATE_MACROS if emulated else []
@@ -164,7 +173,7 @@ def extension(sources, with_cuda, emulated):
         include_dirs=CUDA_INCLUDE_DIRS,
         extra_compile_args={"cxx": HOST_FLAGS, "nvcc": nvcc_flags},
         define_macros=macros,
-        extra_link_args=OPENMP_FLAGS + (["-ldl"] if emulated else []),
+        extra_link_args=OPENMP_FLAGS + (EMULATED_LINK_FLAGS if emulated else []),
     )
     if with_cuda:
         return cpp_extension.CUDAExtension(**kwargs)

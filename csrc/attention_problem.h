@@ -1,7 +1,7 @@
 // What an attention call asks for, whichever backend runs it: the shapes of q, k and v
 // checked against each other (and against the key padding mask or the sequence offsets),
 // so that every row a kernel walks lies inside the tensors. Each backend's problem
-// (csrc/attention.cpp, csrc/cuda/attention.cu) adds its own layout to it.
+// (csrc/cpu/attention.cpp, kernels/cuda/attention.cu) adds its own layout to it.
 #pragma once
 #include <ATen/ATen.h>
 

@@ -9,12 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "cpu/kernels.h"
+#include "cpu/kernel.h"
 
 namespace fusedlm {
 
-// The kernel table for this processor (csrc/cpu_dispatch.cpp).
-const cpu::KernelTable& cpu_kernels();
 
 inline cpu::DType kernel_dtype(at::ScalarType dtype) {
   switch (dtype) {

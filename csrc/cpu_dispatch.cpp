@@ -1,13 +1,14 @@
-// Picks the CPU kernel table for this processor, as ATen picks its own kernels:
+// Picks the instruction set whose CPU kernels run, as ATen picks its own kernels:
 // the best instruction set the CPU supports, or a lower one named by the
 // FUSEDLM_CPU_CAPABILITY environment variable (baseline, avx2, avx512).
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 
 #include <ATen/Dispatch.h>
 
+#include "bind.h"
 #include "common.h"
-#include "ops.h"
 
 namespace fusedlm {
 namespace {
@@ -23,15 +24,13 @@ bool cpu_supports(const std::string& isa) {
   return isa == "baseline";
 }
 
-const cpu::KernelTable& table_for(const std::string& isa) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (isa == "avx512") return cpu::kernel_table_avx512();
-  if (isa == "avx2") return cpu::kernel_table_avx2();
-#endif
-  return cpu::kernel_table_baseline();
+cpu::Isa isa_named(const std::string& isa) {
+  for (int i = 0; i < 3; ++i)
+    if (isa == cpu::kIsaNames[i]) return static_cast<cpu::Isa>(i);
+  TORCH_CHECK_VALUE(false, "no instruction set is named '", isa, "'");
 }
 
-const cpu::KernelTable* active = nullptr;
+std::atomic<cpu::Isa> active{cpu::Isa::kBaseline};
 std::once_flag chosen;
 
 void choose_default() {
@@ -40,31 +39,34 @@ void choose_default() {
     if (cpu_supports(candidate)) { isa = candidate; break; }
   if (const char* env = std::getenv("FUSEDLM_CPU_CAPABILITY"))
     if (cpu_supports(env)) isa = env;
-  active = &table_for(isa);
+  active = isa_named(isa);
 }
 
 }  // namespace
 
-const cpu::KernelTable& cpu_kernels() {
+cpu::Isa cpu::active_isa() {
   std::call_once(chosen, choose_default);
-  return *active;
+  return active.load(std::memory_order_relaxed);
 }
 
-std::string cpu_capability() { return cpu_kernels().isa; }
+std::string cpu_capability() { return cpu::kIsaNames[static_cast<int>(cpu::active_isa())]; }
+FUSEDLM_BIND(cpu_capability);
 
 void set_cpu_capability(const std::string& isa) {
   // Kernels of an instruction set the processor lacks would stop it at their first one.
   TORCH_CHECK_VALUE(cpu_supports(isa), "this processor does not run '", isa, "' kernels");
-  cpu_kernels();
-  active = &table_for(isa);
+  cpu::active_isa();
+  active = isa_named(isa);
 }
+FUSEDLM_BIND(set_cpu_capability, pybind11::arg("isa"));
 
 std::vector<std::string> supported_cpu_capabilities() {
   std::vector<std::string> out;
-  for (const char* isa : {"baseline", "avx2", "avx512"})
+  for (const char* isa : cpu::kIsaNames)
     if (cpu_supports(isa)) out.emplace_back(isa);
   return out;
 }
+FUSEDLM_BIND(supported_cpu_capabilities);
 
 at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
   const int64_t blocks = partial.size(0), cols = partial.size(1);
@@ -79,13 +81,6 @@ at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
     });
   });
   return out.to(dtype);
-}
-
-at::Tensor dropout_mask(const at::Tensor& seed, int64_t offset, at::IntArrayRef shape, double p) {
-  auto keep = at::empty(shape, at::dtype(at::kBool));
-  cpu_kernels().dropout_mask(seed_value(seed), static_cast<uint64_t>(offset), keep.numel(),
-                             p, reinterpret_cast<uint8_t*>(keep.data_ptr()));
-  return keep;
 }
 
 }  // namespace fusedlm

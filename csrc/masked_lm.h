@@ -35,8 +35,7 @@ struct MlmBackend {
   at::Tensor (*scaled)(const at::Tensor& src, const at::Tensor& scale);
 };
 
-// The entry points masked_lm_loss_forward and masked_lm_loss_backward (csrc/ops.h) on
-// `backend`.
+// The loop on `backend`: what the entry points below run.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forward_on(
     const MlmBackend& backend, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& labels, int64_t ignore_index,
@@ -48,5 +47,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_backward_on(
     const at::Tensor& dhidden, const at::Tensor& dweight, const at::Tensor& dbias,
     int64_t ignore_index, double label_smoothing, const std::string& reduction,
     int64_t chunk_rows, bool need_dhidden, bool need_dweight, bool need_dbias);
+
+// The entry points of a backend whose MlmBackend is `backend`, each run while a `Guard`
+// (constructed from hidden and its name) is held: the cuda backend's DeviceGuard, or the
+// CPU's check of hidden's dtype. A backend binds them under their own names:
+//   constexpr auto masked_lm_loss_forward = &MaskedLmLoss<kCpuMlm, CpuGuard>::forward;
+template <const MlmBackend& backend, class Guard>
+struct MaskedLmLoss {
+  // cross_entropy(hidden @ weight^T + bias, labels), projecting only the rows whose label
+  // is not ignore_index, chunk_rows of them at a time. Returns (loss, dhidden, dweight,
+  // dbias): for reduction "mean"/"sum" the gradients asked for by need_* (for grad_output
+  // 1), the others empty; for "none" every gradient is empty (the backward computes them).
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+      const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+      const at::Tensor& labels, int64_t ignore_index, double label_smoothing,
+      const std::string& reduction, int64_t chunk_rows, bool need_dhidden, bool need_dweight,
+      bool need_dbias) {
+    const Guard guard(hidden, "hidden");
+    return masked_lm_loss_forward_on(backend, hidden, weight, bias, labels, ignore_index,
+                                     label_smoothing, reduction, chunk_rows, need_dhidden,
+                                     need_dweight, need_dbias);
+  }
+
+  // (dhidden, dweight, dbias): the forward's gradients scaled by grad for "mean"/"sum";
+  // for "none", recomputed chunk by chunk with each row scaled by its grad.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
+      const at::Tensor& grad, const at::Tensor& hidden, const at::Tensor& weight,
+      const std::optional<at::Tensor>& bias, const at::Tensor& labels, const at::Tensor& dhidden,
+      const at::Tensor& dweight, const at::Tensor& dbias, int64_t ignore_index,
+      double label_smoothing, const std::string& reduction, int64_t chunk_rows,
+      bool need_dhidden, bool need_dweight, bool need_dbias) {
+    const Guard guard(hidden, "hidden");
+    return masked_lm_loss_backward_on(backend, grad, hidden, weight, bias, labels, dhidden,
+                                      dweight, dbias, ignore_index, label_smoothing, reduction,
+                                      chunk_rows, need_dhidden, need_dweight, need_dbias);
+  }
+};
 
 }  // namespace fusedlm

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compiles every csrc/cuda/*.cu (the cuda backend's host code, with the kernels of
-# kernels/cuda/*.cuh) for sm_80 and sm_90a against the installed PyTorch's headers (a
+# Compiles the cuda backend (kernels/cuda/*.cu and csrc/cuda/*.cu, the "cuda" group of
+# sources.txt) for sm_80 and sm_90a against the installed PyTorch's headers (a
 # CPU-only PyTorch is enough): a compile error fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,6 +14,8 @@ from fusedlm.models import mask_tokens
 PAD, CLS, SEP, MASK, UNK = range(5)
 SPECIALS = (PAD, CLS, SEP, MASK, UNK)
 RELATIVE_ERROR = 1e-5  # float32 against float32, norm-wise
+VOCAB = 40  # the tiny configurations' vocabulary
+LENGTHS = (12, 9, 5)  # padding in two rows of the parity batch: the packed path runs
 
 
 class Corpus:
@@ -434,3 +436,49 @@ def assert_no_logits_in_training_unless_asked(model, batch: dict, shape: tuple) 
     assert full.logits.shape == shape
     assert_rel(fused.loss, full.loss, "loss")
     assert call(model.eval(), batch).logits is not None
+
+
+def tiny_batch() -> dict:
+    """The padded batch the model families' tests share: VOCAB tokens, rows of LENGTHS."""
+    return parity_batch(VOCAB, LENGTHS)
+
+
+def encoder_family_tests(cases: dict, make_config, tiny: dict, *, checkpoints: list, encoder: tuple,
+                         encoder_weights: int, output_embeddings, make_batch=tiny_batch,
+                         layers=None) -> dict:
+    """The tests every encoder family (BERT and its kin) runs against transformers, by name,
+    for its test module's globals:
+    - every case of ``cases`` (head_cases) on ``make_batch()``, on the cpu and reference
+      backends (``layers``: the hidden states recorded, by default num_hidden_layers);
+    - the masked-LM head on a batch without padding (the unpacked path); untied from the
+      input embeddings (``output_embeddings(model)``: the module holding its weight); and
+      in training, building no logits unless asked;
+    - checkpoints base <-> task both ways (``checkpoints``: (transformers' class name saved,
+      our class loading)), each with every one of the ``encoder_weights`` tensors under the
+      ``encoder`` key prefixes."""
+    import transformers
+
+    masked_lm, theirs_masked_lm = cases["masked_lm"][0], getattr(transformers, cases["masked_lm"][1])
+    layers = tiny["num_hidden_layers"] if layers is None else layers
+
+    def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
+        assert_unpadded_masked_lm_matches(masked_lm, theirs_masked_lm, make_config(), layers, tmp_path)
+
+    @pytest.mark.parametrize("saved, loaded", checkpoints)
+    def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
+        assert_encoder_weights_load(getattr(transformers, saved), loaded, make_config(), encoder,
+                                    encoder_weights, tmp_path)
+
+    def test_untied_decoder_loads_its_own_weight_both_ways(tmp_path):
+        ours = assert_untied_head_loads_both_ways(masked_lm, theirs_masked_lm,
+                                                  make_config(tie_word_embeddings=False), make_batch(),
+                                                  tmp_path)
+        assert ours.get_output_embeddings() is output_embeddings(ours)
+
+    def test_masked_lm_in_training_builds_no_logits_unless_asked():
+        assert_no_logits_in_training_unless_asked(masked_lm(make_config()), make_batch(),
+                                                  (len(LENGTHS), max(LENGTHS), VOCAB))
+
+    tests = {name: test for name, test in locals().items() if name.startswith("test_")}
+    parity = parity_test(cases, make_batch, make_config, {**tiny, "num_hidden_layers": layers})
+    return {"test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients": parity, **tests}

@@ -728,18 +728,20 @@ def draw_cross_entropy(d):
     d.tensor("logits", (*rows, classes), dtype, scale=d.magnitude(100.0), expand_dims=range(len(rows)))
     options = _draw_labels(d, rows, classes)
 
-    def arguments(t):
-        return (t["logits"], t["labels"]), options
-
-    def reference_(t):
-        return (_plain_cross_entropy(t["logits"], t["labels"], **options),)
-
-    def truth(t):
-        return (_cross_entropy_truth(t["logits"], t["labels"], **options),)
-
     bad = [fuzz.with_extra_dim("labels"), *_labels_out_of_range(d, classes, options["ignore_index"])]
-    return Case("cross_entropy", f"cross_entropy {dtype} classes={classes}", arguments, reference_,
-                floors=(1.0,), dtype=dtype, bad=tuple(bad), truth=truth)
+    return _loss_case("cross_entropy", f"classes={classes}", ("logits", "labels"),
+                      _plain_cross_entropy, _cross_entropy_truth, options, dtype, bad)
+
+
+def _loss_case(op, description, names, plain, truth, options, dtype, bad):
+    """The case of a loss over the tensors `names` (its positional arguments), with its
+    options as keywords: measured against `truth`, beside `plain` PyTorch's run."""
+    def tensors(t):
+        return tuple(t[name] for name in names)
+
+    return Case(op, f"{op} {dtype} {description}", lambda t: (tensors(t), options),
+                lambda t: (plain(*tensors(t), **options),), floors=(1.0,), dtype=dtype,
+                bad=tuple(bad), truth=lambda t: (truth(*tensors(t), **options),))
 
 
 def draw_masked_lm_loss(d):
@@ -814,18 +816,9 @@ def draw_distillation_loss(d):
                "reduction": d.choice(["mean", "sum", "none"])}
     d.note(str(options))
 
-    def arguments(t):
-        return (t["student"], t["teacher"]), options
-
-    def reference_(t):
-        return (_plain_distillation_loss(t["student"], t["teacher"], **options),)
-
-    def truth(t):
-        return (_exact_distillation_loss(t["student"], t["teacher"], **options),)
-
     bad = [fuzz.grown("teacher", -1), fuzz.with_extra_dim("teacher")]
-    return Case("distillation_loss", f"distillation_loss {dtype} classes={classes}", arguments,
-                reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad), truth=truth)
+    return _loss_case("distillation_loss", f"classes={classes}", ("student", "teacher"),
+                      _plain_distillation_loss, _exact_distillation_loss, options, dtype, bad)
 
 
 test_fuzz_distillation_loss, test_fuzz_distillation_loss_bad_inputs = fuzz.tests(

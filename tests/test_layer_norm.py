@@ -177,12 +177,16 @@ def test_add_layer_norm_random_shapes(rows, cols, scale, shift, residual, weight
     # number is max|summed| * rstd, ~3 for centred rows, ~50 at shift 50, and up
     # to 1e6 for a single element with eps = 1e-12 (where torch's own float32
     # LayerNorm is as far from the float64 result).
-    tolerance = 10.0
+    # The input gradients are rstd times a projection of the upstream gradient, so their
+    # rounding grows with rstd too; with two columns that projection is exactly zero, and
+    # the rounding is all there is.
+    tolerance = grad_tolerance = 10.0
     if rows:
         summed = x.detach().double() + (0 if r is None else r.detach().double())
         rstd = (summed.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
         tolerance = max(tolerance, (summed.abs() * rstd).max().item() / 5)
-    _compare((x, r, w, b), eps=eps, out_scale=tolerance, grad_scale=tolerance)
+        grad_tolerance = tolerance * max(1.0, rstd.max().item() / 10)
+    _compare((x, r, w, b), eps=eps, out_scale=tolerance, grad_scale=grad_tolerance)
 
 
 def test_add_layer_norm_compiles_without_graph_breaks():

@@ -2,20 +2,16 @@
 and gradients on padded batches for every head (pretraining with sentence order included),
 layers shared across calls and groups, checkpoints both ways, untied heads."""
 import pytest
-import torch
 
-from models_helpers import (PAD, assert_attentions_and_outputs_match, assert_embeds_and_positions_match,
-                            assert_encoder_weights_load, assert_no_logits_in_training_unless_asked,
-                            assert_unpadded_masked_lm_matches, assert_untied_head_loads_both_ways,
-                            head_cases, parity_batch, parity_test, same_weights, tiny_config)
+from models_helpers import (PAD, VOCAB, assert_attentions_and_outputs_match,
+                            assert_embeds_and_positions_match, encoder_family_tests, head_cases,
+                            same_weights, tiny_batch, tiny_config)
 from fusedlm.models import (AlbertForMaskedLM, AlbertForPreTraining, AlbertForSequenceClassification,
                             AlbertForTokenClassification, AlbertModel)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 40
-LENGTHS = (12, 9, 5)  # padding in two rows: the packed path runs
 # Three layer calls over two groups of two layers: group 0 runs for call 0, group 1 for
 # calls 1 and 2 (transformers' rule), each call both of its group's layers.
 TINY = dict(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3,
@@ -29,7 +25,7 @@ def _config(**changes):
 
 
 def _batch():
-    batch = parity_batch(VOCAB, LENGTHS)
+    batch = tiny_batch()
     return {**batch, "sentence_order_label": batch["next_sentence_label"]}
 
 
@@ -43,13 +39,15 @@ CASES = head_cases(
 )
 
 
-test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients = parity_test(
-    CASES, _batch, _config, {**TINY, "num_hidden_layers": CALLS})
-
-
-def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
-    assert_unpadded_masked_lm_matches(AlbertForMaskedLM, transformers.AlbertForMaskedLM, _config(), CALLS,
-                                      tmp_path)
+# embeddings: 3 tables and a LayerNorm (2); the mapping (2); a layer: 4 projections, 2 norms,
+# 2 FFN products, each a weight and a bias; 4 layers in 2 groups.
+globals().update(encoder_family_tests(
+    CASES, _config, TINY, encoder=("embeddings.", "encoder."), encoder_weights=5 + 2 + 16 * 4,
+    checkpoints=[("AlbertModel", AlbertForSequenceClassification), ("AlbertModel", AlbertForMaskedLM),
+                 ("AlbertForPreTraining", AlbertForSequenceClassification),
+                 ("AlbertForPreTraining", AlbertForMaskedLM),
+                 ("AlbertForMaskedLM", AlbertForTokenClassification), ("AlbertForMaskedLM", AlbertModel)],
+    output_embeddings=lambda model: model.predictions.decoder, make_batch=_batch, layers=CALLS))
 
 
 def test_inputs_embeds_position_ids_and_token_types_match_transformers():
@@ -65,26 +63,3 @@ def test_one_set_of_weights_serves_every_call():
     model = AlbertModel(_config(num_hidden_groups=1, inner_group_num=1))
     calls = model.encoder.calls()
     assert len(calls) == TINY["num_hidden_layers"] and all(layer is calls[0] for layer in calls)
-
-
-@pytest.mark.parametrize("saved, loaded", [
-    ("AlbertModel", AlbertForSequenceClassification), ("AlbertModel", AlbertForMaskedLM),
-    ("AlbertForPreTraining", AlbertForSequenceClassification), ("AlbertForPreTraining", AlbertForMaskedLM),
-    ("AlbertForMaskedLM", AlbertForTokenClassification), ("AlbertForMaskedLM", AlbertModel),
-])
-def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
-    # embeddings: 3 tables and a LayerNorm (2); the mapping (2); a layer: 4 projections,
-    # 2 norms, 2 FFN products, each a weight and a bias; 4 layers in 2 groups.
-    assert_encoder_weights_load(getattr(transformers, saved), loaded, _config(), ("embeddings.", "encoder."),
-                                5 + 2 + 16 * 4, tmp_path)
-
-
-def test_untied_decoder_loads_its_own_weight_both_ways(tmp_path):
-    ours = assert_untied_head_loads_both_ways(AlbertForMaskedLM, transformers.AlbertForMaskedLM,
-                                              _config(tie_word_embeddings=False), _batch(), tmp_path)
-    assert ours.get_output_embeddings() is ours.predictions.decoder
-
-
-def test_masked_lm_in_training_builds_no_logits_unless_asked():
-    assert_no_logits_in_training_unless_asked(AlbertForMaskedLM(_config()), _batch(),
-                                              (len(LENGTHS), max(LENGTHS), VOCAB))

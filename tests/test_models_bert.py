@@ -6,13 +6,11 @@ import copy
 import pytest
 import torch
 
-from models_helpers import (Corpus, MASK, PAD, REFUSED_SETTINGS, SPECIALS,
+from models_helpers import (VOCAB, Corpus, MASK, PAD, REFUSED_SETTINGS, SPECIALS,
                             assert_attentions_and_outputs_match, assert_embeds_and_positions_match,
-                            assert_encoder_weights_load, assert_no_logits_in_training_unless_asked,
-                            assert_rel, assert_trains, assert_unpadded_masked_lm_matches,
-                            assert_untied_head_loads_both_ways, call, file_tensors, head_cases,
-                            masked, parity_batch, parity_test, perturb, qa_reference_loss,
-                            same_weights, tiny_config)
+                            assert_rel, assert_trains, call, encoder_family_tests, file_tensors,
+                            head_cases, masked, perturb, qa_reference_loss, same_weights, tiny_batch,
+                            tiny_config)
 from fusedlm.models import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
                             mask_tokens)
@@ -20,18 +18,12 @@ from fusedlm.models import (BertForMaskedLM, BertForPreTraining, BertForQuestion
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 40
-LENGTHS = (12, 9, 5)  # padding in two rows: the packed path runs
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64, max_position_embeddings=16, num_labels=3)
 
 
 def _config(**changes):
     return tiny_config(transformers.BertConfig, TINY, **changes)
-
-
-def _batch():
-    return parity_batch(VOCAB, LENGTHS)
 
 
 CASES = head_cases(
@@ -43,45 +35,36 @@ CASES = head_cases(
 )
 
 
-test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients = parity_test(
-    CASES, _batch, _config, TINY)
-
-
-def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
-    assert_unpadded_masked_lm_matches(BertForMaskedLM, transformers.BertForMaskedLM, _config(),
-                                      TINY["num_hidden_layers"], tmp_path)
+globals().update(encoder_family_tests(
+    CASES, _config, TINY, encoder=("embeddings.", "encoder."),
+    encoder_weights=5 + 16 * TINY["num_hidden_layers"],
+    checkpoints=[("BertModel", BertForSequenceClassification), ("BertModel", BertForMaskedLM),
+                 ("BertForPreTraining", BertForSequenceClassification),
+                 ("BertForPreTraining", BertForMaskedLM), ("BertForMaskedLM", BertForTokenClassification),
+                 ("BertForMaskedLM", BertModel), ("BertForPreTraining", BertModel),
+                 ("BertForSequenceClassification", BertModel)],
+    output_embeddings=lambda model: model.cls.predictions.decoder))
 
 
 # --- every forward argument and output ----------------------------------------------------------
 
 def test_inputs_embeds_position_ids_and_token_types_match_transformers():
-    assert_embeds_and_positions_match(BertModel, _config(), _batch(), TINY["hidden_size"])
+    assert_embeds_and_positions_match(BertModel, _config(), tiny_batch(), TINY["hidden_size"])
 
 
 def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
-    assert_attentions_and_outputs_match(*same_weights(BertForSequenceClassification, _config()), _batch(),
+    assert_attentions_and_outputs_match(*same_weights(BertForSequenceClassification, _config()), tiny_batch(),
                                         TINY["num_hidden_layers"])
 
 
 def test_config_output_flags_are_defaults():
     ours, _ = same_weights(BertModel, _config(output_hidden_states=True))
     with torch.no_grad():
-        out = ours(_batch()["input_ids"])
+        out = ours(tiny_batch()["input_ids"])
     assert len(out.hidden_states) == TINY["num_hidden_layers"] + 1
 
 
 # --- checkpoints of every layout ---------------------------------------------------------------
-
-@pytest.mark.parametrize("saved, loaded", [
-    ("BertModel", BertForSequenceClassification), ("BertModel", BertForMaskedLM),
-    ("BertForPreTraining", BertForSequenceClassification), ("BertForPreTraining", BertForMaskedLM),
-    ("BertForMaskedLM", BertForTokenClassification), ("BertForMaskedLM", BertModel),
-    ("BertForPreTraining", BertModel), ("BertForSequenceClassification", BertModel),
-])
-def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
-    assert_encoder_weights_load(getattr(transformers, saved), loaded, _config(), ("embeddings.", "encoder."),
-                                5 + 16 * TINY["num_hidden_layers"], tmp_path)
-
 
 def test_a_bert_model_saved_without_pooler_loads_and_reports_the_pooler(tmp_path):
     BertModel(_config(), add_pooling_layer=False).save_pretrained(tmp_path)
@@ -91,11 +74,9 @@ def test_a_bert_model_saved_without_pooler_loads_and_reports_the_pooler(tmp_path
     assert not same["missing_keys"] and not same["unexpected_keys"]
 
 
-def test_untied_decoder_loads_its_own_weight_both_ways(tmp_path):
-    ours = assert_untied_head_loads_both_ways(BertForMaskedLM, transformers.BertForMaskedLM,
-                                              _config(tie_word_embeddings=False), _batch(), tmp_path)
-    assert ours.get_output_embeddings() is ours.cls.predictions.decoder
-    assert ours.get_input_embeddings() is ours.bert.embeddings.word_embeddings
+def test_input_embeddings_are_the_word_embeddings():
+    model = BertForMaskedLM(_config())
+    assert model.get_input_embeddings() is model.bert.embeddings.word_embeddings
 
 
 def test_sharded_folders_dtype_and_label_overrides(tmp_path):
@@ -137,7 +118,7 @@ def test_older_checkpoints_with_position_ids_buffers_load(tmp_path):
 
 def test_outputs_at_padding_positions_are_zeros():
     ours, _ = same_weights(BertModel, _config())
-    batch = _batch()
+    batch = tiny_batch()
     with torch.no_grad():
         hidden = ours(batch["input_ids"], batch["attention_mask"]).last_hidden_state
     assert torch.all(hidden[batch["attention_mask"] == 0] == 0)
@@ -145,7 +126,7 @@ def test_outputs_at_padding_positions_are_zeros():
 
 def test_question_answering_never_answers_padding():
     ours, theirs = same_weights(BertForQuestionAnswering, _config(num_labels=2))
-    batch = _batch()
+    batch = tiny_batch()
     with torch.no_grad():
         out = call(ours, batch)
         expected = call(theirs, batch)
@@ -158,18 +139,13 @@ def test_question_answering_never_answers_padding():
 
 def test_token_labels_at_padding_are_ignored():
     ours, theirs = same_weights(BertForTokenClassification, _config())
-    batch = _batch()
+    batch = tiny_batch()
     labels = torch.randint(3, batch["input_ids"].shape)  # labels at padding too, not -100
     with torch.no_grad():
         ours_loss = call(ours, {**batch, "labels": labels}).loss
         real_only = labels.masked_fill(batch["attention_mask"] == 0, -100)
         expected = call(theirs, {**batch, "labels": real_only}).loss
     assert_rel(ours_loss, expected, "loss over real tokens")
-
-
-def test_masked_lm_in_training_builds_no_logits_unless_asked():
-    assert_no_logits_in_training_unless_asked(BertForMaskedLM(_config()), _batch(),
-                                              (len(LENGTHS), max(LENGTHS), VOCAB))
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -268,7 +244,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
     calls = []
     for layer in checkpointed.bert.encoder.layer:
         layer.forward = _counted(layer.forward, calls)
-    batch = _batch()
+    batch = tiny_batch()
     grads = []
     for model in (plain, checkpointed):
         torch.manual_seed(7)
@@ -296,7 +272,7 @@ def _counted(forward, calls):
 def test_autocast_runs_in_half_precision_close_to_float32(dtype):
     model = BertForPreTraining(_config()).train()
     perturb(model, 0.05)
-    batch = _batch()
+    batch = tiny_batch()
     expected = call(model, batch).loss
     with torch.autocast("cpu", dtype=dtype):
         out = call(model, batch, return_logits=True)
@@ -335,7 +311,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_a_masked_lm_loss_over_no_labelled_token_is_zero():
     model = BertForMaskedLM(_config())
-    batch = _batch()
+    batch = tiny_batch()
     labels = torch.full_like(batch["input_ids"], -100)
     for mode in (model.train(), model.eval()):
         loss = call(mode, {**batch, "labels": labels}).loss

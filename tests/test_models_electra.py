@@ -5,12 +5,12 @@ checkpoints, its sampling, its training), and errors."""
 import pytest
 import torch
 
-from models_helpers import (Corpus, REFUSED_SETTINGS, assert_attentions_and_outputs_match,
+from models_helpers import (LENGTHS, VOCAB, Corpus, REFUSED_SETTINGS, assert_attentions_and_outputs_match,
                             assert_embeds_and_positions_match, assert_encoder_weights_load,
                             assert_no_logits_in_training_unless_asked, assert_rel, assert_trains,
                             assert_unpadded_masked_lm_matches, assert_untied_head_loads_both_ways,
-                            call, file_tensors, head_cases, masked, parity_batch, parity_test,
-                            perturb, same_weights, tiny_config)
+                            call, file_tensors, head_cases, masked, parity_test,
+                            perturb, same_weights, tiny_batch, tiny_config)
 from fusedlm.models import (ElectraForJointPreTraining, ElectraForMaskedLM, ElectraForPreTraining,
                             ElectraForQuestionAnswering, ElectraForSequenceClassification,
                             ElectraForTokenClassification, ElectraModel)
@@ -18,8 +18,6 @@ from fusedlm.models import (ElectraForJointPreTraining, ElectraForMaskedLM, Elec
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 40
-LENGTHS = (12, 9, 5)  # padding in two rows: the packed path runs
 # embedding_size != hidden_size: embeddings_project runs
 TINY = dict(vocab_size=VOCAB, embedding_size=24, hidden_size=32, num_hidden_layers=2,
             num_attention_heads=4, intermediate_size=64, max_position_embeddings=16, num_labels=3)
@@ -30,7 +28,7 @@ def _config(**changes):
 
 
 def _batch():
-    batch = parity_batch(VOCAB, LENGTHS)
+    batch = tiny_batch()
     # the discriminator's labels, at padding too (transformers leaves padding out of the loss)
     return {**batch, "replaced": torch.randint(2, batch["input_ids"].shape)}
 
@@ -140,7 +138,7 @@ def test_the_generator_in_training_builds_no_logits_unless_asked():
 # --- generator and discriminator trained together ------------------------------------------------
 
 def _pretraining_batch():
-    return masked(parity_batch(VOCAB, LENGTHS), VOCAB, torch.Generator().manual_seed(3))
+    return masked(tiny_batch(), VOCAB, torch.Generator().manual_seed(3))
 
 
 def test_generator_and_discriminator_share_the_embeddings_and_only_those():

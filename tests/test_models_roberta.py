@@ -4,18 +4,14 @@ embeddings, checkpoints both ways, untied heads, and the positions the table can
 import pytest
 import torch
 
-from models_helpers import (PAD, assert_embeds_and_positions_match, assert_encoder_weights_load,
-                            assert_no_logits_in_training_unless_asked, assert_rel,
-                            assert_unpadded_masked_lm_matches, assert_untied_head_loads_both_ways,
-                            call, head_cases, parity_batch, parity_test, same_weights, tiny_config)
+from models_helpers import (PAD, VOCAB, assert_embeds_and_positions_match, assert_rel, call,
+                            encoder_family_tests, head_cases, same_weights, tiny_batch, tiny_config)
 from fusedlm.models import (RobertaForMaskedLM, RobertaForSequenceClassification,
                             RobertaForTokenClassification, RobertaModel)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 40
-LENGTHS = (12, 9, 5)  # padding in two rows: the packed path runs
 # Positions start at pad_token_id + 1: 12 tokens reach position 12 of a table of 16.
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64, max_position_embeddings=16, type_vocab_size=2, num_labels=3,
@@ -26,10 +22,6 @@ def _config(**changes):
     return tiny_config(transformers.RobertaConfig, TINY, **changes)
 
 
-def _batch():
-    return parity_batch(VOCAB, LENGTHS)
-
-
 CASES = head_cases(
     "Roberta",
     model=(RobertaModel, "RobertaModel", {}, ("last_hidden_state",), ("pooler_output",)),
@@ -37,18 +29,18 @@ CASES = head_cases(
 )
 
 
-test_same_weights_as_transformers_give_the_same_outputs_loss_and_gradients = parity_test(
-    CASES, _batch, _config, TINY)
-
-
-def test_without_padding_the_unpacked_path_matches_transformers(tmp_path):
-    assert_unpadded_masked_lm_matches(RobertaForMaskedLM, transformers.RobertaForMaskedLM, _config(),
-                                      TINY["num_hidden_layers"], tmp_path)
+globals().update(encoder_family_tests(
+    CASES, _config, TINY, encoder=("embeddings.", "encoder."),
+    encoder_weights=5 + 16 * TINY["num_hidden_layers"],
+    checkpoints=[("RobertaModel", RobertaForSequenceClassification), ("RobertaModel", RobertaForMaskedLM),
+                 ("RobertaForMaskedLM", RobertaForTokenClassification), ("RobertaForMaskedLM", RobertaModel),
+                 ("RobertaForSequenceClassification", RobertaModel)],
+    output_embeddings=lambda model: model.lm_head.decoder))
 
 
 def test_inputs_embeds_and_position_ids_match_transformers():
     # From inputs_embeds RoBERTa numbers every position (it cannot see the padding).
-    assert_embeds_and_positions_match(RobertaModel, _config(), _batch(), TINY["hidden_size"])
+    assert_embeds_and_positions_match(RobertaModel, _config(), tiny_batch(), TINY["hidden_size"])
 
 
 def test_left_padding_gets_roberta_positions():
@@ -63,27 +55,6 @@ def test_left_padding_gets_roberta_positions():
     real = mask.bool()
     assert_rel(a.last_hidden_state[real], b.last_hidden_state[real], "last_hidden_state")
     assert_rel(a.pooler_output[0], b.pooler_output[0], "pooler_output of the unpadded row")
-
-
-@pytest.mark.parametrize("saved, loaded", [
-    ("RobertaModel", RobertaForSequenceClassification), ("RobertaModel", RobertaForMaskedLM),
-    ("RobertaForMaskedLM", RobertaForTokenClassification), ("RobertaForMaskedLM", RobertaModel),
-    ("RobertaForSequenceClassification", RobertaModel),
-])
-def test_base_and_task_checkpoints_load_both_ways_with_every_encoder_weight(saved, loaded, tmp_path):
-    assert_encoder_weights_load(getattr(transformers, saved), loaded, _config(), ("embeddings.", "encoder."),
-                                5 + 16 * TINY["num_hidden_layers"], tmp_path)
-
-
-def test_untied_decoder_loads_its_own_weight_both_ways(tmp_path):
-    ours = assert_untied_head_loads_both_ways(RobertaForMaskedLM, transformers.RobertaForMaskedLM,
-                                              _config(tie_word_embeddings=False), _batch(), tmp_path)
-    assert ours.get_output_embeddings() is ours.lm_head.decoder
-
-
-def test_masked_lm_in_training_builds_no_logits_unless_asked():
-    assert_no_logits_in_training_unless_asked(RobertaForMaskedLM(_config()), _batch(),
-                                              (len(LENGTHS), max(LENGTHS), VOCAB))
 
 
 def test_positions_past_the_table_are_refused_by_name():

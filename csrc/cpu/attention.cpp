@@ -1,8 +1,31 @@
+// attention and attention_varlen on the CPU: FlashAttention-2's tiling around ATen's
+// matrix products, with the softmax, masking, dropout and their backward fused in
+// between (the kernels of csrc/cpu/attention.cpp).
+//
+// Forward: one at::parallel_for task per (sequence, group of kHeadGroup heads, block of
+// kBlockQ queries). For each block of kBlockK keys: S = Q K^T (at::bmm over the heads),
+// the fused scale + bias + mask + online-softmax step per head, O += P V. It writes
+// O / l and each row's log-sum-exp, the one statistic backward needs.
+//
+// Backward: one task per (sequence, group of heads), which owns their dK and dV, so
+// those sums need no reduction across threads. Per query block it recomputes
+// P = exp(S - lse) tile by tile and accumulates dV += P^T dO, dK += dS^T Q, dQ += dS K.
+//
+// The products read float32/float64 inputs in place (any row stride); other dtypes and
+// layouts are first packed into dense float32 buffers, one read of each input.
+// Padding keys never enter a tile: each sequence's valid keys are gathered when K and
+// V are packed (or, when they are consecutive, read in place), so the work follows the
+// real lengths, and a causal row's allowed keys stay a prefix of the gathered ones (the
+// walk stops at a block's last allowed key, which skips the causal-masked blocks). Only
+// [kBlockQ, kBlockK] tiles are held, never a [seq_q, seq_k] matrix. Every reduction
+// runs in a fixed order inside one task, and the split into tasks depends only on the
+// shapes, so results do not depend on the number of threads.
+//
 // The fused steps of attention on the CPU, between the matrix products that the
-// host (csrc/attention.cpp) runs with ATen.
+// host role (below) runs with ATen.
 //
 // Algorithm: FlashAttention-2 on one core. The host walks a block of queries over
-// blocks of keys; for each tile of products S = Q K^T (an AttnTile, attention.h)
+// blocks of keys; for each tile of products S = Q K^T (an AttnTile, below)
 //   attn_dropout_keep   draws the tile's keep mask from the Philox stream (p > 0 only)
 //   attn_forward_block  scales, adds the bias and masks in the pass that finds the row
 //                       max, then runs the online softmax: running row max m and sum l,
@@ -21,11 +44,99 @@
 // kF64, float32 otherwise); attn_pack, attn_forward_finish and attn_unpack convert
 // from and to the tensors' own element type and strides. Loops are written so that
 // GCC and Clang vectorise them: sums use kLanes independent partials.
+#include "kernel.h"
+
+#ifdef FUSEDLM_ISA
 #include <algorithm>
 #include <limits>
 
-#include "attention.h"
 #include "math.h"
+#else
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "attention_problem.h"
+#include "bind.h"
+#include "common.h"
+#endif
+
+namespace fusedlm::cpu {
+
+// A [rows, cols] tile of scores Q K^T, dense and row-major in the accumulation type,
+// for a block of queries against a block of (gathered) keys.
+struct AttnTile {
+  DType dtype;  // of the inputs and of the bias
+  int64_t rows, cols;
+  // Row r may attend to columns [0, limit[r]) only (causal masking, end of the keys).
+  const int32_t* limit;
+  // The scores are scale * (Q K^T) + bias.
+  double scale;
+  // Bias of (r, j) at bias[r * bias_row + key_pos[j] * bias_col] (strides may be 0), or null.
+  const void* bias;
+  int64_t bias_row, bias_col;
+  // The original position (in its sequence) of the key of each column.
+  const int32_t* key_pos;
+  // Dropout keep mask [rows, cols] and probability, or null.
+  const uint8_t* keep;
+  double p;
+};
+
+}  // namespace fusedlm::cpu
+
+// Attention (csrc/cpu/attention.cpp); a tile is described by an AttnTile
+// (above). "acc" buffers are in the accumulation type of the DType.
+//
+// dst[r] = src[rows[r]] (rows null: r), a dense [n, cols] acc buffer from a strided matrix.
+FUSEDLM_CPU_KERNEL(attn_pack, void(DType, const void* src, int64_t row_stride, int64_t col_stride,
+                                   const int32_t* rows, int64_t n, int64_t cols, void* dst))
+
+// dst[r] = scale * src[from[r]] (from null: r) into a strided matrix; zeros where from[r] < 0.
+// For each of `heads` heads, their src and dst the given head strides (elements) apart.
+FUSEDLM_CPU_KERNEL(attn_unpack, void(DType, const void* src, const int32_t* from, int64_t n,
+                                     int64_t cols, double scale, void* dst, int64_t row_stride,
+                                     int64_t col_stride, int64_t heads, int64_t src_head_stride,
+                                     int64_t dst_head_stride))
+
+// keep[r, j] = element offset + r * row_pitch + key_pos[j] of the dropout stream; scratch
+// holds key_pos[cols - 1] - key_pos[0] + 1 bytes.
+FUSEDLM_CPU_KERNEL(attn_dropout_keep, void(uint64_t seed, double p, uint64_t offset,
+                                           int64_t row_pitch, int64_t rows, const int32_t* key_pos,
+                                           int64_t cols, uint8_t* scratch, uint8_t* keep))
+
+// One key block of the online softmax over the tile's product s: scales, adds the bias,
+// masks, updates the row max m and sum l (which `first` initialises), rescales the output
+// accumulator o [rows, o_cols] (unless first), and leaves in s the weights of V:
+// exp(score - m) [* keep / (1 - p)], zero where masked.
+FUSEDLM_CPU_KERNEL(attn_forward_block, void(const AttnTile* tile, bool first, void* s, void* m,
+                                            void* l, void* o, int64_t o_cols))
+
+// out = o / l (zeros where l == 0), stored strided in the DType, and lse = m + log(l)
+// (+inf where l == 0).
+FUSEDLM_CPU_KERNEL(attn_forward_finish, void(DType, int64_t rows, int64_t o_cols, const void* m,
+                                             const void* l, const void* o, void* lse, void* out,
+                                             int64_t out_row_stride, int64_t out_col_stride))
+
+// delta[r] = sum over c of o[r, c] * dout[r, c]; o strided in the DType, dout acc rows
+// dout_row_stride apart.
+FUSEDLM_CPU_KERNEL(attn_delta, void(DType, const void* o, int64_t row_stride, int64_t col_stride,
+                                    const void* dout, int64_t dout_row_stride, int64_t rows,
+                                    int64_t cols, void* delta))
+
+// From the tile's product s and dp = dO V^T: s <- P [* keep / (1 - p)] with
+// P = exp(score - lse), dp <- dS = P * (dp [* keep / (1 - p)] - delta); zero where masked.
+// delta = rowsum(dO * O) is read, or with own_delta (the tile holds every allowed key of
+// its rows) computed here as rowsum(P * dp [* keep / (1 - p)]) and written.
+FUSEDLM_CPU_KERNEL(attn_backward_block, void(const AttnTile* tile, void* s, void* dp,
+                                             const void* lse, void* delta, bool own_delta))
+
+// dbias[r * row_stride + key_pos[j] * col_stride] += ds[r, j] over the tile, in order; a
+// stride of 0 sums over that dimension (a broadcast bias).
+FUSEDLM_CPU_KERNEL(attn_bias_grad, void(const AttnTile* tile, const void* ds, void* dbias,
+                                        int64_t row_stride, int64_t col_stride))
+
+#ifdef FUSEDLM_ISA
 
 namespace fusedlm::cpu::FUSEDLM_ISA {
 
@@ -402,3 +513,644 @@ void attn_bias_grad(const AttnTile* tile, const void* ds, void* dbias, int64_t r
 }
 
 }  // namespace fusedlm::cpu::FUSEDLM_ISA
+
+#else  // the host role: entry points
+
+namespace fusedlm {
+namespace {
+
+// A tile is [kBlockQ, kBlockK] scores: 128 KiB in float32, resident in L2 with the
+// operands, and large enough that each product does over a million multiply-adds at
+// head_dim 64.
+constexpr int64_t kBlockQ = 128;
+constexpr int64_t kBlockK = 256;
+// Tasks take this many heads at once, so that each ATen call (a few microseconds to
+// dispatch, a fifth of a product at seq 128) serves them all through bmm. A constant,
+// so the split of the work does not depend on the machine.
+constexpr int64_t kHeadGroup = 4;
+
+// Rows of a tensor in units of elements: row `r` of head `h` of sequence `b` starts at
+// data + (b * batch + h * head + r * row) * elem; columns are `col` apart. Padded
+// tensors index rows from 0 in every sequence, packed (varlen) ones from the
+// sequence's first token, with batch = 0.
+struct Rows {
+  char* data = nullptr;
+  int64_t elem = 0, batch = 0, head = 0, row = 0, col = 0;
+
+  char* at(int64_t b, int64_t h, int64_t r) const {
+    return data + (b * batch + h * head + r * row) * elem;
+  }
+};
+
+Rows padded_rows(const at::Tensor& t) {  // [batch, heads, seq, dim]
+  return {static_cast<char*>(t.data_ptr()), static_cast<int64_t>(t.element_size()), t.stride(0),
+          t.stride(1), t.stride(2), t.stride(3)};
+}
+
+Rows packed_rows(const at::Tensor& t) {  // [tokens, heads, dim]
+  return {static_cast<char*>(t.data_ptr()), static_cast<int64_t>(t.element_size()), 0,
+          t.stride(1), t.stride(0), t.stride(2)};
+}
+
+// One call: the sequences, their layout, and the keys each may attend to.
+struct Problem : AttentionProblem {
+  cpu::DType dtype;
+  at::ScalarType acc;
+  std::vector<int64_t> q_row0, q_len, k_row0, k_len;
+  // The dropout stream is laid out as [batch, heads, seq_q, seq_k] (the longest
+  // sequences for varlen), each sequence in its top-left corner.
+  uint64_t seed = 0;
+  Rows q, k, v, bias;
+  bool has_bias = false;
+  // The products may read the inputs in place: their element type is the accumulation type.
+  bool direct = false;
+
+  // The layout of q, k and v (padded_rows or packed_rows of each), each sequence from
+  // row 0 (padded) until the offsets say otherwise, and the dropout seed.
+  Problem(const AttentionProblem& shape, const Rows& q_rows, const Rows& k_rows,
+          const Rows& v_rows, at::ScalarType dtype_of_q, const at::Tensor& seed_tensor)
+      : AttentionProblem(shape),
+        dtype(kernel_dtype(dtype_of_q)),
+        acc(acc_dtype(dtype_of_q)),
+        q_row0(batch, 0),
+        q_len(batch, seq_q),
+        k_row0(batch, 0),
+        k_len(batch, seq_k),
+        seed(dropout_p > 0 ? seed_value(seed_tensor) : 0),
+        q(q_rows),
+        k(k_rows),
+        v(v_rows),
+        direct(dtype_of_q == acc) {}
+
+  // The gathered keys of sequence b: key_pos[key_start[b] + j] is the position of its
+  // j-th valid key; slot[slot_start[b] + t] is the gathered index of position t (-1
+  // for padding); below[slot_start[b] + b + t] counts the valid keys before position
+  // t, for t in [0, k_len[b]].
+  std::vector<int32_t> key_pos, slot, below;
+  std::vector<int64_t> key_start, slot_start;
+  // Whether sequence b's valid keys are consecutive positions (padding only at the ends),
+  // so that a product can read them in place.
+  std::vector<bool> keys_consecutive;
+
+  int64_t keys(int64_t b) const { return key_start[b + 1] - key_start[b]; }
+  const int32_t* positions(int64_t b) const { return key_pos.data() + key_start[b]; }
+  const int32_t* slots(int64_t b) const { return slot.data() + slot_start[b]; }
+
+  // Query i of sequence b attends to the first limit(b, i) gathered keys.
+  int32_t limit(int64_t b, int64_t i) const {
+    if (!causal) return static_cast<int32_t>(keys(b));
+    // Bottom-right alignment: query i sees the keys at positions <= i + k_len - q_len.
+    const int64_t end = std::clamp<int64_t>(i + k_len[b] - q_len[b] + 1, 0, k_len[b]);
+    return below[slot_start[b] + b + end];
+  }
+
+  int64_t max_keys() const {
+    int64_t n = 0;
+    for (int64_t b = 0; b < batch; ++b) n = std::max(n, keys(b));
+    return n;
+  }
+
+  // Fills the key tables; mask is bool [batch, k_len], True = padding, or undefined.
+  void gather_keys(const at::Tensor& mask) {
+    const bool* m = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+    key_start.assign(1, 0);
+    slot_start.clear();
+    for (int64_t b = 0; b < batch; ++b) {
+      slot_start.push_back(static_cast<int64_t>(slot.size()));
+      int32_t count = 0;
+      for (int64_t t = 0; t < k_len[b]; ++t) {
+        below.push_back(count);
+        const bool valid = !m || !m[b * mask.stride(0) + t * mask.stride(1)];
+        slot.push_back(valid ? count : -1);
+        if (valid) {
+          key_pos.push_back(static_cast<int32_t>(t));
+          ++count;
+        }
+      }
+      below.push_back(count);
+      key_start.push_back(static_cast<int64_t>(key_pos.size()));
+      keys_consecutive.push_back(count == 0 || key_pos.back() - key_pos[key_start[b]] + 1 == count);
+    }
+  }
+};
+
+// A task's products are sized for one core and run on its thread. MKL (torch's BLAS on
+// x86) would otherwise spread each over its own threads wherever a task runs outside a
+// parallel region (a single task, or a call from inside another parallel region; torch
+// turns MKL's dynamic adjustment off): on small products that costs more than it gains,
+// up to hundreds of milliseconds of spinning on a busy machine, and it would make the
+// results depend on the number of threads. The setting is thread-local and restored
+// after; the weak symbol is null (and this a no-op) without MKL. (It is MKL's C entry
+// point, what mkl_service.h's mkl_set_num_threads_local expands to; the lower-case
+// symbol is the Fortran one, which takes a pointer.)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+class OneBlasThread {
+ public:
+  OneBlasThread() : before_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~OneBlasThread() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(before_);
+  }
+  OneBlasThread(const OneBlasThread&) = delete;
+  OneBlasThread& operator=(const OneBlasThread&) = delete;
+
+ private:
+  int before_;
+};
+
+// A buffer of at least n elements for this thread. Up to kKeptBytes it is kept for the
+// thread's next call: a fresh allocation of that size comes from mmap, and touching its
+// pages again on every call costs more than the attention of a short sequence.
+constexpr int64_t kKeptBytes = int64_t(8) << 20;
+
+at::Tensor thread_buffer(int64_t n, const at::TensorOptions& options) {
+  thread_local at::Tensor kept;
+  const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  if (kept.defined() && kept.dtype() == options.dtype() && kept.numel() >= n) return kept;
+  auto fresh = at::empty({n}, options);
+  if (bytes <= kKeptBytes) kept = fresh;
+  return fresh;
+}
+
+// A matrix operand of the products, per head of a group: rows `ld` elements apart,
+// heads `head_ld` apart, unit column stride.
+struct Operand {
+  char* data;
+  int64_t head_ld, ld;
+};
+
+// One thread's buffers, in the accumulation type. Sized for `group` heads of a query
+// block and of all the keys of the longest sequence.
+struct Workspace {
+  at::Tensor storage;
+  at::TensorOptions options;
+  int64_t acc_size;
+  void *q, *k, *v, *s, *dp, *o, *dout, *dk, *dv, *m, *l, *delta;
+  std::vector<int32_t> limit, relative;
+  std::vector<uint8_t> keep, scratch;
+
+  Workspace(const Problem& pb, bool backward, int64_t group) : options(at::dtype(pb.acc)) {
+    const int64_t n = pb.max_keys(), tile = kBlockQ * kBlockK;
+    // Each buffer's size in elements, carved from one allocation in this order.
+    const int64_t sizes[] = {group * kBlockQ * pb.dk, group * n * pb.dk, group * n * pb.dv,
+                             group * tile, backward ? group * tile : 0,
+                             group * kBlockQ * std::max(pb.dk, pb.dv),
+                             backward ? group * kBlockQ * pb.dv : 0,
+                             backward ? group * n * pb.dk : 0, backward ? group * n * pb.dv : 0,
+                             group * kBlockQ, group * kBlockQ, group * kBlockQ};
+    void** slots[] = {&q, &k, &v, &s, &dp, &o, &dout, &dk, &dv, &m, &l, &delta};
+    storage = thread_buffer(std::accumulate(std::begin(sizes), std::end(sizes), int64_t(0)), options);
+    acc_size = static_cast<int64_t>(storage.element_size());
+    char* at = static_cast<char*>(storage.data_ptr());
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      *slots[i] = at;
+      at += sizes[i] * acc_size;
+    }
+    limit.resize(kBlockQ);
+    relative.resize(kBlockQ);
+    if (pb.dropout_p > 0) {
+      keep.resize(tile);
+      scratch.resize(*std::max_element(pb.k_len.begin(), pb.k_len.end()));
+    }
+  }
+
+  void* at(void* data, int64_t offset) const { return static_cast<char*>(data) + offset * acc_size; }
+  // A dense [rows, cols] matrix over an acc buffer.
+  at::Tensor mat(void* data, int64_t rows, int64_t cols) const {
+    return at::from_blob(data, {rows, cols}, options);
+  }
+  // Dense [heads, rows, cols] matrices over an acc buffer.
+  at::Tensor mats(void* data, int64_t heads, int64_t rows, int64_t cols) const {
+    return at::from_blob(data, {heads, rows, cols}, options);
+  }
+  // Rows [first, first + rows) of `heads` heads of an operand.
+  at::Tensor mats(const Operand& x, int64_t heads, int64_t first, int64_t rows, int64_t cols) const {
+    return at::from_blob(x.data + first * x.ld * acc_size, {heads, rows, cols}, {x.head_ld, x.ld, 1},
+                         options);
+  }
+
+  // Rows [row, row + n) of heads h0 .. h0 + heads of sequence b of `src` (or, with
+  // `gather`, its rows row + gather[j]): in place when the products can read them so,
+  // else packed into `buffer`.
+  Operand operand(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t heads,
+                  int64_t row, const int32_t* gather, bool consecutive, int64_t n, int64_t cols,
+                  void* buffer) const {
+    if (pb.direct && (src.col == 1 || cols == 1) && (!gather || consecutive))
+      return {src.at(b, h0, row + (gather && n ? gather[0] : 0)), src.head, src.row};
+    for (int64_t j = 0; j < heads; ++j)
+      cpu::attn_pack(pb.dtype, src.at(b, h0 + j, row), src.row, src.col, gather, n, cols,
+                              at(buffer, j * n * cols));
+    return {static_cast<char*>(buffer), n * cols, cols};
+  }
+  Operand keys(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t heads, int64_t n,
+               int64_t cols, void* buffer) const {
+    return operand(pb, src, b, h0, heads, pb.k_row0[b], pb.positions(b), pb.keys_consecutive[b],
+                   n, cols, buffer);
+  }
+
+  // Fills limit for queries i0 .. i0 + rows of sequence b; returns how many gathered
+  // keys the block needs (the largest limit).
+  int64_t set_limits(const Problem& pb, int64_t b, int64_t i0, int64_t rows) {
+    int32_t reach = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      limit[r] = pb.limit(b, i0 + r);
+      reach = std::max(reach, limit[r]);
+    }
+    return reach;
+  }
+
+  // The tile of queries i0 .. i0 + rows of (b, h) against gathered keys [k0, k0 + cols).
+  cpu::AttnTile tile(const Problem& pb, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t k0,
+                     int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r)
+      relative[r] = static_cast<int32_t>(std::clamp<int64_t>(limit[r] - k0, 0, cols));
+    const int32_t* key_pos = pb.positions(b) + k0;
+    const uint8_t* mask = nullptr;
+    if (pb.dropout_p > 0) {
+      // The stream's elements [b, h, i0 + r, key_pos[j]].
+      const auto offset = static_cast<uint64_t>(((b * pb.heads + h) * pb.seq_q + i0) * pb.seq_k);
+      cpu::attn_dropout_keep(pb.seed, pb.dropout_p, offset, pb.seq_k, rows, key_pos, cols,
+                                      scratch.data(), keep.data());
+      mask = keep.data();
+    }
+    return {pb.dtype, rows, cols, relative.data(), pb.scale,
+            pb.has_bias ? pb.bias.at(b, h, i0) : nullptr, pb.bias.row, pb.bias.col, key_pos, mask,
+            pb.dropout_p};
+  }
+};
+
+void forward_query_block(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
+                         int64_t i0, const Rows& out, const Rows& lse) {
+  const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
+  const int64_t reach = ws.set_limits(pb, b, i0, rows);
+  const auto q = ws.mats(ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q),
+                         heads, 0, rows, pb.dk);
+  const Operand k = ws.keys(pb, pb.k, b, h0, heads, reach, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, h0, heads, reach, pb.dv, ws.v);
+  auto o = ws.mats(ws.o, heads, rows, pb.dv);
+  for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, reach - k0);
+    auto s = ws.mats(ws.s, heads, rows, cols);
+    at::bmm_out(s, q, ws.mats(k, heads, k0, cols, pb.dk).transpose(1, 2));
+    for (int64_t j = 0; j < heads; ++j) {
+      const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
+      cpu::attn_forward_block(&tile, k0 == 0, ws.at(ws.s, j * rows * cols), ws.at(ws.m, j * rows),
+                              ws.at(ws.l, j * rows), ws.at(ws.o, j * rows * pb.dv), pb.dv);
+    }
+    const auto vb = ws.mats(v, heads, k0, cols, pb.dv);
+    if (k0 == 0) at::bmm_out(o, s, vb);
+    else o.baddbmm_(s, vb);
+  }
+  if (reach == 0) {  // no key at all: every row is empty
+    ws.mat(ws.m, 1, heads * rows).fill_(-std::numeric_limits<double>::infinity());
+    ws.mat(ws.l, 1, heads * rows).zero_();
+  }
+  for (int64_t j = 0; j < heads; ++j)
+    cpu::attn_forward_finish(pb.dtype, rows, pb.dv, ws.at(ws.m, j * rows), ws.at(ws.l, j * rows),
+                             ws.at(ws.o, j * rows * pb.dv), lse.at(b, h0 + j, row),
+                             out.at(b, h0 + j, row), out.row, out.col);
+}
+
+void forward(const Problem& pb, const Rows& out, const Rows& lse) {
+  const int64_t longest = pb.batch ? *std::max_element(pb.q_len.begin(), pb.q_len.end()) : 0;
+  const int64_t blocks = (longest + kBlockQ - 1) / kBlockQ;
+  const int64_t group = std::min(kHeadGroup, pb.heads);
+  const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
+  at::parallel_for(0, pb.batch * groups * blocks, 1, [&](int64_t begin, int64_t end) {
+    OneBlasThread one_blas_thread;
+    Workspace ws(pb, false, group);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (groups * blocks), h0 = t / blocks % groups * group;
+      const int64_t i0 = t % blocks * kBlockQ;
+      if (i0 < pb.q_len[b])
+        forward_query_block(pb, ws, b, h0, std::min(group, pb.heads - h0), i0, out, lse);
+    }
+  });
+}
+
+struct Grads {
+  Rows out, lse, grad, dq, dk, dv;
+  const Rows* dbias;  // null without a bias gradient; strides 0 where it is broadcast
+};
+
+void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
+                    const Grads& g) {
+  const int64_t n = pb.keys(b);
+  const Operand k = ws.keys(pb, pb.k, b, h0, heads, n, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, h0, heads, n, pb.dv, ws.v);
+  // dK and dV accumulate over query blocks; a key block's first product overwrites them
+  // (no zero-fill), so `filled` tracks how many of their rows hold a value.
+  const Operand dk_acc{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
+  const Operand dv_acc{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
+  int64_t filled = 0;
+  auto zero_rows = [&](int64_t from, int64_t to) {
+    if (to <= from) return;
+    ws.mats(dk_acc, heads, from, to - from, pb.dk).zero_();
+    ws.mats(dv_acc, heads, from, to - from, pb.dv).zero_();
+  };
+  for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) {
+    const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
+    const int64_t reach = ws.set_limits(pb, b, i0, rows);
+    const auto q = ws.mats(ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q),
+                           heads, 0, rows, pb.dk);
+    const Operand dout_rows =
+        ws.operand(pb, g.grad, b, h0, heads, row, nullptr, true, rows, pb.dv, ws.dout);
+    const auto dout = ws.mats(dout_rows, heads, 0, rows, pb.dv);
+    // With one key block the tile holds whole rows, and the kernel derives delta from it
+    // (exactly, and without reading O); otherwise delta comes from O before the walk.
+    const bool own_delta = reach <= kBlockK;
+    if (!own_delta)
+      for (int64_t j = 0; j < heads; ++j)
+        cpu::attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
+                        dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
+                        pb.dv, ws.at(ws.delta, j * rows));
+    auto dq = ws.mats(ws.o, heads, rows, pb.dk);
+    for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
+      const int64_t cols = std::min(kBlockK, reach - k0);
+      const auto kb = ws.mats(k, heads, k0, cols, pb.dk);
+      auto s = ws.mats(ws.s, heads, rows, cols), dp = ws.mats(ws.dp, heads, rows, cols);
+      at::bmm_out(s, q, kb.transpose(1, 2));
+      at::bmm_out(dp, dout, ws.mats(v, heads, k0, cols, pb.dv).transpose(1, 2));
+      for (int64_t j = 0; j < heads; ++j) {
+        const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
+        cpu::attn_backward_block(&tile, ws.at(ws.s, j * rows * cols), ws.at(ws.dp, j * rows * cols),
+                                 g.lse.at(b, h0 + j, row), ws.at(ws.delta, j * rows), own_delta);
+        if (g.dbias)
+          cpu::attn_bias_grad(&tile, ws.at(ws.dp, j * rows * cols), g.dbias->at(b, h0 + j, i0),
+                              g.dbias->row, g.dbias->col);
+      }
+      // s now holds the weights that multiplied V, dp holds dS.
+      auto dvb = ws.mats(dv_acc, heads, k0, cols, pb.dv), dkb = ws.mats(dk_acc, heads, k0, cols, pb.dk);
+      if (k0 >= filled) {
+        at::bmm_out(dvb, s.transpose(1, 2), dout);
+        at::bmm_out(dkb, dp.transpose(1, 2), q);
+      } else {
+        zero_rows(filled, k0 + cols);
+        dvb.baddbmm_(s.transpose(1, 2), dout);
+        dkb.baddbmm_(dp.transpose(1, 2), q);
+      }
+      if (k0 == 0) at::bmm_out(dq, dp, kb);
+      else dq.baddbmm_(dp, kb);
+    }
+    filled = std::max(filled, reach);
+    if (reach == 0) dq.zero_();
+    // The products used Q and K unscaled: the scale enters dQ and dK here.
+    cpu::attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, pb.scale, g.dq.at(b, h0, row), g.dq.row,
+                     g.dq.col, heads, rows * pb.dk, g.dq.head);
+  }
+  zero_rows(filled, n);  // keys no query attends to
+  // Padding keys get zero gradients.
+  const int64_t key_row = pb.k_row0[b];
+  cpu::attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, pb.scale,
+                   g.dk.at(b, h0, key_row), g.dk.row, g.dk.col, heads, n * pb.dk, g.dk.head);
+  cpu::attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, 1.0, g.dv.at(b, h0, key_row),
+                   g.dv.row, g.dv.col, heads, n * pb.dv, g.dv.head);
+}
+
+void backward(const Problem& pb, const Grads& g) {
+  // A task owns the (sequence, head group) pairs whose bias gradients add into one slice
+  // of dbias: all sequences when the bias is shared across the batch, all heads when
+  // shared across heads. It visits them in order.
+  const bool all_b = g.dbias && g.dbias->batch == 0, all_h = g.dbias && g.dbias->head == 0;
+  const int64_t group = std::min(kHeadGroup, pb.heads);
+  const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
+  const int64_t tb = all_b ? 1 : pb.batch, tg = all_h ? 1 : groups;
+  at::parallel_for(0, tb * tg, 1, [&](int64_t begin, int64_t end) {
+    OneBlasThread one_blas_thread;
+    Workspace ws(pb, true, group);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bo = t / tg, go = t % tg;
+      for (int64_t b = all_b ? 0 : bo; b < (all_b ? pb.batch : bo + 1); ++b)
+        for (int64_t gi = all_h ? 0 : go; gi < (all_h ? groups : go + 1); ++gi)
+          backward_heads(pb, ws, b, gi * group, std::min(group, pb.heads - gi * group), g);
+    }
+  });
+}
+
+Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& key_padding_mask,
+                       const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
+                       double scale, const at::Tensor& seed) {
+  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, dropout_p, scale, check_cpu),
+             padded_rows(q), padded_rows(k), padded_rows(v), q.scalar_type(), seed);
+  pb.gather_keys(present(key_padding_mask) ? *key_padding_mask : at::Tensor());
+  if (present(attn_bias)) {
+    check_cpu(*attn_bias, "attn_bias");
+    TORCH_CHECK_TYPE(attn_bias->scalar_type() == q.scalar_type(), "attn_bias must have q's dtype");
+    // Broadcast dimensions become stride 0: the bias is read in place, never expanded.
+    pb.bias = padded_rows(attn_bias->expand({pb.batch, pb.heads, pb.seq_q, pb.seq_k}));
+    pb.has_bias = true;
+  }
+  return pb;
+}
+
+// The first row and length of each sequence from offsets cu (int32 [batch + 1]), checked
+// against the tensor's `total` rows and the longest length the call gave.
+void read_offsets(const at::Tensor& cu, const char* name, int64_t total, int64_t max_len,
+                  const char* max_name, std::vector<int64_t>& row0, std::vector<int64_t>& len) {
+  const int32_t* c = cu.data_ptr<int32_t>();
+  const int64_t st = cu.stride(0), n = cu.size(0) - 1;
+  TORCH_CHECK_VALUE(c[0] == 0 && c[n * st] == total, name, " must run from 0 to ", total);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t len_b = int64_t(c[(b + 1) * st]) - c[b * st];
+    TORCH_CHECK_VALUE(0 <= len_b && len_b <= max_len,
+                      name, ": sequence ", b, " has ", len_b, " tokens, outside [0, ", max_name,
+                      " = ", max_len, "]");
+    row0[b] = c[b * st];
+    len[b] = len_b;
+  }
+}
+
+Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
+                       double scale, const at::Tensor& seed) {
+  Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal, dropout_p, scale, check_cpu),
+             packed_rows(q), packed_rows(k), packed_rows(v), q.scalar_type(), seed);
+  read_offsets(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q", pb.q_row0,
+               pb.q_len);
+  read_offsets(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k, "max_seqlen_k", pb.k_row0,
+               pb.k_len);
+  pb.gather_keys(at::Tensor());
+  return pb;
+}
+
+Rows lse_rows(const at::Tensor& lse, bool varlen) {
+  // Padded: [batch, heads, seq_q]. Varlen: [heads, total_q], rows indexed by token.
+  return {static_cast<char*>(lse.data_ptr()), static_cast<int64_t>(lse.element_size()),
+          varlen ? 0 : lse.stride(0), lse.stride(varlen ? 0 : 1), 1, 0};
+}
+
+// attention_with_kvcache: appends k_new/v_new to the caches at each sequence's length,
+// then poses the decoding step as a padded, causal Problem over the caches read in place
+// ([batch, max_cache_len, heads, dim] seen as [batch, heads, seq, dim]): sequence b's keys
+// are positions [leftpad_b, total_b), total_b = cache_seqlens[b] + seqlen_new, and the
+// causal limit aligns its queries to total_b (the bottom right of its own keys).
+Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                        const std::optional<at::Tensor>& v_new,
+                        const std::optional<at::Tensor>& cache_leftpad, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+                    "q and the caches must have 4 dimensions");
+  const auto qt = q.transpose(1, 2), kt = k_cache.transpose(1, 2), vt = v_cache.transpose(1, 2);
+  Problem pb(padded_attention(qt, kt, vt, std::nullopt, true, 0.0, scale, check_cpu),
+             padded_rows(qt), padded_rows(kt), padded_rows(vt), q.scalar_type(), at::Tensor());
+  const int64_t batch = pb.batch, max_len = pb.seq_k;
+  auto lengths = [&](const at::Tensor& t, const char* name) {
+    check_cpu(t, name);
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == batch, name,
+                      " must be int32 [batch]");
+    std::vector<int64_t> values(batch);
+    for (int64_t b = 0; b < batch; ++b) values[b] = t.data_ptr<int32_t>()[b * t.stride(0)];
+    return values;
+  };
+  const std::vector<int64_t> cached = lengths(cache_seqlens, "cache_seqlens");
+  const bool append = present(k_new);
+  TORCH_CHECK_VALUE(append == present(v_new), "k_new and v_new must be given together");
+  const int64_t seq_new = append ? k_new->size(1) : 0;
+  if (append)
+    for (auto [t, cache, name] : {std::tuple{&*k_new, &k_cache, "k_new"},
+                                  std::tuple{&*v_new, &v_cache, "v_new"}}) {
+      check_cpu(*t, name);
+      TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, " must have q's dtype");
+      TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == batch && t->size(1) == seq_new &&
+                            t->size(2) == pb.heads && t->size(3) == cache->size(3),
+                        name, " must be [batch, seqlen_new, heads, head_dim] like its cache");
+    }
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(cached[b] >= 0 && cached[b] + seq_new <= max_len, "cache_seqlens[", b,
+                      "] + seqlen_new must lie in [0, max_cache_len]");
+    pb.k_len[b] = cached[b] + seq_new;
+  }
+  at::Tensor mask;
+  if (present(cache_leftpad)) {
+    const std::vector<int64_t> pad = lengths(*cache_leftpad, "cache_leftpad");
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK_VALUE(pad[b] >= 0 && pad[b] <= pb.k_len[b], "cache_leftpad[", b,
+                        "] must lie in [0, cache_seqlens[", b, "] + seqlen_new]");
+    mask = at::arange(max_len, cache_leftpad->options().dtype(at::kLong)).unsqueeze(0) <
+           cache_leftpad->unsqueeze(1);
+  }
+  // Only now that every check has passed do the caches change.
+  if (append)
+    for (int64_t b = 0; b < batch; ++b) {
+      k_cache[b].narrow(0, cached[b], seq_new).copy_((*k_new)[b]);
+      v_cache[b].narrow(0, cached[b], seq_new).copy_((*v_new)[b]);
+    }
+  pb.gather_keys(mask);
+  return pb;
+}
+
+}  // namespace
+
+// Attention over q/k/v [batch, heads, seq, head_dim] (any strides). key_padding_mask is
+// bool [batch, seq_k], True = padding; attn_bias is broadcastable to [batch, heads, seq_q,
+// seq_k]. Returns (out, lse): lse [batch, heads, seq_q] is the rows' log-sum-exp in the
+// accumulation type (+inf for rows that attend to nothing), kept for backward.
+// CUDA: bfloat16 and float16, head_dim 64 or 128 for q, k and v alike, no attn_bias (the
+// Python limits route other calls elsewhere); lse is float32.
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
+    bool causal, double dropout_p, double scale, const at::Tensor& seed) {
+  const Problem pb =
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+  auto out = empty_like_layout(q, {pb.batch, pb.heads, q.size(2), pb.dv}, q.scalar_type());
+  auto lse = at::empty({pb.batch, pb.heads, q.size(2)}, q.options().dtype(pb.acc));
+  forward(pb, padded_rows(out), lse_rows(lse, false));
+  return {out, lse};
+}
+FUSEDLM_BIND(attention_forward);
+
+// (dq, dk, dv, dbias); dbias, in attn_bias's shape, is undefined unless bias_grad. The CUDA
+// backward is deterministic: every gradient element is written by one block, without atomics.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
+    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
+    const at::Tensor& seed, bool bias_grad) {
+  const Problem pb =
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+  check_saved(pb, q, grad, out, lse, pb.acc, check_cpu);
+  auto dq = empty_like_layout(q, q.sizes(), q.scalar_type());
+  auto dk = empty_like_layout(k, k.sizes(), k.scalar_type());
+  auto dv = empty_like_layout(v, v.sizes(), v.scalar_type());
+  Grads g{padded_rows(out), lse_rows(lse, false), padded_rows(grad), padded_rows(dq),
+          padded_rows(dk), padded_rows(dv), nullptr};
+  at::Tensor dbias_acc;
+  Rows dbias;
+  if (bias_grad) {
+    TORCH_CHECK_VALUE(pb.has_bias, "bias_grad needs attn_bias");
+    // The gradient is summed over the dimensions the bias is broadcast along: accumulate
+    // it in its own (4-d aligned) shape, with stride 0 along the broadcast ones.
+    std::vector<int64_t> aligned(4 - attn_bias->dim(), 1);
+    for (int64_t s : attn_bias->sizes()) aligned.push_back(s);
+    dbias_acc = at::zeros(attn_bias->sizes(), q.options().dtype(pb.acc));
+    dbias = padded_rows(dbias_acc.view(aligned));
+    int64_t* strides[] = {&dbias.batch, &dbias.head, &dbias.row, &dbias.col};
+    for (int d = 0; d < 4; ++d)
+      if (aligned[d] == 1) *strides[d] = 0;
+    g.dbias = &dbias;
+  }
+  backward(pb, g);
+  at::Tensor db = bias_grad ? dbias_acc.to(attn_bias->scalar_type()) : at::Tensor();
+  return {dq, dk, dv, db};
+}
+FUSEDLM_BIND(attention_backward);
+
+// Attention over packed sequences, q [total_q, heads, head_dim], k/v [total_k, heads, head_dim];
+// sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]. Returns (out, lse [heads, total_q]).
+std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed) {
+  const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, dropout_p, scale, seed);
+  auto out = empty_like_layout(q, {q.size(0), pb.heads, pb.dv}, q.scalar_type());
+  auto lse = at::empty({pb.heads, q.size(0)}, q.options().dtype(pb.acc));
+  forward(pb, packed_rows(out), lse_rows(lse, true));
+  return {out, lse};
+}
+FUSEDLM_BIND(attention_varlen_forward);
+
+// (dq, dk, dv).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double dropout_p, double scale, const at::Tensor& seed) {
+  const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, dropout_p, scale, seed);
+  check_saved(pb, q, grad, out, lse, pb.acc, check_cpu);
+  auto dq = empty_like_layout(q, q.sizes(), q.scalar_type());
+  auto dk = empty_like_layout(k, k.sizes(), k.scalar_type());
+  auto dv = empty_like_layout(v, v.sizes(), v.scalar_type());
+  backward(pb, Grads{packed_rows(out), lse_rows(lse, true), packed_rows(grad), packed_rows(dq),
+                     packed_rows(dk), packed_rows(dv), nullptr});
+  return {dq, dk, dv};
+}
+FUSEDLM_BIND(attention_varlen_backward);
+
+// Decoding attention over a KV cache: q [batch, seqlen_q, heads, head_dim], caches
+// [batch, max_cache_len, heads, head_dim]. k_new/v_new [batch, seqlen_new, ...] are first
+// written into the caches at positions cache_seqlens[b] (int32 [batch]) onwards; query i
+// then attends causally (bottom right) to keys [cache_leftpad[b], cache_seqlens[b] +
+// seqlen_new). Returns out [batch, seqlen_q, heads, v's head_dim].
+at::Tensor attention_with_kvcache_forward(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                     const std::optional<at::Tensor>& k_new,
+                                     const std::optional<at::Tensor>& v_new,
+                                     const std::optional<at::Tensor>& cache_leftpad, double scale) {
+  const Problem pb =
+      kvcache_problem(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale);
+  auto out = at::empty({pb.batch, q.size(1), pb.heads, pb.dv}, q.options());
+  auto lse = at::empty({pb.batch, pb.heads, q.size(1)}, q.options().dtype(pb.acc));
+  forward(pb, padded_rows(out.transpose(1, 2)), lse_rows(lse, false));
+  return out;
+}
+FUSEDLM_BIND(attention_with_kvcache_forward);
+
+}  // namespace fusedlm
+
+#endif  // FUSEDLM_ISA

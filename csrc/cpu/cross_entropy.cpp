@@ -1,7 +1,14 @@
-// Softmax cross-entropy fused with its gradient: one sweep over each row of logits
-// gives the row's loss and d(loss)/d(logits).
+// cross_entropy, distillation_loss and masked_lm_loss on the CPU.
 //
-// Algorithm, per row of C classes: the classes are streamed in blocks of kBlock. A first
+// cross_entropy: one pass of the fused kernel gives the per-row losses and, in a new
+// buffer, d(loss)/d(logits), already divided by the number of labelled rows for
+// "mean". The backward only scales that buffer by grad_output.
+//
+// masked_lm_loss: the loop of csrc/masked_lm.cpp, with the fused kernel for each chunk
+// (which also sums the gradient's columns, the bias gradient).
+//
+// The kernel: one sweep over each row of logits gives the row's loss and
+// d(loss)/d(logits). Per row of C classes: the classes are streamed in blocks of kBlock. A first
 // read of a block gives its max, and the running max M rises to it (the running sum of
 // exponentials is rescaled once, by exp(M_old - M_new)); a second read, now from L1,
 // writes e_j = exp(x_j - M) to a scratch row while summing it and the logits (label
@@ -19,10 +26,55 @@
 // Sums over the classes run in kLanes independent partial sums combined in a fixed
 // order: their loops are elementwise across lanes, so they vectorise without
 // -ffast-math, and no result depends on the thread count.
+#include "kernel.h"
+
+#ifdef FUSEDLM_ISA
 #include <algorithm>
 #include <vector>
 
 #include "math.h"
+#else
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "bind.h"
+#include "checks.h"
+#include "common.h"
+#include "masked_lm.h"
+#endif
+
+// Softmax cross-entropy over the rows of row-major [rows, classes] logits, with the
+// gradient in the same pass. Row r with labels[r] != ignore_index gets
+//   loss[r] = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j])    (eps: label_smoothing)
+//   grad[r, j] = s_r * (softmax_j - eps / classes - (1 - eps) * [j == y]),
+//   s_r = grad_scale * row_scale[r] (row_scale may be null: 1);
+// a row whose label is ignore_index gets loss 0 and a zero gradient row. Labels must be
+// in [0, classes) otherwise. grad may be null (loss only) or equal logits (in place).
+// When col_sum is not null it receives the column sums of grad over these rows.
+// loss, col_sum and row_scale are in the accumulation type (float64 for kF64, else float32).
+FUSEDLM_CPU_KERNEL(cross_entropy_forward, void(DType, const void* logits, const int64_t* labels,
+                                               void* loss, void* grad, void* col_sum, int64_t rows,
+                                               int64_t classes, int64_t ignore_index,
+                                               double label_smoothing, double grad_scale,
+                                               const void* row_scale))
+
+// DistilBERT's soft-target loss of rows x classes (row-major student and teacher logits, one
+// dtype), p = softmax(teacher / T) and q = softmax(student / T) per row:
+//   loss[r] = T^2 * sum_j p_j (log p_j - log q_j)      (accumulation type)
+//   grad[r, j] = grad_scale * T * (q_j - p_j)           (grad may be null: loss only)
+FUSEDLM_CPU_KERNEL(distillation_loss_forward, void(DType, const void* student, const void* teacher,
+                                                   void* loss, void* grad, int64_t rows,
+                                                   int64_t classes, double temperature,
+                                                   double grad_scale))
+
+// dst[r, c] = src[r, c] * scale[r * scale_stride], scale in the accumulation type
+// (scale_stride 0: one scale for every row). The backward of cross_entropy.
+FUSEDLM_CPU_KERNEL(cross_entropy_scale_grad, void(DType, const void* src, void* dst, int64_t rows,
+                                                  int64_t cols, const void* scale,
+                                                  int64_t scale_stride))
+
+#ifdef FUSEDLM_ISA
 
 namespace fusedlm::cpu::FUSEDLM_ISA {
 namespace {
@@ -274,3 +326,223 @@ void cross_entropy_scale_grad(DType dtype, const void* src, void* dst, int64_t r
 }
 
 }  // namespace fusedlm::cpu::FUSEDLM_ISA
+
+#else  // the host role: entry points
+
+namespace fusedlm {
+namespace {
+
+// Rows of a [rows, cols] tensor each task takes; keeps tasks near 64 KiB of input.
+int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+// How many labels are not ignore_index. Every other label must be a class index: the
+// kernel reads logits[label] unchecked.
+int64_t count_labelled(const at::Tensor& labels1, int64_t classes, int64_t ignore_index) {
+  const int64_t* y = labels1.data_ptr<int64_t>();
+  int64_t count = 0;
+  for (int64_t i = 0; i < labels1.numel(); ++i) {
+    if (y[i] == ignore_index) continue;
+    TORCH_CHECK_VALUE(0 <= y[i] && y[i] < classes, "labels: ", y[i], " at flat position ", i,
+                      " is no class index in [0, ", classes, ") nor ignore_index");
+    ++count;
+  }
+  return count;
+}
+
+// The fused kernel over logits2 [rows, classes] (contiguous). loss (rows elements,
+// contiguous) receives the losses; grad is undefined (loss only) or the contiguous memory of
+// rows * classes elements, possibly logits2 itself; col_partial, when defined, is [ceil(rows / kReduceBlockRows), classes] and
+// receives the column sums of grad per block of rows; row_scale is undefined or [rows].
+// loss, col_partial and row_scale are in the accumulation dtype.
+void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::Tensor& loss,
+                const at::Tensor& grad, const at::Tensor& col_partial, int64_t ignore_index,
+                double label_smoothing, double grad_scale, const at::Tensor& row_scale) {
+  const int64_t rows = logits2.size(0), classes = logits2.size(1);
+  const auto dtype = kernel_dtype(logits2);
+  const size_t elem = logits2.element_size(), acc = loss.element_size();
+  const char* x = static_cast<const char*>(logits2.data_ptr());
+  const int64_t* y = labels1.data_ptr<int64_t>();
+  char* l = static_cast<char*>(loss.data_ptr());
+  char* g = grad.defined() ? static_cast<char*>(grad.data_ptr()) : nullptr;
+  char* part = col_partial.defined() ? static_cast<char*>(col_partial.data_ptr()) : nullptr;
+  const char* rs = row_scale.defined() ? static_cast<const char*>(row_scale.data_ptr()) : nullptr;
+  auto run = [&](int64_t begin, int64_t end, void* col_sum) {
+    const int64_t at = begin * classes * elem;
+    cpu::cross_entropy_forward(dtype, x + at, y + begin, l + begin * acc,
+                                        g ? g + at : nullptr, col_sum, end - begin, classes,
+                                        ignore_index, label_smoothing, grad_scale,
+                                        rs ? rs + begin * acc : nullptr);
+  };
+  if (!part) {
+    at::parallel_for(0, rows, grain_rows(classes), [&](int64_t begin, int64_t end) {
+      run(begin, end, nullptr);
+    });
+    return;
+  }
+  // Tasks cover whole reduction blocks, so each partial sum has exactly one writer.
+  const int64_t blocks = (rows + kReduceBlockRows - 1) / kReduceBlockRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t begin = blk * kReduceBlockRows;
+      run(begin, std::min(rows, begin + kReduceBlockRows), part + blk * classes * acc);
+    }
+  });
+}
+
+// The sum of the losses (contiguous, accumulation dtype) as a float64 scalar tensor,
+// summed in row order, so that it does not depend on the thread count.
+at::Tensor total(const at::Tensor& losses) {
+  double sum = 0.0;
+  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "total", [&] {
+    const scalar_t* l = losses.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < losses.numel(); ++i) sum += l[i];
+  });
+  return at::scalar_tensor(sum, losses.options().dtype(at::kDouble));
+}
+
+// The loss a reduction returns from the per-row losses.
+at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
+  if (reduction == Reduction::kNone) return losses;
+  auto sum = total(losses);
+  if (reduction == Reduction::kMean) sum = sum / double(std::max<int64_t>(labelled, 1));
+  return sum.to(losses.scalar_type());
+}
+
+// src * scale in src's dtype, rounded once. scale (accumulation dtype) holds one value,
+// or one per row of src viewed as [scale.numel(), -1].
+at::Tensor scaled(const at::Tensor& src, const at::Tensor& scale) {
+  if (!src.defined()) return src;
+  auto in = src.contiguous();
+  auto out = at::empty_like(in);
+  const auto dtype = kernel_dtype(in);
+  const size_t elem = in.element_size(), acc = scale.element_size();
+  const char* s = static_cast<const char*>(scale.data_ptr());
+  const char* x = static_cast<const char*>(in.data_ptr());
+  char* y = static_cast<char*>(out.data_ptr());
+  if (scale.numel() == 1) {
+    at::parallel_for(0, in.numel(), 32768, [&](int64_t begin, int64_t end) {
+      cpu::cross_entropy_scale_grad(dtype, x + begin * elem, y + begin * elem, 1,
+                                             end - begin, s, 0);
+    });
+    return out;
+  }
+  const int64_t rows = scale.numel(), cols = in.numel() / std::max<int64_t>(rows, 1);
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    cpu::cross_entropy_scale_grad(dtype, x + begin * cols * elem, y + begin * cols * elem,
+                                           end - begin, cols, s + begin * acc, 1);
+  });
+  return out;
+}
+
+at::Tensor labelled_positions(const at::Tensor& labels1, int64_t classes, int64_t ignore_index) {
+  count_labelled(labels1, classes, ignore_index);
+  return at::nonzero(labels1 != ignore_index).view(-1);
+}
+
+// The fused kernel on one chunk of masked_lm_loss, summing its gradient's columns per
+// block of rows, then over the blocks.
+at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& labels1,
+                               const at::Tensor& losses, bool with_grad, bool col_sum,
+                               int64_t ignore_index, double label_smoothing, double grad_scale,
+                               const at::Tensor& row_scale) {
+  const auto acc = losses.scalar_type();
+  const int64_t blocks = (logits.size(0) + kReduceBlockRows - 1) / kReduceBlockRows;
+  auto partial = col_sum ? at::empty({blocks, logits.size(1)}, losses.options()) : at::Tensor();
+  run_kernel(logits, labels1, losses, with_grad ? logits : at::Tensor(), partial, ignore_index,
+             label_smoothing, grad_scale, row_scale);
+  return col_sum ? sum_partials(partial, acc) : at::Tensor();
+}
+
+const MlmBackend kCpuMlm{check_cpu, labelled_positions, chunk_cross_entropy, total, scaled};
+
+}  // namespace
+
+// Softmax cross-entropy over the last dimension of logits. Returns (loss, grad): loss
+// per reduction ("none": labels' shape), in float32 (float64 for float64 logits); grad,
+// a new tensor shaped like logits, is d(loss)/d(logits) for grad_output 1 when with_grad,
+// else empty.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits,
+                                                         const at::Tensor& labels,
+                                                         int64_t ignore_index,
+                                                         double label_smoothing,
+                                                         const std::string& reduction,
+                                                         bool with_grad) {
+  const auto in = cross_entropy_inputs(logits, labels, reduction, check_cpu);
+  kernel_dtype(logits);
+  const int64_t labelled = count_labelled(in.labels, in.logits.size(1), ignore_index);
+  // Outputs in their final shapes, contiguous (the kernel writes them as rows): an op's
+  // output must not be a view.
+  auto losses = at::empty(labels.sizes(), in.logits.options().dtype(acc_dtype(logits.scalar_type())));
+  auto grad = with_grad ? at::empty(logits.sizes(), in.logits.options()) : at::Tensor();
+  const double grad_scale =
+      in.reduction == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
+  run_kernel(in.logits, in.labels, losses, grad, at::Tensor(), ignore_index, label_smoothing,
+             grad_scale, at::Tensor());
+  return {reduce_losses(losses, in.reduction, labelled), with_grad ? grad : nothing(logits)};
+}
+FUSEDLM_BIND(cross_entropy_forward);
+
+// d(logits): saved_grad scaled by grad (one value, or one per row for reduction "none").
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
+                                  const std::string& reduction) {
+  check_cross_entropy_grad(grad, saved_grad, reduction, check_cpu);
+  return scaled(saved_grad, grad.to(acc_dtype(saved_grad.scalar_type())).contiguous());
+}
+FUSEDLM_BIND(cross_entropy_backward);
+
+// DistilBERT's soft-target loss over the last dimension of student_logits and teacher_logits
+// (one shape and dtype): T^2 * KL(softmax(teacher / T) || softmax(student / T)) per row.
+// Returns (loss, grad) as cross_entropy_forward does ("mean": over the rows); grad is of the
+// student logits only, and cross_entropy_backward scales it.
+std::tuple<at::Tensor, at::Tensor> distillation_loss_forward(const at::Tensor& student_logits,
+                                                             const at::Tensor& teacher_logits,
+                                                             double temperature,
+                                                             const std::string& reduction,
+                                                             bool with_grad) {
+  check_cpu(student_logits, "student_logits");
+  check_cpu(teacher_logits, "teacher_logits");
+  TORCH_CHECK_VALUE(student_logits.dim() >= 1 && student_logits.size(-1) > 0,
+                    "student_logits must have a last dimension of at least one class, got shape ",
+                    student_logits.sizes());
+  TORCH_CHECK_VALUE(teacher_logits.sizes() == student_logits.sizes(),
+                    "teacher_logits must have student_logits' shape ", student_logits.sizes(),
+                    ", got ", teacher_logits.sizes());
+  TORCH_CHECK_TYPE(teacher_logits.scalar_type() == student_logits.scalar_type(),
+                   "teacher_logits must have student_logits' dtype");
+  TORCH_CHECK_VALUE(temperature > 0 && std::isfinite(temperature),
+                    "temperature must be a positive float, got ", temperature);
+  const auto red = parse_reduction(reduction);
+  const auto dtype = kernel_dtype(student_logits);
+  const auto s = as_rows(student_logits), t = as_rows(teacher_logits);
+  const int64_t rows = s.size(0), classes = s.size(1);
+  auto losses = at::empty(student_logits.sizes().slice(0, student_logits.dim() - 1),
+                          s.options().dtype(acc_dtype(student_logits.scalar_type())));
+  auto grad = with_grad ? at::empty(student_logits.sizes(), s.options()) : at::Tensor();
+  const double grad_scale = red == Reduction::kMean ? 1.0 / std::max<int64_t>(rows, 1) : 1.0;
+  const size_t elem = s.element_size(), acc = losses.element_size();
+  const char* x = static_cast<const char*>(s.data_ptr());
+  const char* y = static_cast<const char*>(t.data_ptr());
+  char* l = static_cast<char*>(losses.data_ptr());
+  char* g = grad.defined() ? static_cast<char*>(grad.data_ptr()) : nullptr;
+  at::parallel_for(0, rows, grain_rows(classes), [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * classes * elem;
+    cpu::distillation_loss_forward(dtype, x + at, y + at, l + begin * acc,
+                                            g ? g + at : nullptr, end - begin, classes,
+                                            temperature, grad_scale);
+  });
+  return {reduce_losses(losses, red, rows), with_grad ? grad : nothing(student_logits)};
+}
+FUSEDLM_BIND(distillation_loss_forward);
+
+// masked_lm_loss's entry points (csrc/masked_lm.h), on CPU tensors of a kernel dtype.
+struct CpuGuard {
+  CpuGuard(const at::Tensor& hidden, const char*) { kernel_dtype(hidden); }
+};
+constexpr auto masked_lm_loss_forward = &MaskedLmLoss<kCpuMlm, CpuGuard>::forward;
+FUSEDLM_BIND(masked_lm_loss_forward);
+constexpr auto masked_lm_loss_backward = &MaskedLmLoss<kCpuMlm, CpuGuard>::backward;
+FUSEDLM_BIND(masked_lm_loss_backward);
+
+}  // namespace fusedlm
+
+#endif  // FUSEDLM_ISA

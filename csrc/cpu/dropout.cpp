@@ -3,7 +3,19 @@
 // Element e of a dropout stream is decided by word e % 4 of philox(key = seed,
 // counter = e / 4), so any element can be regenerated from (seed, offset) alone:
 // a backward pass or a test rebuilds exactly the mask the forward used.
+//
+// dropout_mask, the entry point, materialises the stream as a keep mask for tests and for
+// the reference backend, which replay it.
+#include "kernel.h"  // declares the dropout_mask kernel, which other ops' kernels use
+
+#ifdef FUSEDLM_ISA
 #include "math.h"
+#else
+#include "bind.h"
+#include "common.h"
+#endif
+
+#ifdef FUSEDLM_ISA
 
 namespace fusedlm::cpu::FUSEDLM_ISA {
 namespace {
@@ -34,3 +46,21 @@ void dropout_mask(uint64_t seed, uint64_t offset, int64_t n, double p, uint8_t* 
 }
 
 }  // namespace fusedlm::cpu::FUSEDLM_ISA
+
+#else  // the host role: entry points
+
+namespace fusedlm {
+
+// The keep mask (bool, `shape`) of the dropout stream (seed, offset).
+at::Tensor dropout_mask(const at::Tensor& seed, int64_t offset, at::IntArrayRef shape, double p) {
+  auto keep = at::empty(shape, at::dtype(at::kBool));
+  cpu::dropout_mask(seed_value(seed), static_cast<uint64_t>(offset), keep.numel(), p,
+                    reinterpret_cast<uint8_t*>(keep.data_ptr()));
+  return keep;
+}
+FUSEDLM_BIND(dropout_mask, pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("shape"),
+             pybind11::arg("p"));
+
+}  // namespace fusedlm
+
+#endif  // FUSEDLM_ISA

@@ -1,5 +1,5 @@
-// add + LayerNorm (dropout on the added branch), forward and backward, one pass
-// over memory each.
+// add_layer_norm on the CPU: (dropout(x) + residual) and its LayerNorm in one
+// pass over memory, and the backward in one more, split over row blocks.
 //
 // Forward, per row: summed = x [* keep / (1 - p)] + residual is written out as
 // its sum accumulates; a second pass over the row, now in L1, gives the
@@ -23,10 +23,45 @@
 // fixed number of independent partial sums (lanes): the loop over the lanes
 // becomes vector adds on every instruction set, and the order of the additions
 // stays fixed (results never depend on the thread count).
+#include "kernel.h"
+
+#ifdef FUSEDLM_ISA
 #include <algorithm>
 #include <memory>
 
 #include "math.h"
+#else
+#include <vector>
+
+#include "bind.h"
+#include "checks.h"
+#include "common.h"
+#endif
+
+// summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
+// rows x cols, row-major; residual, weight, bias and keep may be null. out is normalised
+// from summed before rounding; mean and rstd receive, in the accumulation type, the
+// statistics of each row of summed as stored (what the backward reads back).
+FUSEDLM_CPU_KERNEL(add_layer_norm_forward, void(DType, const void* x, const void* residual,
+                                                const void* weight, const void* bias, void* out,
+                                                void* summed, void* mean, void* rstd, int64_t rows,
+                                                int64_t cols, double eps, const uint8_t* keep,
+                                                double p))
+
+// dsummed = the gradient of summed from grad_out through the norm plus grad_summed (which
+// may be null), and dx = dsummed [* keep / (1 - p)]. Without keep only dsummed is written;
+// with it dx is, and dsummed too unless null. weight may be null. When not null,
+// dweight_partial and dbias_partial receive the column sums of grad_out * xhat and of
+// grad_out over these rows (the first stage of those gradients), in the accumulation type.
+FUSEDLM_CPU_KERNEL(add_layer_norm_backward, void(DType, const void* grad_out,
+                                                 const void* grad_summed, const void* summed,
+                                                 const void* mean, const void* rstd,
+                                                 const void* weight, void* dsummed, void* dx,
+                                                 void* dweight_partial, void* dbias_partial,
+                                                 int64_t rows, int64_t cols, const uint8_t* keep,
+                                                 double p))
+
+#ifdef FUSEDLM_ISA
 
 namespace fusedlm::cpu::FUSEDLM_ISA {
 namespace {
@@ -249,3 +284,136 @@ void add_layer_norm_backward(DType dtype, const void* grad_out, const void* grad
 }
 
 }  // namespace fusedlm::cpu::FUSEDLM_ISA
+
+#else  // the host role: entry points
+
+namespace fusedlm {
+namespace {
+
+// Rows per kernel call. A block's keep mask (64 x 768 bytes at BERT-base) is
+// drawn just before the kernel reads it, so it is still in cache; in the
+// backward each block also owns one row of partial sums.
+constexpr int64_t kBlockRows = kReduceBlockRows;
+
+// The keep mask for rows [begin, end) of a [rows, cols] dropout stream, or null without dropout.
+const uint8_t* keep_rows(std::vector<uint8_t>& buffer, uint64_t seed, int64_t begin, int64_t end,
+                         int64_t cols, double p) {
+  if (p <= 0.0) return nullptr;
+  buffer.resize((end - begin) * cols);
+  cpu::dropout_mask(seed, static_cast<uint64_t>(begin * cols), (end - begin) * cols, p,
+                             buffer.data());
+  return buffer.data();
+}
+
+// Blocks per task: about 64 KiB of each input, and whole blocks.
+int64_t grain_blocks(int64_t cols) {
+  return std::max<int64_t>(1, 16384 / (std::max<int64_t>(cols, 1) * kBlockRows));
+}
+
+// Calls f(blk, begin, end, keep) for each block blk of rows [begin, end), keep being its
+// dropout mask (null without dropout). Tasks cover whole blocks, so a block's row of
+// partial sums has exactly one writer.
+template <typename F>
+void for_blocks(int64_t rows, int64_t cols, uint64_t seed, double p, F&& f) {
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks, grain_blocks(cols), [&](int64_t first, int64_t last) {
+    std::vector<uint8_t> keep;
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t begin = blk * kBlockRows, end = std::min(rows, begin + kBlockRows);
+      f(blk, begin, end, keep_rows(keep, seed, begin, end, cols, p));
+    }
+  });
+}
+
+const char* bytes(const at::Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
+char* bytes_mut(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+}  // namespace
+
+// summed = dropout(x) + residual and out = layer_norm(summed) over the last dimension;
+// residual, weight and bias may be absent. Returns (out, summed, mean, rstd), the
+// latter two [rows] in float32 (float64 for float64 inputs): the statistics of summed
+// as returned, saved for the backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    double dropout_p, const at::Tensor& seed) {
+  const auto in = add_layer_norm_inputs(x, residual, weight, bias, check_cpu);
+  const auto dtype = kernel_dtype(x);
+  const uint64_t s = dropout_p > 0 ? seed_value(seed) : 0;
+
+  const int64_t rows = in.x.size(0), cols = in.x.size(1);
+  // Outputs in x's shape, contiguous, so they are written as [rows, cols] and returned as
+  // they are: an op's output must not be a view.
+  auto out = at::empty(x.sizes(), in.x.options()), summed = at::empty(x.sizes(), in.x.options());
+  auto stats = in.x.options().dtype(acc_dtype(x.scalar_type()));
+  auto mean = at::empty({rows}, stats), rstd = at::empty({rows}, stats);
+
+  const size_t row_bytes = cols * in.x.element_size(), stat_bytes = mean.element_size();
+  const char *xp = bytes(in.x), *rp = in.residual.defined() ? bytes(in.residual) : nullptr;
+  char *op = bytes_mut(out), *sp = bytes_mut(summed), *mp = bytes_mut(mean), *vp = bytes_mut(rstd);
+  const void *wp = in.weight.defined() ? in.weight.data_ptr() : nullptr;
+  const void *bp = in.bias.defined() ? in.bias.data_ptr() : nullptr;
+  for_blocks(rows, cols, s, dropout_p, [&](int64_t, int64_t begin, int64_t end,
+                                           const uint8_t* keep) {
+    const size_t at = begin * row_bytes;
+    cpu::add_layer_norm_forward(dtype, xp + at, rp ? rp + at : nullptr, wp, bp, op + at,
+                                         sp + at, mp + begin * stat_bytes, vp + begin * stat_bytes,
+                                         end - begin, cols, eps, keep, dropout_p);
+  });
+  return {out, summed, mean, rstd};
+}
+FUSEDLM_BIND(add_layer_norm_forward);
+
+// (dsummed, dx, dweight, dbias). dsummed is the gradient of summed (grad_summed, which may be
+// absent, plus what flows back through the norm): the residual's gradient, and x's too
+// without dropout, when dx is undefined. Under dropout dx = dsummed through the mask, and
+// dsummed is defined only when has_residual. dweight and dbias are undefined when absent.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_summed,
+    const at::Tensor& summed, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, bool has_bias, bool has_residual, double dropout_p,
+    const at::Tensor& seed) {
+  const auto acc = acc_dtype(summed.scalar_type());
+  const bool dropout = dropout_p > 0;
+  const auto in = add_layer_norm_grad_inputs(grad_out, grad_summed, summed, mean, rstd, weight,
+                                             acc, dropout, has_residual, check_cpu);
+  const auto dtype = kernel_dtype(summed);
+  const uint64_t s = dropout ? seed_value(seed) : 0;
+
+  const int64_t rows = in.summed.size(0), cols = in.summed.size(1);
+  const auto options = in.summed.options();
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  const bool has_weight = in.weight.defined();
+  auto partial_options = options.dtype(acc);
+  auto dw_part = at::empty({has_weight ? blocks : 0, cols}, partial_options);
+  auto db_part = at::empty({has_bias ? blocks : 0, cols}, partial_options);
+
+  const size_t row_bytes = cols * in.summed.element_size(), stat_bytes = mean.element_size();
+  const size_t part_bytes = cols * dw_part.element_size();
+  const char *gp = bytes(in.grad_out), *sp = bytes(in.summed);
+  const char* gsp = in.grad_summed.defined() ? bytes(in.grad_summed) : nullptr;
+  const char *mp = bytes(mean), *vp = bytes(rstd);
+  char* dsp = in.dsummed.defined() ? bytes_mut(in.dsummed) : nullptr;
+  char* dxp = in.dx.defined() ? bytes_mut(in.dx) : nullptr;
+  char* dwp = has_weight ? bytes_mut(dw_part) : nullptr;
+  char* dbp = has_bias ? bytes_mut(db_part) : nullptr;
+  const void* wp = has_weight ? in.weight.data_ptr() : nullptr;
+  for_blocks(rows, cols, s, dropout_p, [&](int64_t blk, int64_t begin, int64_t end,
+                                           const uint8_t* keep) {
+    const size_t at = begin * row_bytes;
+    cpu::add_layer_norm_backward(
+        dtype, gp + at, gsp ? gsp + at : nullptr, sp + at, mp + begin * stat_bytes,
+        vp + begin * stat_bytes, wp, dsp ? dsp + at : nullptr, dxp ? dxp + at : nullptr,
+        dwp ? dwp + blk * part_bytes : nullptr, dbp ? dbp + blk * part_bytes : nullptr,
+        end - begin, cols, keep, dropout_p);
+  });
+  return {in.dsummed, in.dx,
+          has_weight ? sum_partials(dw_part, summed.scalar_type()) : at::Tensor(),
+          has_bias ? sum_partials(db_part, summed.scalar_type()) : at::Tensor()};
+}
+FUSEDLM_BIND(add_layer_norm_backward);
+
+}  // namespace fusedlm
+
+#endif  // FUSEDLM_ISA

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kernels.h"
+#include "kernel.h"
 
 #ifndef FUSEDLM_ISA
 #error "csrc/cpu sources are compiled once per instruction set with -DFUSEDLM_ISA=<name>"

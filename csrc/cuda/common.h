@@ -39,7 +39,7 @@ bool all_aligned16(const P*... p) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The switches between kernel paths (set_path and paths in csrc/ops.h), read from the
+// The switches between kernel paths (set_path and paths, csrc/cuda/paths.cu), read from the
 // environment once per process (csrc/cuda/paths.cu); a launch reads the one of its path.
 struct KernelPaths {
   std::atomic<bool> attention_resident{true}, attention_wgmma{true}, ffn_wgmma{true};

@@ -5,7 +5,7 @@
 #include <string_view>
 
 #include "cuda/common.h"
-#include "ops.h"
+#include "bind.h"
 
 namespace fusedlm::cuda {
 namespace {
@@ -47,11 +47,19 @@ void set_path(const std::string& name, bool enabled) {
     }
   TORCH_CHECK_VALUE(false, "no kernel path is named '", name, "'");
 }
+FUSEDLM_BIND(set_path, pybind11::arg("name"), pybind11::arg("enabled"));
 
 std::map<std::string, bool> paths() {
   std::map<std::string, bool> out;
   for (const Switch& s : kSwitches) out[s.name] = kernel_paths().*s.enabled;
   return out;
 }
+FUSEDLM_BIND(paths);
+
+#if defined(FUSEDLM_EMULATE)
+// The GPU the emulator acts as: "sm_80" or "sm_90a" (FUSEDLM_EMULATE_ARCH).
+std::string emulated_arch() { return emu::arch_name(); }
+FUSEDLM_BIND(emulated_arch);
+#endif
 
 }  // namespace fusedlm::cuda

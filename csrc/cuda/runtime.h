@@ -7,7 +7,8 @@
 //     may read or write only the memory of the tensors its op exposed: every pointer a
 //     kernel receives comes from ptr(), which exposes the tensor's storage, and the op's
 //     DeviceGuard ends those exposures when the op returns.
-// Every entry point of the cuda backend (csrc/ops.h) holds a DeviceGuard while it runs.
+// Every entry point of the cuda backend (each bound by FUSEDLM_BIND, csrc/bind.h) holds a
+// DeviceGuard while it runs.
 #pragma once
 #include <ATen/ATen.h>
 

@@ -1,5 +1,5 @@
 // GELU and its derivative in float32, erf (approximate = "none") or tanh form, for the
-// bias_gelu kernels (bias_gelu.cuh) and the FFN's matrix-product epilogues (gelu_ffn.cuh).
+// bias_gelu kernels (bias_gelu.cu) and the FFN's matrix-product epilogues (gelu_ffn.cu).
 #pragma once
 #include "common.cuh"
 

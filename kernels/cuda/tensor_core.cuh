@@ -1,5 +1,5 @@
-// Tensor-core building blocks of the attention kernels (attention.cuh) and the FFN's
-// matrix product (gelu_ffn.cuh): cp.async tile loads, ldmatrix fragment loads, the
+// Tensor-core building blocks of the attention kernels (attention.cu) and the FFN's
+// matrix product (gelu_ffn.cu): cp.async tile loads, ldmatrix fragment loads, the
 // m16n8k16 matrix product (the instructions themselves are in ptx.cuh), and the fragment
 // layouts that tie them together. Everything here needs sm_80 or newer.
 //

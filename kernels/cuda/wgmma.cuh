@@ -1,5 +1,5 @@
 // Hopper (sm_90a) building blocks of the wgmma paths of the attention forward
-// (attention.cuh) and the FFN product (gelu_ffn.cuh): shared tiles in the 128-byte-swizzled
+// (attention.cu) and the FFN product (gelu_ffn.cu): shared tiles in the 128-byte-swizzled
 // layout that wgmma reads, their matrix descriptors, and the warpgroup products with
 // their fences (the instructions themselves are in ptx.cuh). Only code compiled for an
 // sm_90a target (__CUDA_ARCH_FEAT_SM90_ALL) may call these.

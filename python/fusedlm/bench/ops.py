@@ -16,7 +16,7 @@ fused implementation needs; a baseline's rate is the same work over its own time
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,18 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _against_eager(bench: Bench, op: str, shape: str, inputs: list, eager, *, unit: str,
+                   work: tuple, baselines: Optional[dict] = None, **options) -> Iterator[Case]:
+    """op's forward and forward+backward passes on `inputs` (with its keyword `options`) on
+    every fusedlm backend that takes them, against `eager`, torch.compile of it and any
+    other `baselines` ({name: function}); `work`: each pass's (forward, forward+backward)."""
+    impls, skipped = bench.fused(op, inputs, **options)
+    impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs),
+                 **{name: (f, inputs) for name, f in (baselines or {}).items()})
+    return passes(op, shape, impls, unit=unit, skipped=skipped,
+                  work={"forward": work[0], "forward+backward": work[1]})
+
+
 def add_layer_norm(bench: Bench) -> Iterator[Case]:
     for dtype in shapes_for(bench).dtypes:
         for tokens, hidden in shapes_for(bench).layer_norm:
@@ -82,14 +94,11 @@ def add_layer_norm(bench: Bench) -> Iterator[Case]:
                 summed = x + r
                 return F.layer_norm(summed, (hidden,), w, b), summed
 
-            impls, skipped = bench.fused("add_layer_norm", inputs)
-            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
             # Forward: x and the residual read, out and summed written. Backward: the
             # upstream gradient and summed read, one gradient (x's = the residual's) written.
             size = tokens * hidden * inputs[0].element_size()
-            yield from passes("add_layer_norm", f"{tokens}x{hidden} {_name(dtype)}", impls,
-                              unit="GB/s", work={"forward": 4 * size, "forward+backward": 7 * size},
-                              skipped=skipped)
+            yield from _against_eager(bench, "add_layer_norm", f"{tokens}x{hidden} {_name(dtype)}",
+                                      inputs, eager, unit="GB/s", work=(4 * size, 7 * size))
 
 
 def bias_gelu(bench: Bench) -> Iterator[Case]:
@@ -100,12 +109,10 @@ def bias_gelu(bench: Bench) -> Iterator[Case]:
         def eager(x, b):
             return F.gelu(x + b)
 
-        impls, skipped = bench.fused("bias_gelu", inputs)
-        impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
         # Forward: x read, y written; backward: the upstream gradient and x read, dx written.
         size = s.tokens * s.ffn * inputs[0].element_size()
-        yield from passes("bias_gelu", f"{s.tokens}x{s.ffn} {_name(dtype)}", impls, unit="GB/s",
-                          work={"forward": 2 * size, "forward+backward": 5 * size}, skipped=skipped)
+        yield from _against_eager(bench, "bias_gelu", f"{s.tokens}x{s.ffn} {_name(dtype)}", inputs,
+                                  eager, unit="GB/s", work=(2 * size, 5 * size))
 
 
 def gelu_ffn(bench: Bench) -> Iterator[Case]:
@@ -124,13 +131,10 @@ def gelu_ffn(bench: Bench) -> Iterator[Case]:
                 """The two bare products: what the fused op should come close to."""
                 return (x @ w1.t()) @ w2.t()
 
-            impls, skipped = bench.fused("gelu_ffn", inputs)
-            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs),
-                         matmuls=(matmuls, inputs))
             flops = 2 * 2 * tokens * d * f
-            yield from passes("gelu_ffn", f"{tokens}x{d}->{f}->{d} {_name(dtype)}", impls,
-                              unit="TFLOP/s", work={"forward": flops, "forward+backward": 3 * flops},
-                              skipped=skipped)
+            yield from _against_eager(bench, "gelu_ffn", f"{tokens}x{d}->{f}->{d} {_name(dtype)}",
+                                      inputs, eager, unit="TFLOP/s", work=(flops, 3 * flops),
+                                      baselines={"matmuls": matmuls})
 
 
 def cross_entropy(bench: Bench) -> Iterator[Case]:
@@ -143,13 +147,10 @@ def cross_entropy(bench: Bench) -> Iterator[Case]:
             def eager(x, y):
                 return F.cross_entropy(x.float(), y)
 
-            impls, skipped = bench.fused("cross_entropy", inputs)
-            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
             # The logits read; with the backward, their gradient written too.
             size = tokens * vocab * inputs[0].element_size()
-            yield from passes("cross_entropy", f"{tokens}x{vocab} {_name(dtype)}", impls,
-                              unit="GB/s", work={"forward": size, "forward+backward": 2 * size},
-                              skipped=skipped)
+            yield from _against_eager(bench, "cross_entropy", f"{tokens}x{vocab} {_name(dtype)}",
+                                      inputs, eager, unit="GB/s", work=(size, 2 * size))
 
 
 def distillation_loss(bench: Bench) -> Iterator[Case]:
@@ -166,13 +167,11 @@ def distillation_loss(bench: Bench) -> Iterator[Case]:
                                 F.softmax(teacher.float() / temperature, dim=-1),
                                 reduction="batchmean") * temperature ** 2
 
-            impls, skipped = bench.fused("distillation_loss", inputs, temperature=2.0)
-            impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs))
             # Both rows of logits read; with the backward, the student's gradient written too.
             size = tokens * vocab * inputs[0].element_size()
-            yield from passes("distillation_loss", f"{tokens}x{vocab} {_name(dtype)}, T=2", impls,
-                              unit="GB/s", work={"forward": 2 * size, "forward+backward": 3 * size},
-                              skipped=skipped)
+            yield from _against_eager(bench, "distillation_loss",
+                                      f"{tokens}x{vocab} {_name(dtype)}, T=2", inputs, eager,
+                                      unit="GB/s", work=(2 * size, 3 * size), temperature=2.0)
 
 
 def masked_lm_loss(bench: Bench) -> Iterator[Case]:
@@ -193,13 +192,11 @@ def masked_lm_loss(bench: Bench) -> Iterator[Case]:
             keep = y != -100
             return F.cross_entropy(F.linear(h[keep], w, b).float(), y[keep])
 
-        impls, skipped = bench.fused("masked_lm_loss", inputs)
-        impls.update(eager=(eager, inputs), compiled=(bench.compile(eager), inputs),
-                     **{"eager-gathered": (gathered, inputs)})
         flops = 2 * int((labels != -100).sum()) * d * vocab  # the labelled rows' projection
-        yield from passes("masked_lm_loss", f"{tokens}x{d}->{vocab} {_name(dtype)}, "
-                          f"{LABELLED:.0%} labelled", impls, unit="TFLOP/s",
-                          work={"forward": flops, "forward+backward": 3 * flops}, skipped=skipped)
+        yield from _against_eager(bench, "masked_lm_loss",
+                                  f"{tokens}x{d}->{vocab} {_name(dtype)}, {LABELLED:.0%} labelled",
+                                  inputs, eager, unit="TFLOP/s", work=(flops, 3 * flops),
+                                  baselines={"eager-gathered": gathered})
 
 
 def _eager_attention(q, k, v, allowed=None, causal=False):

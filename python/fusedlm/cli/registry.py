@@ -199,6 +199,35 @@ def _bert_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=
     return BertForMaskedLM(_bert_config(BertConfig, size, tokenizer, dropout))
 
 
+def _encoder_heads(module: str, family: str, unused: tuple, *, pretrain: Optional[str] = None,
+                   classifier_new: tuple = ("classifier.",), embed_kwargs: Optional[dict] = None,
+                   masked_lm_hint: Optional[str] = None) -> Dict[str, loading.Head]:
+    """The heads an encoder family's folders serve: ``<module>.<family>ForMaskedLM`` fills
+    masks, ``<family>Model`` embeds, its sequence and token classifiers fine-tune (their
+    ``classifier_new`` parts start new) and ``pretrain`` (a class name) trains. ``unused``:
+    the parts of its folders besides the encoder, which a command may leave unread."""
+    if masked_lm_hint is None:
+        folders = {f"{family}ForMaskedLM", pretrain} - {None}
+        article = "an" if family[0] in "AEIOU" else "a"
+        masked_lm_hint = f"fill-mask needs {article} {' or '.join(sorted(folders, key=len))} folder"
+    heads = {
+        "fill-mask": loading.Head(f"{module}.{family}ForMaskedLM", unused=unused,
+                                  what="masked-LM head", hint=masked_lm_hint),
+        "embed": loading.Head(f"{module}.{family}Model", unused=unused, kwargs=embed_kwargs or {}),
+        "classify": loading.Head(f"{module}.{family}ForSequenceClassification", unused=unused,
+                                 new=classifier_new),
+        "tag": loading.Head(f"{module}.{family}ForTokenClassification", unused=unused,
+                            new=("classifier.",)),
+    }
+    if pretrain is not None:
+        heads["pretrain"] = loading.Head(f"{module}.{pretrain}")
+    return heads
+
+
+# Embeddings need no pooler; a classifier that reads it starts it new where a folder has none.
+NO_POOLER = {"add_pooling_layer": False}
+POOLED_CLASSIFIER = ("classifier.", "pooler.")
+
 # The parts of BERT's and ELECTRA's folders besides the encoder: the pretraining heads,
 # BERT's pooler and the fine-tuning heads. A command reads the ones it uses and may leave
 # the others unread; which of its own may start new is the Head's ``new``.
@@ -210,19 +239,12 @@ BERT = ModelSpec(
     name="bert", model_type="bert", tokenizer="wordpiece",
     build=_bert_build,
     blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
-    heads={"pretrain": loading.Head("bert.BertForMaskedLM"),
-           "fill-mask": loading.Head("bert.BertForMaskedLM", unused=BERT_HEADS,
-                                     what="masked-LM head",
-                                     hint="fill-mask needs a BertForMaskedLM or "
-                                          "BertForPreTraining folder"),
-           "embed": loading.Head("bert.BertModel", unused=BERT_HEADS,
-                                 kwargs={"add_pooling_layer": False}),
-           # The classifier reads the pooler, which a masked-LM folder has none of: then
-           # it is new too, part of the head being fine-tuned.
-           "classify": loading.Head("bert.BertForSequenceClassification", unused=BERT_HEADS,
-                                    new=("classifier.", "pooler.")),
-           "tag": loading.Head("bert.BertForTokenClassification", unused=BERT_HEADS,
-                               new=("classifier.",))},
+    # The classifier reads the pooler, which a masked-LM folder has none of: then it is new
+    # too, part of the head being fine-tuned.
+    heads=_encoder_heads("bert", "Bert", BERT_HEADS, pretrain="BertForMaskedLM",
+                         embed_kwargs=NO_POOLER, classifier_new=POOLED_CLASSIFIER,
+                         masked_lm_hint="fill-mask needs a BertForMaskedLM or "
+                                        "BertForPreTraining folder"),
     positions=_max_positions, hidden=_encoder_hidden,
     layers=lambda model: list(model.bert.encoder.layer))
 
@@ -253,16 +275,8 @@ ROBERTA_HEADS = ("lm_head.", "pooler.", "classifier.", "qa_outputs.")
 ROBERTA = ModelSpec(
     name="roberta", model_type="roberta", tokenizer="roberta-bpe", build=_roberta_build,
     blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
-    heads={"pretrain": loading.Head("roberta.RobertaForMaskedLM"),
-           "fill-mask": loading.Head("roberta.RobertaForMaskedLM", unused=ROBERTA_HEADS,
-                                     what="masked-LM head",
-                                     hint="fill-mask needs a RobertaForMaskedLM folder"),
-           "embed": loading.Head("roberta.RobertaModel", unused=ROBERTA_HEADS,
-                                 kwargs={"add_pooling_layer": False}),
-           "classify": loading.Head("roberta.RobertaForSequenceClassification",
-                                    unused=ROBERTA_HEADS, new=("classifier.",)),
-           "tag": loading.Head("roberta.RobertaForTokenClassification", unused=ROBERTA_HEADS,
-                               new=("classifier.",))},
+    heads=_encoder_heads("roberta", "Roberta", ROBERTA_HEADS, pretrain="RobertaForMaskedLM",
+                         embed_kwargs=NO_POOLER),
     positions=_roberta_positions, hidden=_encoder_hidden,
     layers=lambda model: list(model.roberta.encoder.layer))
 
@@ -327,17 +341,8 @@ ALBERT_HEADS = ("predictions.", "sop_classifier.", "pooler.", "classifier.", "qa
 ALBERT = ModelSpec(
     name="albert", model_type="albert", tokenizer="wordpiece", build=_albert_build,
     blocks=_albert_blocks, batch=_sentence_order_batch, loss=_albert_loss,
-    heads={"pretrain": loading.Head("albert.AlbertForPreTraining"),
-           "fill-mask": loading.Head("albert.AlbertForMaskedLM", unused=ALBERT_HEADS,
-                                     what="masked-LM head",
-                                     hint="fill-mask needs an AlbertForMaskedLM or "
-                                          "AlbertForPreTraining folder"),
-           "embed": loading.Head("albert.AlbertModel", unused=ALBERT_HEADS,
-                                 kwargs={"add_pooling_layer": False}),
-           "classify": loading.Head("albert.AlbertForSequenceClassification",
-                                    unused=ALBERT_HEADS, new=("classifier.", "pooler.")),
-           "tag": loading.Head("albert.AlbertForTokenClassification", unused=ALBERT_HEADS,
-                               new=("classifier.",))},
+    heads=_encoder_heads("albert", "Albert", ALBERT_HEADS, pretrain="AlbertForPreTraining",
+                         embed_kwargs=NO_POOLER, classifier_new=POOLED_CLASSIFIER),
     positions=_max_positions, hidden=_encoder_hidden, factorized=True,
     # One layer's weights serve every layer: the encoder is sharded as one unit.
     layers=lambda model: [model.albert.encoder])
@@ -363,15 +368,9 @@ DISTILBERT_HEADS = ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.",
 DISTILBERT = ModelSpec(
     name="distilbert", model_type="distilbert", tokenizer="wordpiece", build=_distilbert_build,
     blocks=_bert_blocks, batch=_masked_batch, loss=_lm_loss,
-    heads={"pretrain": loading.Head("distilbert.DistilBertForMaskedLM"),
-           "fill-mask": loading.Head("distilbert.DistilBertForMaskedLM", unused=DISTILBERT_HEADS,
-                                     what="masked-LM head",
-                                     hint="fill-mask needs a DistilBertForMaskedLM folder"),
-           "embed": loading.Head("distilbert.DistilBertModel", unused=DISTILBERT_HEADS),
-           "classify": loading.Head("distilbert.DistilBertForSequenceClassification",
-                                    unused=DISTILBERT_HEADS, new=("pre_classifier.", "classifier.")),
-           "tag": loading.Head("distilbert.DistilBertForTokenClassification",
-                               unused=DISTILBERT_HEADS, new=("classifier.",))},
+    heads=_encoder_heads("distilbert", "DistilBert", DISTILBERT_HEADS,
+                         pretrain="DistilBertForMaskedLM",
+                         classifier_new=("pre_classifier.", "classifier.")),
     positions=_max_positions, hidden=_encoder_hidden,
     layers=lambda model: list(model.distilbert.transformer.layer))
 
@@ -403,15 +402,9 @@ def _electra_resume(folder):
 ELECTRA = ModelSpec(
     name="electra", model_type="electra", tokenizer="wordpiece", build=_electra_build,
     blocks=_bert_blocks, batch=_masked_batch, loss=_electra_loss,
-    heads={"fill-mask": loading.Head("electra.ElectraForMaskedLM", unused=ELECTRA_HEADS,
-                                     what="masked-LM head",
-                                     hint="fill-mask needs ELECTRA's generator (an "
-                                          "ElectraForMaskedLM folder), not its discriminator"),
-           "embed": loading.Head("electra.ElectraModel", unused=ELECTRA_HEADS),
-           "classify": loading.Head("electra.ElectraForSequenceClassification",
-                                    unused=ELECTRA_HEADS, new=("classifier.",)),
-           "tag": loading.Head("electra.ElectraForTokenClassification", unused=ELECTRA_HEADS,
-                               new=("classifier.",))},
+    heads=_encoder_heads("electra", "Electra", ELECTRA_HEADS,
+                         masked_lm_hint="fill-mask needs ELECTRA's generator (an "
+                                        "ElectraForMaskedLM folder), not its discriminator"),
     positions=_max_positions, factorized=True,
     # The discriminator is the model ELECTRA's pretraining is for (transformers'
     # ElectraForPreTraining); the checkpoints keep both halves.

@@ -345,16 +345,33 @@ class BertPreTrainedModel(PreTrainedModel):
             init.zeros_(module.token_type_ids)
 
 
-class EncoderModel:
-    """What BertModel and ElectraModel share: the word embeddings as transformers' input
-    embeddings, and transformers' forward: the inputs checked, the model's ``embed``, the
-    encoder, and the model's ``output`` object (or its tuple)."""
+class InputEmbeddings:
+    """transformers' input embeddings of a base model: its ``embeddings.word_embeddings``."""
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
+
+
+class OutputEmbeddings:
+    """transformers' output embeddings of a masked-LM head whose decoder is a plain
+    nn.Linear, the attribute named by ``output_embeddings_attribute``."""
+
+    output_embeddings_attribute: str
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return getattr(self, self.output_embeddings_attribute)
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        setattr(self, self.output_embeddings_attribute, value)
+
+
+class EncoderModel(InputEmbeddings):
+    """What BertModel and ElectraModel share: the word embeddings as transformers' input
+    embeddings, and transformers' forward: the inputs checked, the model's ``embed``, the
+    encoder, and the model's ``output`` object (or its tuple)."""
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,

@@ -25,9 +25,9 @@ from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput, Ques
                                            SequenceClassifierOutput, TokenClassifierOutput)
 
 from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear
-from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEncoder, check_inputs, classification_loss, config_flag,
-                   dense_gelu, dropout_p, finish, masked_lm, self_attention, span_logits, span_loss,
-                   token_loss)
+from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEncoder, InputEmbeddings, OutputEmbeddings,
+                   check_inputs, classification_loss, config_flag, dense_gelu, dropout_p, finish,
+                   masked_lm, self_attention, span_logits, span_loss, token_loss)
 
 
 def check_config(config) -> None:
@@ -126,7 +126,7 @@ class DistilBertPreTrainedModel(PreTrainedModel):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1])[None])
 
 
-class DistilBertModel(DistilBertPreTrainedModel):
+class DistilBertModel(InputEmbeddings, DistilBertPreTrainedModel):
     """Embeddings and the transformer: transformers' DistilBertModel."""
 
     def __init__(self, config: DistilBertConfig):
@@ -134,12 +134,6 @@ class DistilBertModel(DistilBertPreTrainedModel):
         self.embeddings = Embeddings(config)
         self.transformer = BertEncoder(config, TransformerBlock)  # transformers' Transformer
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embeddings.word_embeddings
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embeddings.word_embeddings = value
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 inputs_embeds: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
@@ -172,13 +166,14 @@ class _TaskModel(DistilBertPreTrainedModel):
                       self.config, return_dict)
 
 
-class DistilBertForMaskedLM(_TaskModel):
+class DistilBertForMaskedLM(OutputEmbeddings, _TaskModel):
     """``vocab_transform`` -> GELU -> ``vocab_layer_norm`` -> ``vocab_projector`` (its weight
     tied to the word embeddings): transformers' DistilBertForMaskedLM. In training with
     labels the loss comes from the labelled rows only and ``logits`` is None unless
     ``return_logits=True``."""
 
     _tied_weights_keys = {"vocab_projector.weight": "distilbert.embeddings.word_embeddings.weight"}
+    output_embeddings_attribute = "vocab_projector"
 
     def __init__(self, config: DistilBertConfig):
         super().__init__(config)
@@ -188,12 +183,6 @@ class DistilBertForMaskedLM(_TaskModel):
         self.approximate = GELU_APPROXIMATIONS[config.activation]
         self.mlm_loss = LinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
         self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.vocab_projector
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.vocab_projector = value
 
     def transform(self, hidden: Tensor) -> Tensor:
         return self.vocab_layer_norm(dense_gelu(self.vocab_transform, hidden, self.approximate))

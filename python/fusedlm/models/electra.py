@@ -33,7 +33,7 @@ from .. import ops
 from ..nn import LinearCrossEntropyLoss, is_plain_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertEncoder,
                    BertPredictionHeadTransform, BertPreTrainedModel, EncoderModel,
-                   FirstTokenClassificationHead, LabelledHeadMixin, MaskedLMMixin,
+                   FirstTokenClassificationHead, LabelledHeadMixin, MaskedLMMixin, OutputEmbeddings,
                    QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
                    dense_gelu, masked_lm)
 
@@ -132,13 +132,14 @@ class ElectraForPreTraining(LabelledHeadMixin, ElectraTaskModel):
         return self.discriminator_predictions(out.last_hidden_state)
 
 
-class ElectraForMaskedLM(MaskedLMMixin, ElectraTaskModel):
+class ElectraForMaskedLM(OutputEmbeddings, MaskedLMMixin, ElectraTaskModel):
     """The generator: ``generator_predictions`` (dense to E -> erf GELU -> LayerNorm) and
     ``generator_lm_head`` (E -> V, its weight tied to the word embeddings);
     transformers' ElectraForMaskedLM. In training with labels the loss comes from the
     labelled rows only and ``logits`` is None unless ``return_logits=True``."""
 
     _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
+    output_embeddings_attribute = "generator_lm_head"
 
     def __init__(self, config: ElectraConfig):
         super().__init__(config)
@@ -147,12 +148,6 @@ class ElectraForMaskedLM(MaskedLMMixin, ElectraTaskModel):
         self.generator_lm_head = nn.Linear(config.embedding_size, config.vocab_size)
         self.masked_lm_loss = LinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
         self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.generator_lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.generator_lm_head = value
 
     def predict_masked(self, hidden: Tensor, labels: Optional[Tensor], logits_wanted: bool) -> tuple:
         return masked_lm(self.generator_predictions, self.generator_lm_head, hidden, labels,

@@ -42,7 +42,7 @@ _SUPPORTS = {
 
 def _like(ref: Tensor, shape, dtype: Optional[torch.dtype] = None) -> Tensor:
     """A new tensor of ``shape`` whose dimensions lie in memory in the order of ref's
-    strides: the rule the cpu backend allocates its outputs by (csrc/attention.cpp)."""
+    strides: the rule the cpu backend allocates its outputs by (csrc/cpu/attention.cpp)."""
     order = sorted(range(ref.dim()), key=lambda d: -ref.stride(d))
     return torch.empty_permuted(shape, order, dtype=dtype or ref.dtype, device=ref.device)
 

@@ -4,12 +4,14 @@
 // Both are row copies (memcpy of one token's features), split over threads by rows;
 // each reads and writes every byte once. unpad also derives the indices, cu_seqlens
 // and longest length from the mask in one pass over it.
+// Host code only: the file compiles to nothing in the kernel role (csrc/cpu/kernel.h).
+#ifndef FUSEDLM_ISA
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "bind.h"
 #include "common.h"
-#include "ops.h"
 
 namespace fusedlm {
 namespace {
@@ -39,6 +41,8 @@ void gather(const at::Tensor& src, const int64_t* index, int64_t n, at::Tensor& 
 
 }  // namespace
 
+// (packed [tokens, ...], indices int64 [tokens] into batch * seq, cu_seqlens int32
+// [batch + 1], longest sequence) of the non-padding tokens of hidden [batch, seq, ...].
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(
     const at::Tensor& hidden, const at::Tensor& key_padding_mask) {
   check_cpu(hidden, "hidden");
@@ -77,7 +81,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(
   gather(as_rows(hidden, 2), index.data(), tokens, packed);
   return {packed, indices, cu_seqlens, longest};
 }
+FUSEDLM_BIND(unpad_forward);
 
+// [batch, seqlen, ...]: packed's rows at `indices`, zeros elsewhere (also unpad's backward).
 at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int64_t batch,
                        int64_t seqlen) {
   check_cpu(packed, "packed");
@@ -116,7 +122,9 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
   });
   return out;
 }
+FUSEDLM_BIND(pad_forward);
 
+// pad's backward: the rows of grad [batch, seqlen, ...] at `indices`.
 at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices) {
   check_cpu(grad, "grad");
   TORCH_CHECK_VALUE(grad.dim() >= 2, "grad must be [batch, seq, ...]");
@@ -129,5 +137,8 @@ at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices) {
   gather(as_rows(grad, 2), index.data_ptr<int64_t>(), tokens, out);
   return out;
 }
+FUSEDLM_BIND(pad_backward);
 
 }  // namespace fusedlm
+
+#endif  // FUSEDLM_ISA
