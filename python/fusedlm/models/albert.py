@@ -24,12 +24,11 @@ from transformers import AlbertConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.albert.modeling_albert import AlbertForPreTrainingOutput
 
-from .. import ops
 from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertPreTrainedModel, EncoderModel,
                    EncoderTaskModel, LinearClassifierMixin, MaskedLMMixin, QuestionAnsweringMixin,
-                   SequenceClassificationMixin, TokenClassificationMixin, dense_gelu, dropout_p, finish,
-                   masked_lm, run_encoder, self_attention)
+                   SequenceClassificationMixin, TokenClassificationMixin, dense_gelu, dropout_p,
+                   masked_lm, pretraining_output, run_encoder, self_attention)
 
 
 class AlbertAttention(nn.Module):
@@ -210,15 +209,9 @@ class AlbertForPreTraining(_WithMaskedLMHead, EncoderTaskModel, AlbertTaskModel)
                 output_hidden_states=None, return_dict=None, return_logits: bool = False):
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                           output_attentions, output_hidden_states)
-        both = labels is not None and sentence_order_label is not None
-        mlm_loss, logits = self.predictions(out.last_hidden_state, labels if both else None, return_logits)
-        sop_logits = self.sop_classifier(out.pooler_output)
-        loss = None
-        if both:  # transformers' rule: a loss only when both labels are given
-            loss = mlm_loss + ops.cross_entropy(sop_logits.view(-1, 2), sentence_order_label.view(-1))
-        return finish(AlbertForPreTrainingOutput(loss=loss, prediction_logits=logits, sop_logits=sop_logits,
-                                                 hidden_states=out.hidden_states, attentions=out.attentions),
-                      self.config, return_dict)
+        return pretraining_output(self, out, self.predictions, labels, self.sop_classifier,
+                                  sentence_order_label, AlbertForPreTrainingOutput, "sop_logits",
+                                  return_logits, return_dict)
 
 
 class AlbertForMaskedLM(_WithMaskedLMHead, MaskedLMMixin, AlbertTaskModel):

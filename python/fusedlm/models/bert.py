@@ -621,16 +621,24 @@ class BertForPreTraining(EncoderTaskModel, BertPreTrainedModel):
                 output_hidden_states=None, return_dict=None, return_logits: bool = False):
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                           output_attentions, output_hidden_states)
-        both = labels is not None and next_sentence_label is not None
-        mlm_loss, logits = self.cls.predictions(out.last_hidden_state, labels if both else None,
-                                                return_logits)
-        nsp_logits = self.cls.seq_relationship(out.pooler_output)  # [B, 2]
-        loss = None
-        if both:  # transformers' rule: a loss only when both labels are given
-            loss = mlm_loss + ops.cross_entropy(nsp_logits, next_sentence_label.view(-1))
-        return finish(BertForPreTrainingOutput(loss=loss, prediction_logits=logits,
-                                               seq_relationship_logits=nsp_logits,
-                                               hidden_states=out.hidden_states, attentions=out.attentions), self.config, return_dict)
+        return pretraining_output(self, out, self.cls.predictions, labels, self.cls.seq_relationship,
+                                  next_sentence_label, BertForPreTrainingOutput,
+                                  "seq_relationship_logits", return_logits, return_dict)
+
+
+def pretraining_output(model, out, predictions, labels, pair_head, pair_labels, output_class,
+                       pair_field: str, return_logits: bool, return_dict):
+    """BERT's and ALBERT's pretraining heads over the encoder's ``out``: the masked-LM
+    ``predictions`` and the two-way ``pair_head`` over the pooled first token (next sentence;
+    sentence order), its logits the output's ``pair_field``. There is a loss only when both
+    labels are given, as in transformers."""
+    both = labels is not None and pair_labels is not None
+    mlm_loss, logits = predictions(out.last_hidden_state, labels if both else None, return_logits)
+    pair_logits = pair_head(out.pooler_output)  # [B, 2]
+    loss = mlm_loss + ops.cross_entropy(pair_logits, pair_labels.view(-1)) if both else None
+    return finish(output_class(loss=loss, prediction_logits=logits, **{pair_field: pair_logits},
+                               hidden_states=out.hidden_states, attentions=out.attentions),
+                  model.config, return_dict)
 
 
 class BertForMaskedLM(MaskedLMMixin, BertPreTrainedModel):
