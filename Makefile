@@ -91,8 +91,10 @@ bench: $(VENV)/.fusedlm
 
 demo: $(VENV)/.fusedlm
 	rm -rf $(DEMO)
-	$(PY) -m fusedlm pretrain --model bert --size tiny --steps 1000 --device cpu --out $(DEMO)
+	$(PY) -m fusedlm pretrain --model bert --size tiny --steps 2200 --lr 2e-3 --vocab-size 2000 \
+	  --seq-len 64 --batch-size 32 --device cpu --out $(DEMO)
 	$(PY) -m fusedlm fill-mask --model $(DEMO) "Return the [MASK] of the list."
+	@echo "loss curve: $(DEMO)/loss.png"
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) build python/fusedlm/_C*.so python/fusedlm/_build_info.py
