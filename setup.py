@@ -237,6 +237,8 @@ setup(
         "hf": [TRANSFORMERS, "tokenizers", "safetensors"],
         "cli": [TRANSFORMERS, "tokenizers", "safetensors", "tqdm", "matplotlib"],
         "elmo": ["h5py"],
+        # fusedlm bench's ONNX Runtime baseline of BERT inference
+        "bench": ["onnx", "onnxruntime"],
         "test": ["pytest", "hypothesis"],
     },
     zip_safe=False,

@@ -1,7 +1,9 @@
 """The models' cases: a training or inference step of each fusedlm model, against the same
 model with every op pinned to the plain-PyTorch ``reference`` backend (what the kernels
 buy inside the model) and transformers' model with the same weights (SDPA attention),
-eager and under torch.compile (but for generate, which compiling the module leaves eager).
+eager and under torch.compile (but for generate, which compiling the module leaves eager);
+BERT's inference also against ONNX Runtime on the CPU, when onnx and onnxruntime are
+installed (transformers' model of the same weights, exported).
 
 Shapes (CPU and GPU): hidden 256, 4 layers, 4 heads, FFN 1024, vocab 8192, float32,
 randomly initialised. BERT and ELECTRA: batch 8 x seq 128, lengths uniform in [64, 128],
@@ -155,7 +157,39 @@ def bert(bench: Bench) -> Iterator[Case]:
         m.eval()(**inputs)
 
     steps = _ours(model, forward) | {name: _step(lambda m=m: forward(m)) for name, m in twin.items()}
+    onnx_step, why_not = _onnxruntime(model, inputs, bench)
+    if onnx_step is None:
+        skipped = {**skipped, "onnxruntime": why_not}
+    else:
+        steps["onnxruntime"] = onnx_step
     yield _case("BERT MLM eval forward", f"{z.batch}x{z.seq} padded, logits", steps, tokens, skipped)
+
+
+def _onnxruntime(model, inputs: dict, bench: Bench) -> tuple:
+    """(a step, None): transformers' model of ``model``'s weights exported to ONNX and run by
+    ONNX Runtime on the CPU, graph optimizations on, on torch's thread count; or (None, why
+    not). ONNX Runtime computes the padded positions too, as transformers does."""
+    if bench.device.type != "cpu":
+        return None, "measured on the CPU only"
+    try:
+        import onnx  # noqa: F401  (torch.onnx.export writes through it)
+        import onnxruntime
+        import transformers
+    except ImportError as missing:
+        return None, f"{missing.name} is not installed (pip install onnx onnxruntime)"
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        twin = getattr(transformers, type(model).__name__).from_pretrained(tmp, attn_implementation="eager")
+        names = list(inputs)
+        torch.onnx.export(twin.eval(), tuple(inputs[n] for n in names), f"{tmp}/model.onnx",
+                          input_names=names, dynamo=False, opset_version=17)
+        session = onnxruntime.InferenceSession(f"{tmp}/model.onnx", options,
+                                               providers=["CPUExecutionProvider"])
+    feeds = {n: inputs[n].numpy() for n in names}
+    return (lambda: session.run(None, feeds)), None
 
 
 def _family(name: str, title: str, config: Callable) -> Callable[[Bench], Iterator[Case]]:
