@@ -13,7 +13,6 @@
 
 namespace fusedlm {
 
-
 inline cpu::DType kernel_dtype(at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: return cpu::DType::kF32;

@@ -3,6 +3,7 @@
 // FUSEDLM_CPU_CAPABILITY environment variable (baseline, avx2, avx512).
 #include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <mutex>
 
 #include <ATen/Dispatch.h>
@@ -25,7 +26,7 @@ bool cpu_supports(const std::string& isa) {
 }
 
 cpu::Isa isa_named(const std::string& isa) {
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < int(std::size(cpu::kIsaNames)); ++i)
     if (isa == cpu::kIsaNames[i]) return static_cast<cpu::Isa>(i);
   TORCH_CHECK_VALUE(false, "no instruction set is named '", isa, "'");
 }

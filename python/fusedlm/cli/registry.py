@@ -206,12 +206,12 @@ def _encoder_heads(module: str, family: str, unused: tuple, *, pretrain: Optiona
     masks, ``<family>Model`` embeds, its sequence and token classifiers fine-tune (their
     ``classifier_new`` parts start new) and ``pretrain`` (a class name) trains. ``unused``:
     the parts of its folders besides the encoder, which a command may leave unread."""
+    masked_lm = f"{family}ForMaskedLM"
     if masked_lm_hint is None:
-        folders = {f"{family}ForMaskedLM", pretrain} - {None}
-        article = "an" if family[0] in "AEIOU" else "a"
-        masked_lm_hint = f"fill-mask needs {article} {' or '.join(sorted(folders, key=len))} folder"
+        folders = masked_lm if pretrain in (None, masked_lm) else f"{masked_lm} or {pretrain}"
+        masked_lm_hint = f"fill-mask needs {'an' if family[0] in 'AEIOU' else 'a'} {folders} folder"
     heads = {
-        "fill-mask": loading.Head(f"{module}.{family}ForMaskedLM", unused=unused,
+        "fill-mask": loading.Head(f"{module}.{masked_lm}", unused=unused,
                                   what="masked-LM head", hint=masked_lm_hint),
         "embed": loading.Head(f"{module}.{family}Model", unused=unused, kwargs=embed_kwargs or {}),
         "classify": loading.Head(f"{module}.{family}ForSequenceClassification", unused=unused,
