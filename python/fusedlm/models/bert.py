@@ -389,15 +389,15 @@ class EncoderModel(InputEmbeddings):
         return self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
 
 
-class BertModel(EncoderModel, BertPreTrainedModel):
-    """Embeddings, encoder and (``add_pooling_layer``) pooler: transformers' BertModel.
+class PooledEncoderModel(EncoderModel):
+    """What BertModel and RobertaModel share: the model's ``embeddings_class``, BERT's
+    encoder and (``add_pooling_layer``) pooler."""
 
-    ``output_attentions=True`` runs attention on the plain-PyTorch path, which computes
-    the weights (the fused kernels never materialise them)."""
+    embeddings_class: type
 
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+    def __init__(self, config, add_pooling_layer: bool = True):
         super().__init__(config)
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.post_init()
@@ -407,6 +407,15 @@ class BertModel(EncoderModel, BertPreTrainedModel):
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden, pooler_output=pooled, hidden_states=hidden_states,
             attentions=attentions)
+
+
+class BertModel(PooledEncoderModel, BertPreTrainedModel):
+    """Embeddings, encoder and (``add_pooling_layer``) pooler: transformers' BertModel.
+
+    ``output_attentions=True`` runs attention on the plain-PyTorch path, which computes
+    the weights (the fused kernels never materialise them)."""
+
+    embeddings_class = BertEmbeddings
 
 
 # --- the task heads, BERT's and ELECTRA's ------------------------------------------------------
@@ -524,6 +533,18 @@ class SequenceClassificationMixin(LabelledHeadMixin):
 
     def labels_loss(self, logits: Tensor, labels: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
         return classification_loss(logits, labels, self.config)
+
+
+class FirstTokenClassifierMixin(SequenceClassificationMixin):
+    """One label per sequence from a FirstTokenClassificationHead ``classifier`` with the
+    model's ``classifier_activation``: logits [B, num_labels]."""
+
+    classifier_activation: str
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.classifier = FirstTokenClassificationHead(config, self.classifier_activation)
+        self.post_init()
 
 
 class LinearClassifierMixin:

@@ -33,9 +33,8 @@ from .. import ops
 from ..nn import LinearCrossEntropyLoss, is_plain_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEmbeddings, BertEncoder,
                    BertPredictionHeadTransform, BertPreTrainedModel, EncoderModel,
-                   FirstTokenClassificationHead, LabelledHeadMixin, MaskedLMMixin, OutputEmbeddings,
-                   QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
-                   dense_gelu, masked_lm)
+                   FirstTokenClassifierMixin, LabelledHeadMixin, MaskedLMMixin, OutputEmbeddings,
+                   QuestionAnsweringMixin, TokenClassificationMixin, dense_gelu, masked_lm)
 
 GENERATOR_SIZE = 0.25  # the paper's generator: 1/4 of the discriminator's width
 DISCRIMINATOR_WEIGHT = 50.0  # the paper's weight of the discriminator's loss
@@ -154,14 +153,11 @@ class ElectraForMaskedLM(OutputEmbeddings, MaskedLMMixin, ElectraTaskModel):
                          self.masked_lm_loss, logits_wanted)
 
 
-class ElectraForSequenceClassification(SequenceClassificationMixin, ElectraTaskModel):
+class ElectraForSequenceClassification(FirstTokenClassifierMixin, ElectraTaskModel):
     """First token -> dropout -> dense -> erf GELU -> dropout -> ``out_proj``: logits
     [B, num_labels]."""
 
-    def __init__(self, config: ElectraConfig):
-        super().__init__(config)
-        self.classifier = FirstTokenClassificationHead(config, "gelu")
-        self.post_init()
+    classifier_activation = "gelu"
 
 
 class ElectraForTokenClassification(TokenClassificationMixin, ElectraTaskModel):

@@ -21,10 +21,9 @@ from torch import Tensor, nn
 from transformers import RobertaConfig
 
 from ..nn import LayerNorm, LinearCrossEntropyLoss
-from .bert import (IGNORE_INDEX, BertEmbeddings, BertEncoder, BertModel, BertPooler,
-                   BertPreTrainedModel, EncoderModel, FirstTokenClassificationHead, MaskedLMMixin,
-                   QuestionAnsweringMixin, SequenceClassificationMixin, TokenClassificationMixin,
-                   dense_gelu, masked_lm)
+from .bert import (IGNORE_INDEX, BertEmbeddings, BertPreTrainedModel, FirstTokenClassifierMixin,
+                   MaskedLMMixin, PooledEncoderModel, QuestionAnsweringMixin,
+                   TokenClassificationMixin, dense_gelu, masked_lm)
 
 
 class RobertaEmbeddings(BertEmbeddings):
@@ -64,16 +63,11 @@ class RobertaPreTrainedModel(BertPreTrainedModel):
     _no_split_modules = ["RobertaEmbeddings", "BertLayer"]
 
 
-class RobertaModel(EncoderModel, RobertaPreTrainedModel):
+class RobertaModel(PooledEncoderModel, RobertaPreTrainedModel):
     """Embeddings, BERT's encoder and (``add_pooling_layer``) pooler: transformers'
     RobertaModel."""
 
-    def __init__(self, config: RobertaConfig, add_pooling_layer: bool = True):
-        super().__init__(config)
-        self.embeddings = RobertaEmbeddings(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
-        self.post_init()
+    embeddings_class = RobertaEmbeddings
 
     def embed(self, input_ids, token_type_ids, position_ids, inputs_embeds) -> Tensor:
         if position_ids is None:  # positions start past pad_token_id: the table must reach
@@ -84,8 +78,6 @@ class RobertaModel(EncoderModel, RobertaPreTrainedModel):
                                  f"so max_position_embeddings ({self.config.max_position_embeddings}) "
                                  f"holds at most {self.config.max_position_embeddings - self.embeddings.padding_idx - 1}")
         return super().embed(input_ids, token_type_ids, position_ids, inputs_embeds)
-
-    output = BertModel.output
 
 
 class RobertaTaskModel(RobertaPreTrainedModel):
@@ -144,14 +136,11 @@ class RobertaForMaskedLM(MaskedLMMixin, RobertaTaskModel):
         return self.lm_head(hidden, labels, logits_wanted)
 
 
-class RobertaForSequenceClassification(SequenceClassificationMixin, RobertaTaskModel):
+class RobertaForSequenceClassification(FirstTokenClassifierMixin, RobertaTaskModel):
     """First token -> dropout -> dense -> tanh -> dropout -> ``out_proj``: logits
     [B, num_labels]."""
 
-    def __init__(self, config: RobertaConfig):
-        super().__init__(config)
-        self.classifier = FirstTokenClassificationHead(config, "tanh")
-        self.post_init()
+    classifier_activation = "tanh"
 
 
 class RobertaForTokenClassification(TokenClassificationMixin, RobertaTaskModel):
