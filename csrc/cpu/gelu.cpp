@@ -35,7 +35,6 @@ FUSEDLM_CPU_KERNEL(bias_gelu_backward, void(DType, const void* dy, const void* x
 namespace fusedlm::cpu::FUSEDLM_ISA {
 namespace {
 
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kTanhCubic = 0.044715;
 
@@ -43,14 +42,22 @@ constexpr double kTanhCubic = 0.044715;
 // 0.5 * (1 + tanh(u)) = sigmoid(2u), which does not cancel for negative z.
 template <typename A>
 inline A gelu(A z, Gelu kind) {
-  if (kind == Gelu::kErf) return z * normal_cdf(z);
+  if (kind == Gelu::kErf) {
+    A cdf, pdf;
+    normal_cdf_pdf(z, cdf, pdf);
+    return z * cdf;
+  }
   A u = A(kSqrt2OverPi) * (z + A(kTanhCubic) * z * z * z);
   return z * sigmoid(A(2) * u);
 }
 
 template <typename A>
 inline A gelu_grad(A z, Gelu kind) {
-  if (kind == Gelu::kErf) return normal_cdf(z) + z * A(kInvSqrt2Pi) * exp_(A(-0.5) * z * z);
+  if (kind == Gelu::kErf) {
+    A cdf, pdf;
+    normal_cdf_pdf(z, cdf, pdf);
+    return cdf + z * pdf;
+  }
   A u = A(kSqrt2OverPi) * (z + A(kTanhCubic) * z * z * z);
   A s = sigmoid(A(2) * u);
   A du = A(kSqrt2OverPi) * (A(1) + A(3 * kTanhCubic) * z * z);
