@@ -107,6 +107,26 @@ def test_supports_names_the_first_feature_it_refuses():
     assert "up to 256, not 512" in Supports(max_head_dim=256).refuses("k", head_dim=512)
 
 
+def test_supports_names_the_slower_entry_a_call_matches():
+    supports = Supports(slower=({"dtype": torch.float16}, {"dtype": torch.bfloat16, "causal": False}))
+    assert supports.slower_for(dtype=torch.float16, causal=True) == "dtype=float16"
+    assert supports.slower_for(dtype=torch.bfloat16, causal=False) == "dtype=bfloat16, causal=False"
+    assert supports.slower_for(dtype=torch.bfloat16, causal=True) is None
+    assert supports.slower_for(dtype=torch.float32) is None
+
+
+def test_automatic_choice_passes_over_a_kernel_declared_slower():
+    # Every declaration of a CPU kernel slower than plain PyTorch, as a call would meet it:
+    # automatic choice goes on to the next backend and says why; named, the kernel runs.
+    cpu = torch.device("cpu")
+    for op, info in _OPS.items():
+        for entry in info.supports.get("cpu", Supports()).slower:
+            chosen = choose(op, cpu, **entry)
+            assert chosen.backend == "reference", op
+            assert "cpu: measured slower than plain PyTorch" in chosen.why, op
+            assert choose(op, cpu, "cpu", **entry).backend == "cpu", op
+
+
 @pytest.mark.parametrize("name", BACKEND_NAMES)
 def test_a_named_backend_refuses_exactly_what_it_declares(name):
     backend = _REGISTRY[name]

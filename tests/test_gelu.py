@@ -16,7 +16,8 @@ from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_rela
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("backend", backends_for("bias_gelu"))
+# The reference backend too: automatic choice falls back to it where a kernel is slower.
+@pytest.mark.parametrize("backend", backends_for("bias_gelu") + ["reference"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False])

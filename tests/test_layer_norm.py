@@ -69,7 +69,8 @@ def _compare(inputs, backend="cpu", *, eps=1e-5, which="both", out_scale=1.0, gr
     return out, summed, got
 
 
-@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+# The reference backend too: automatic choice falls back to it where a kernel is slower.
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm") + ["reference"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("absent", ["", "residual", "weight", "bias", "weight+bias"])
 @pytest.mark.parametrize("hidden", [128, 130])  # the cuda kernels' 16-byte vectors; one at a time

@@ -4,8 +4,9 @@ Every op has four backends: ``reference`` (plain PyTorch, the ground truth),
 ``cpu`` (the C++ kernels), ``triton`` and ``cuda``. A call runs on the backend named
 by its ``backend=`` argument, else by the innermost :func:`use_backend`, else by
 :func:`set_backend`, else by the ``FUSEDLM_BACKEND`` environment variable, else on the
-fastest backend that can run it on the tensors' device. A backend named that cannot
-run the call raises; it never falls back silently. :func:`explain` tells which backend
+fastest backend that can run it on the tensors' device, passing over a kernel
+measured slower than plain PyTorch for such a call (:attr:`Supports.slower`). A backend
+named that cannot run the call raises; it never falls back silently. :func:`explain` tells which backend
 a call would use and why.
 
 A backend finds an op's kernels by name (``<op>_forward`` and ``<op>_backward``, see
@@ -80,6 +81,19 @@ class Supports:
     # ((feature, largest), ...): counts one launch's grid holds (gelu_ffn's rows;
     # attention's batch and heads)
     max_counts: tuple = ()
+    # Calls the kernel takes but runs slower than plain PyTorch on the same device
+    # (measured, benchmarks/README.md): each a {feature: value} that a call matches by
+    # having all of them. Automatic choice passes the kernel over for such calls, to the
+    # next backend (plain PyTorch's reference on the CPU); asked for by name, it runs.
+    slower: tuple = ()
+
+    def slower_for(self, **features) -> Optional[str]:
+        """The first ``slower`` entry the call's features match ("dtype=float16"), or None."""
+        for entry in self.slower:
+            if all(features.get(name) == value for name, value in entry.items()):
+                return ", ".join(f"{name}={_dtype_name(value) if isinstance(value, torch.dtype) else value}"
+                                 for name, value in entry.items())
+        return None
 
     def refuses(self, kernel: str, dtype=None, head_dim=None, head_dim_v=None, bias=False,
                 sizes=(), width=None, **features) -> Optional[str]:
@@ -321,6 +335,11 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
         reason = candidate.cannot_run(op, device, features)
         if reason is None and candidate.emulated():
             reason = f"{candidate.emulated()}, so only when asked for by name"
+        if reason is None:
+            slower = candidate.kernels[op].supports.slower_for(**features)
+            if slower:
+                reason = (f"measured slower than plain PyTorch for {slower} on {device.type}, "
+                          "so only when asked for by name")
         if reason is None:
             failed = verify.failure(op, name, device, features.get("dtype"))
             reason = f"failed its check on this device: {failed}" if failed else None

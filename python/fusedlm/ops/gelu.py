@@ -6,6 +6,7 @@ backward; the activation is recomputed there instead of being kept in memory.
 """
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -60,8 +61,16 @@ def bias_gelu_reference(x, bias=None, approximate="none"):
     return F.gelu(z, approximate=approximate).to(x.dtype)
 
 
+def _bias_gelu_reference_forward(x, bias, approximate):
+    """What eager code runs: torch's GELU of the sum, in x's dtype."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
 def _bias_gelu_reference_backward(grad, x, bias, approximate):
-    return vjp(lambda x, b: bias_gelu_reference(x, b, approximate), (x, bias), (grad,))
+    """torch's GELU backward, as eager code runs it; the bias gradient is the column sum."""
+    z = x if bias is None else x + bias
+    dz = torch.ops.aten.gelu_backward(grad, z, approximate=approximate)
+    return dz, None if bias is None else dz.reshape(-1, dz.shape[-1]).sum(0)
 
 
 def _bias_gelu_probe(rows, cols, approximate):
@@ -74,10 +83,13 @@ BIAS_GELU = Op(
     "bias_gelu", "(Tensor x, Tensor? bias, str approximate) -> Tensor",
     lambda x, bias, approximate: x.new_empty(x.shape),
     reference=bias_gelu_reference,
-    reference_kernels=(bias_gelu_reference, _bias_gelu_reference_backward),
+    reference_kernels=(_bias_gelu_reference_forward, _bias_gelu_reference_backward),
     probes=(Probe("erf", _bias_gelu_probe(64, 384, "none")),
             Probe("tanh", _bias_gelu_probe(64, 384, "tanh")),
             Probe.real("BERT-base, 1024 x 3072", _bias_gelu_probe(1024, 3072, "none"))),
+    # On the CPU, float16's conversions (bit arithmetic, where torch has F16C's) cost the
+    # kernel more than fusing saves: torch's own GELU is faster (benchmarks/README.md).
+    supports={"cpu": Supports(slower=({"dtype": torch.float16},))},
 ).differentiable(
     "(Tensor grad, Tensor x, Tensor? bias, str approximate) -> (Tensor, Tensor)",
     lambda grad, x, bias, approximate: (x.new_empty(x.shape),

@@ -132,17 +132,18 @@ def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
 
 def _reference_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual,
                         dropout_p, seed):
-    """The LayerNorm gradient from the saved statistics: with xhat = (s - mean) * rstd and
-    g = grad_out * weight, ds = rstd * (g - mean(g) - xhat * mean(g * xhat))."""
+    """torch's LayerNorm backward from the saved statistics, in the accumulation dtype;
+    the bias gradient is grad_out's column sum."""
     acc = _stats_dtype(summed.dtype)
     hidden = summed.shape[-1]
+    rows = (-1, 1)
     dy = grad_out.reshape(-1, hidden).to(acc)
-    xhat = (summed.reshape(-1, hidden).to(acc) - mean[:, None]) * rstd[:, None]
-    g = dy * weight.to(acc) if weight is not None else dy
-    ds = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    ds, dweight, _ = torch.ops.aten.native_layer_norm_backward(
+        dy, summed.reshape(-1, hidden).to(acc), (hidden,), mean.view(rows), rstd.view(rows),
+        None if weight is None else weight.to(acc), None, [True, weight is not None, False])
     if grad_summed is not None:
         ds = ds + grad_summed.reshape(-1, hidden).to(acc)
-    dweight = (dy * xhat).sum(0).to(weight.dtype) if weight is not None else None
+    dweight = dweight.to(weight.dtype) if weight is not None else None
     dbias = dy.sum(0).to(summed.dtype) if has_bias else None
     dsummed = ds.view(summed.shape).to(summed.dtype)
     if dropout_p == 0.0:
