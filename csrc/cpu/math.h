@@ -12,6 +12,10 @@
 
 #include "kernel.h"
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #ifndef FUSEDLM_ISA
 #error "csrc/cpu sources are compiled once per instruction set with -DFUSEDLM_ISA=<name>"
 #endif
@@ -70,6 +74,29 @@ inline void store(f16& dst, float v) {
   out = select(select_mask(a >= 0x47800000u), 0x7c00u, out);                         // overflow -> inf
   out = select(select_mask(a > 0x7f800000u), 0x7e00u | ((a >> 13) & 0x3ffu), out);  // nan
   dst.bits = uint16_t(out | sign);
+}
+
+// Rows of float16 widened to float, and float rows narrowed to float16 (round to nearest
+// even, as store): F16C's conversions, 8 elements an instruction, where the instruction set
+// has them. GCC vectorises no F16C conversion of single elements, and load/store's bit
+// arithmetic costs more than a cheap kernel's own work, so such kernels convert float16
+// rows in bulk with these and compute on float rows.
+inline void widen_row(const f16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = load(src[i]);
+}
+inline void narrow_row(const float* src, f16* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) store(dst[i], src[i]);
 }
 
 // exp(x) for x in [-87.3, 88.7] (where e^x is a normal float), to ~1 ulp: Cephes' expf
