@@ -68,7 +68,8 @@ def _one_of(values) -> str:
 class Supports:
     """What one backend's kernel of one op takes. A field left at its default takes
     anything; a planner passes the features it knows of a call (``dtype``, ``head_dim``,
-    ``head_dim_v``, ``bias``, ``sizes``, ``width``, ``rows``, ``batch``, ``heads``) and
+    ``head_dim_v``, ``bias``, ``sizes``, ``width``, ``rows``, ``batch``, ``heads``, ``grad``:
+    whether autograd records it) and
     :meth:`refuses` names the first one refused."""
 
     dtypes: tuple = FLOATS  # of the op's floating-point inputs

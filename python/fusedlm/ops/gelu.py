@@ -33,7 +33,8 @@ def plan_bias_gelu(x, bias=None, approximate="none", *, backend=None):
     check.shape("bias", bias, (x.shape[-1],))
     check.same_dtype(x=x, bias=bias)
     device = check.same_device(x=x, bias=bias)
-    return choose("bias_gelu", device, backend, dtype=x.dtype)
+    grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    return choose("bias_gelu", device, backend, dtype=x.dtype, grad=grad)
 
 
 def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none", *,
@@ -87,9 +88,10 @@ BIAS_GELU = Op(
     probes=(Probe("erf", _bias_gelu_probe(64, 384, "none")),
             Probe("tanh", _bias_gelu_probe(64, 384, "tanh")),
             Probe.real("BERT-base, 1024 x 3072", _bias_gelu_probe(1024, 3072, "none"))),
-    # On the CPU, float16's conversions (bit arithmetic, where torch has F16C's) cost the
-    # kernel more than fusing saves: torch's own GELU is faster (benchmarks/README.md).
-    supports={"cpu": Supports(slower=({"dtype": torch.float16},))},
+    # On the CPU, bfloat16's forward alone (inference) is faster in torch's own GELU, which
+    # also skips the accuracy work in the tail; with its backward the fused kernel is not
+    # slower (benchmarks/README.md).
+    supports={"cpu": Supports(slower=({"dtype": torch.bfloat16, "grad": False},))},
 ).differentiable(
     "(Tensor grad, Tensor x, Tensor? bias, str approximate) -> (Tensor, Tensor)",
     lambda grad, x, bias, approximate: (x.new_empty(x.shape),
