@@ -91,8 +91,8 @@ bench: $(VENV)/.fusedlm
 
 demo: $(VENV)/.fusedlm
 	rm -rf $(DEMO)
-	$(PY) -m fusedlm pretrain --model bert --size tiny --steps 2200 --lr 2e-3 --vocab-size 2000 \
-	  --seq-len 64 --batch-size 32 --device cpu --out $(DEMO)
+	$(PY) -m fusedlm pretrain --model bert --size tiny --steps 4000 --lr 2e-3 --dropout 0 \
+	  --vocab-size 2000 --seq-len 32 --batch-size 32 --device cpu --out $(DEMO)
 	$(PY) -m fusedlm fill-mask --model $(DEMO) "Return the [MASK] of the list."
 	@echo "loss curve: $(DEMO)/loss.png"
 
