@@ -8,7 +8,6 @@
 
 #ifdef FUSEDLM_ISA
 #include <memory>
-#include <tuple>
 
 #include "math.h"
 #else
@@ -66,11 +65,22 @@ inline A gelu_grad(A z, Gelu kind) {
 }
 
 // The inner loops have no branches (GELU kind and dropout are template
-// parameters, the bias is always an array) so that they vectorise.
+// parameters, the bias is always an array) so that they vectorise. float16 rows go
+// through float ones (widen_row, narrow_row), a row at a time.
 template <typename T, Gelu kind, bool dropout>
 void forward_rows(const T* x, const acc_t<T>* bias, T* y, int64_t rows, int64_t cols,
                   const uint8_t* keep, double p) {
   using A = acc_t<T>;
+  if constexpr (std::is_same_v<T, f16>) {
+    std::unique_ptr<float[]> scratch(new float[2 * cols]);
+    float *xf = scratch.get(), *yf = xf + cols;
+    for (int64_t r = 0; r < rows; ++r) {
+      widen_row(x + r * cols, xf, cols);
+      forward_rows<float, kind, dropout>(xf, bias, yf, 1, cols, keep + (dropout ? r * cols : 0), p);
+      narrow_row(yf, y + r * cols, cols);
+    }
+    return;
+  }
   const A scale = A(1) / (A(1) - A(p));
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
@@ -89,6 +99,18 @@ template <typename T, Gelu kind, bool dropout>
 void backward_rows(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T>* dbias,
                    int64_t rows, int64_t cols, const uint8_t* keep, double p) {
   using A = acc_t<T>;
+  if constexpr (std::is_same_v<T, f16>) {
+    std::unique_ptr<float[]> scratch(new float[3 * cols]);
+    float *dyf = scratch.get(), *xf = dyf + cols, *dxf = xf + cols;
+    for (int64_t r = 0; r < rows; ++r) {
+      widen_row(dy + r * cols, dyf, cols);
+      widen_row(x + r * cols, xf, cols);
+      backward_rows<float, kind, dropout>(dyf, xf, bias, dxf, dbias, 1, cols,
+                                          keep + (dropout ? r * cols : 0), p);
+      narrow_row(dxf, dx + r * cols, cols);
+    }
+    return;
+  }
   const A scale = A(1) / (A(1) - A(p));
   for (int64_t r = 0; r < rows; ++r) {
     const T* dyr = dy + r * cols;
@@ -102,34 +124,6 @@ void backward_rows(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T
       store(dxr[c], d);
       dbias[c] += d;
     }
-  }
-}
-
-// float16 rows go through float ones (widen_row, narrow_row): the float kernels above, a
-// row at a time.
-template <Gelu kind, bool dropout>
-void forward_rows_f16(const f16* x, const float* bias, f16* y, int64_t rows, int64_t cols,
-                      const uint8_t* keep, double p, float* scratch) {
-  float *xf = scratch, *yf = xf + cols;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t at = r * cols;
-    widen_row(x + at, xf, cols);
-    forward_rows<float, kind, dropout>(xf, bias, yf, 1, cols, keep + (dropout ? at : 0), p);
-    narrow_row(yf, y + at, cols);
-  }
-}
-
-template <Gelu kind, bool dropout>
-void backward_rows_f16(const f16* dy, const f16* x, const float* bias, f16* dx, float* dbias,
-                       int64_t rows, int64_t cols, const uint8_t* keep, double p, float* scratch) {
-  float *dyf = scratch, *xf = dyf + cols, *dxf = xf + cols;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t at = r * cols;
-    widen_row(dy + at, dyf, cols);
-    widen_row(x + at, xf, cols);
-    backward_rows<float, kind, dropout>(dyf, xf, bias, dxf, dbias, 1, cols,
-                                        keep + (dropout ? at : 0), p);
-    narrow_row(dxf, dx + at, cols);
   }
 }
 
@@ -151,16 +145,6 @@ auto backward_for(Gelu kind) {
   return kind == Gelu::kErf ? backward_rows<T, Gelu::kErf, dropout> : backward_rows<T, Gelu::kTanh, dropout>;
 }
 
-template <bool dropout>
-auto forward_f16_for(Gelu kind) {
-  return kind == Gelu::kErf ? forward_rows_f16<Gelu::kErf, dropout> : forward_rows_f16<Gelu::kTanh, dropout>;
-}
-
-template <bool dropout>
-auto backward_f16_for(Gelu kind) {
-  return kind == Gelu::kErf ? backward_rows_f16<Gelu::kErf, dropout> : backward_rows_f16<Gelu::kTanh, dropout>;
-}
-
 }  // namespace
 
 void bias_gelu_forward(DType dtype, const void* x, const void* bias, void* y, int64_t rows,
@@ -168,15 +152,8 @@ void bias_gelu_forward(DType dtype, const void* x, const void* bias, void* y, in
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto b = widen_bias(static_cast<const T*>(bias), cols);
-    const auto args = std::make_tuple(static_cast<const T*>(x), b.get(), static_cast<T*>(y), rows,
-                                      cols, keep, p);
-    if constexpr (std::is_same_v<T, f16>) {
-      std::unique_ptr<float[]> scratch(new float[2 * cols]);
-      std::apply(keep ? forward_f16_for<true>(kind) : forward_f16_for<false>(kind),
-                 std::tuple_cat(args, std::make_tuple(scratch.get())));
-    } else {
-      std::apply(keep ? forward_for<T, true>(kind) : forward_for<T, false>(kind), args);
-    }
+    auto run = keep ? forward_for<T, true>(kind) : forward_for<T, false>(kind);
+    run(static_cast<const T*>(x), b.get(), static_cast<T*>(y), rows, cols, keep, p);
   });
 }
 
@@ -187,18 +164,12 @@ void bias_gelu_backward(DType dtype, const void* dy, const void* x, const void* 
     using T = std::remove_pointer_t<decltype(tag)>;
     auto b = widen_bias(static_cast<const T*>(bias), cols);
     // Without a bias the column sums are still computed (into scratch): one loop shape.
-    // fp16 also needs a row's three float rows.
-    constexpr bool via_float = std::is_same_v<T, f16>;
-    std::unique_ptr<acc_t<T>[]> scratch(new acc_t<T>[(via_float ? 4 : 1) * cols]);
+    std::unique_ptr<acc_t<T>[]> scratch(dbias_partial ? nullptr : new acc_t<T>[cols]);
     auto* db = dbias_partial ? static_cast<acc_t<T>*>(dbias_partial) : scratch.get();
     for (int64_t c = 0; c < cols; ++c) db[c] = acc_t<T>(0);
-    const auto args = std::make_tuple(static_cast<const T*>(dy), static_cast<const T*>(x), b.get(),
-                                      static_cast<T*>(dx), db, rows, cols, keep, p);
-    if constexpr (via_float)
-      std::apply(keep ? backward_f16_for<true>(kind) : backward_f16_for<false>(kind),
-                 std::tuple_cat(args, std::make_tuple(scratch.get() + cols)));
-    else
-      std::apply(keep ? backward_for<T, true>(kind) : backward_for<T, false>(kind), args);
+    auto run = keep ? backward_for<T, true>(kind) : backward_for<T, false>(kind);
+    run(static_cast<const T*>(dy), static_cast<const T*>(x), b.get(), static_cast<T*>(dx), db,
+        rows, cols, keep, p);
   });
 }
 

@@ -10,7 +10,7 @@
 // and reads it back. In float32 it is bound by memory bandwidth (including the
 // read-for-ownership of the written lines); in bf16/fp16 partly by the element
 // conversions and the second set of statistics (see forward_rows). fp16 rows are
-// converted in bulk, with F16C where the instruction set has it (forward_rows_f16).
+// converted in bulk, with F16C where the instruction set has it (see forward_rows).
 //
 // Backward, per row: a first pass sums g and g * xhat, where xhat = (summed -
 // mean) * rstd and g = dy * weight, and adds dy * xhat and dy into per-block
@@ -29,7 +29,6 @@
 #ifdef FUSEDLM_ISA
 #include <algorithm>
 #include <memory>
-#include <tuple>
 
 #include "math.h"
 #else
@@ -124,6 +123,10 @@ inline void row_stats(Value&& value, int64_t n, A sum, A eps, A& mean, A& rstd) 
 // size 1) turn bf16/fp16 rounding into gradients of 1 / sqrt(eps) times it.
 // In float32 and float64 the two coincide and are computed once, from the
 // stored row.
+//
+// float16 rows go through float ones (widen_row, narrow_row), a row at a time: `exact`
+// then holds four rows. The float sum is rounded as summed is stored, and the saved
+// statistics are again those of the stored row.
 template <typename T, bool residual, bool dropout>
 void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
                   const acc_t<T>* __restrict__ weight, const acc_t<T>* __restrict__ bias,
@@ -133,6 +136,24 @@ void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
                   acc_t<T>* __restrict__ exact) {
   using A = acc_t<T>;
   constexpr int L = kLanes<A>;
+  if constexpr (std::is_same_v<T, f16>) {
+    float *xf = exact, *rf = xf + cols, *sf = rf + cols, *of = sf + cols;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = r * cols;
+      widen_row(x + at, xf, cols);
+      if (residual) widen_row(res + at, rf, cols);
+      float m, rs;
+      forward_rows<float, residual, dropout>(xf, rf, weight, bias, of, sf, &m, &rs, 1, cols, eps,
+                                             keep + (dropout ? at : 0), scale, nullptr);
+      narrow_row(of, out + at, cols);
+      narrow_row(sf, summed + at, cols);
+      widen_row(summed + at, sf, cols);
+      float sum[L] = {};
+      over_lanes<float>(cols, [&](int64_t c, int l) { sum[l] += sf[c]; });
+      row_stats([&](int64_t c) { return sf[c]; }, cols, fold(sum), eps, mean[r], rstd[r]);
+    }
+    return;
+  }
   constexpr bool rounds = !std::is_same_v<T, A>;
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
@@ -179,6 +200,23 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ gs,
                    const uint8_t* __restrict__ keep, acc_t<T> scale) {
   using A = acc_t<T>;
   constexpr int L = kLanes<A>;
+  if constexpr (std::is_same_v<T, f16>) {  // through float rows, as forward_rows
+    std::unique_ptr<float[]> scratch(new float[5 * cols]);
+    float *dyf = scratch.get(), *gsf = dyf + cols, *sf = gsf + cols, *dsf = sf + cols,
+          *dxf = dsf + cols;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = r * cols;
+      widen_row(dy + at, dyf, cols);
+      if (grad_summed) widen_row(gs + at, gsf, cols);
+      widen_row(summed + at, sf, cols);
+      backward_rows<float, grad_summed, dropout>(dyf, gsf, sf, mean + r, rstd + r, weight,
+                                                 ds ? dsf : nullptr, dxf, dweight, dbias, 1, cols,
+                                                 keep + (dropout ? at : 0), scale);
+      if (ds) narrow_row(dsf, ds + at, cols);
+      if (dropout) narrow_row(dxf, dx + at, cols);
+    }
+    return;
+  }
   const A inv_n = A(1) / A(cols);
   for (int64_t r = 0; r < rows; ++r) {
     const T* dyr = dy + r * cols;
@@ -223,49 +261,6 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ gs,
   }
 }
 
-// float16 rows go through float ones (widen_row, narrow_row): the float kernels above, a
-// row at a time. The forward's sum is then rounded as summed is stored, and the saved
-// statistics are those of the stored row, as forward_rows explains.
-template <bool residual, bool dropout>
-void forward_rows_f16(const f16* x, const f16* res, const float* weight, const float* bias,
-                      f16* out, f16* summed, float* mean, float* rstd, int64_t rows, int64_t cols,
-                      float eps, const uint8_t* keep, float scale, float* scratch) {
-  float *xf = scratch, *rf = xf + cols, *sf = rf + cols, *of = sf + cols;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t at = r * cols;
-    widen_row(x + at, xf, cols);
-    if (residual) widen_row(res + at, rf, cols);
-    float m, rs;
-    forward_rows<float, residual, dropout>(xf, rf, weight, bias, of, sf, &m, &rs, 1, cols, eps,
-                                           keep + (dropout ? at : 0), scale, nullptr);
-    narrow_row(of, out + at, cols);
-    narrow_row(sf, summed + at, cols);
-    widen_row(summed + at, sf, cols);
-    float sum[kLanes<float>] = {};
-    over_lanes<float>(cols, [&](int64_t c, int l) { sum[l] += sf[c]; });
-    row_stats([&](int64_t c) { return sf[c]; }, cols, fold(sum), eps, mean[r], rstd[r]);
-  }
-}
-
-template <bool grad_summed, bool dropout>
-void backward_rows_f16(const f16* dy, const f16* gs, const f16* summed, const float* mean,
-                       const float* rstd, const float* weight, f16* ds, f16* dx, float* dweight,
-                       float* dbias, int64_t rows, int64_t cols, const uint8_t* keep, float scale,
-                       float* scratch) {
-  float *dyf = scratch, *gsf = dyf + cols, *sf = gsf + cols, *dsf = sf + cols, *dxf = dsf + cols;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t at = r * cols;
-    widen_row(dy + at, dyf, cols);
-    if (grad_summed) widen_row(gs + at, gsf, cols);
-    widen_row(summed + at, sf, cols);
-    backward_rows<float, grad_summed, dropout>(dyf, gsf, sf, mean + r, rstd + r, weight,
-                                               ds ? dsf : nullptr, dxf, dweight, dbias, 1, cols,
-                                               keep + (dropout ? at : 0), scale);
-    if (ds) narrow_row(dsf, ds + at, cols);
-    if (dropout) narrow_row(dxf, dx + at, cols);
-  }
-}
-
 // An optional [cols] vector widened to the accumulation type, or `fill` when absent.
 template <typename T>
 void widen(const T* v, int64_t cols, acc_t<T> fill, acc_t<T>* out) {
@@ -282,16 +277,6 @@ auto backward_for(bool dropout) {
   return dropout ? backward_rows<T, grad_summed, true> : backward_rows<T, grad_summed, false>;
 }
 
-template <bool residual>
-auto forward_f16_for(bool dropout) {
-  return dropout ? forward_rows_f16<residual, true> : forward_rows_f16<residual, false>;
-}
-
-template <bool grad_summed>
-auto backward_f16_for(bool dropout) {
-  return dropout ? backward_rows_f16<grad_summed, true> : backward_rows_f16<grad_summed, false>;
-}
-
 }  // namespace
 
 void add_layer_norm_forward(DType dtype, const void* x, const void* residual, const void* weight,
@@ -301,22 +286,17 @@ void add_layer_norm_forward(DType dtype, const void* x, const void* residual, co
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = acc_t<T>;
-    constexpr bool via_float = std::is_same_v<T, f16>;
     // Scratch: the widened weight and bias, and the unrounded row (bf16) or a row's four
     // float rows (fp16).
-    std::unique_ptr<A[]> scratch(new A[(via_float ? 6 : 3) * cols]);
+    std::unique_ptr<A[]> scratch(new A[(std::is_same_v<T, f16> ? 6 : 3) * cols]);
     A *w = scratch.get(), *b = w + cols, *rest = b + cols;
     widen(static_cast<const T*>(weight), cols, A(1), w);
     widen(static_cast<const T*>(bias), cols, A(0), b);
     const bool dropout = keep != nullptr;
-    const auto args = std::make_tuple(
-        static_cast<const T*>(x), static_cast<const T*>(residual), w, b, static_cast<T*>(out),
+    auto run = residual ? forward_for<T, true>(dropout) : forward_for<T, false>(dropout);
+    run(static_cast<const T*>(x), static_cast<const T*>(residual), w, b, static_cast<T*>(out),
         static_cast<T*>(summed), static_cast<A*>(mean), static_cast<A*>(rstd), rows, cols, A(eps),
         keep, A(1) / (A(1) - A(p)), rest);
-    if constexpr (via_float)
-      std::apply(residual ? forward_f16_for<true>(dropout) : forward_f16_for<false>(dropout), args);
-    else
-      std::apply(residual ? forward_for<T, true>(dropout) : forward_for<T, false>(dropout), args);
   });
 }
 
@@ -328,26 +308,20 @@ void add_layer_norm_backward(DType dtype, const void* grad_out, const void* grad
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = acc_t<T>;
-    constexpr bool via_float = std::is_same_v<T, f16>;
-    // Scratch: the widened weight, the column sums of the gradients that were not asked
-    // for (computed anyway: one loop shape), and (fp16) a row's five float rows.
-    std::unique_ptr<A[]> scratch(new A[(via_float ? 8 : 3) * cols]);
-    A *w = scratch.get(), *spare = w + cols, *rows_f = spare + 2 * cols;
+    // Scratch: the widened weight, and the column sums of the gradients that
+    // were not asked for (computed anyway: one loop shape).
+    std::unique_ptr<A[]> scratch(new A[3 * cols]);
+    A *w = scratch.get(), *spare = w + cols;
     widen(static_cast<const T*>(weight), cols, A(1), w);
     A* dw = dweight_partial ? static_cast<A*>(dweight_partial) : spare;
     A* db = dbias_partial ? static_cast<A*>(dbias_partial) : spare + cols;
     for (int64_t c = 0; c < cols; ++c) dw[c] = db[c] = A(0);
     const bool dropout = keep != nullptr;
-    const auto args = std::make_tuple(
-        static_cast<const T*>(grad_out), static_cast<const T*>(grad_summed),
+    auto run = grad_summed ? backward_for<T, true>(dropout) : backward_for<T, false>(dropout);
+    run(static_cast<const T*>(grad_out), static_cast<const T*>(grad_summed),
         static_cast<const T*>(summed), static_cast<const A*>(mean), static_cast<const A*>(rstd), w,
         static_cast<T*>(dsummed), static_cast<T*>(dx), dw, db, rows, cols, keep,
         A(1) / (A(1) - A(p)));
-    if constexpr (via_float)
-      std::apply(grad_summed ? backward_f16_for<true>(dropout) : backward_f16_for<false>(dropout),
-                 std::tuple_cat(args, std::make_tuple(rows_f)));
-    else
-      std::apply(grad_summed ? backward_for<T, true>(dropout) : backward_for<T, false>(dropout), args);
   });
 }
 
