@@ -6,8 +6,8 @@ by its ``backend=`` argument, else by the innermost :func:`use_backend`, else by
 :func:`set_backend`, else by the ``FUSEDLM_BACKEND`` environment variable, else on the
 fastest backend that can run it on the tensors' device, passing over a kernel
 measured slower than plain PyTorch for such a call (:attr:`Supports.slower`). A backend
-named that cannot run the call raises; it never falls back silently. :func:`explain` tells which backend
-a call would use and why.
+named that cannot run the call raises; it never falls back silently. :func:`explain`
+tells which backend a call would use and why.
 
 A backend finds an op's kernels by name (``<op>_forward`` and ``<op>_backward``, see
 each backend's module); what each backend's kernel of an op takes is data

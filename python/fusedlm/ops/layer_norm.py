@@ -136,10 +136,10 @@ def _reference_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_b
     the bias gradient is grad_out's column sum."""
     acc = _stats_dtype(summed.dtype)
     hidden = summed.shape[-1]
-    rows = (-1, 1)
+    per_row = (-1, 1)
     dy = grad_out.reshape(-1, hidden).to(acc)
     ds, dweight, _ = torch.ops.aten.native_layer_norm_backward(
-        dy, summed.reshape(-1, hidden).to(acc), (hidden,), mean.view(rows), rstd.view(rows),
+        dy, summed.reshape(-1, hidden).to(acc), (hidden,), mean.view(per_row), rstd.view(per_row),
         None if weight is None else weight.to(acc), None, [True, weight is not None, False])
     if grad_summed is not None:
         ds = ds + grad_summed.reshape(-1, hidden).to(acc)
