@@ -39,6 +39,7 @@ import pytest
 import torch
 
 import fusedlm
+from helpers import backend_device
 
 CASES = int(os.environ.get("FUSEDLM_FUZZ_CASES", "200"))
 ONE_CASE = os.environ.get("FUSEDLM_FUZZ_CASE")
@@ -99,9 +100,12 @@ class Case:
 class Draw:
     """The random choices of one case, all from its seed."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu")):
         self.rng = random.Random(seed)
+        # Values are drawn on the CPU, the same for a seed on every device, then placed on
+        # the device of the backend under test.
         self.generator = torch.Generator().manual_seed(seed)
+        self.device = device
         self.leaves = {}  # name -> (leaf, view function, requires grad)
         self.index = {}   # name -> index tensor (any layout)
         self.notes = []
@@ -175,18 +179,19 @@ class Draw:
                      layouts=("contiguous", "strided", "offset")):
         """An index tensor holding ``values`` in a random layout."""
         layout = self.choice(layouts) if values.dim() else "contiguous"
+        values = values.to(self.device)
         flat = values.reshape(-1)
         if layout == "strided":
             if values.dim() == 1:
-                buffer = torch.zeros(2 * values.numel(), dtype=values.dtype)
+                buffer = values.new_zeros(2 * values.numel())
                 buffer[::2] = values
                 tensor = buffer[::2]
             else:  # every other column of a wider buffer
-                buffer = torch.zeros(*values.shape[:-1], 2 * values.shape[-1], dtype=values.dtype)
+                buffer = values.new_zeros(*values.shape[:-1], 2 * values.shape[-1])
                 buffer[..., ::2] = values
                 tensor = buffer[..., ::2]
         elif layout == "offset":
-            buffer = torch.empty(values.numel() + 3, dtype=values.dtype)
+            buffer = values.new_empty(values.numel() + 3)
             buffer[3:] = flat
             tensor = buffer[3:].view(values.shape)
         elif layout == "transposed" and values.dim() == 2:
@@ -201,13 +206,6 @@ class Draw:
         self.notes.append(text)
 
 
-def _strided_2d(values: torch.Tensor) -> torch.Tensor:
-    """values [rows, cols] as a view of every other column of a wider buffer."""
-    buffer = torch.zeros(values.shape[0], 2 * values.shape[1], dtype=values.dtype)
-    buffer[:, ::2] = values
-    return buffer[:, ::2]
-
-
 # --- running a case ------------------------------------------------------------------------------
 
 def _inputs(d: Draw, dtype: Optional[torch.dtype], jitter: Optional[torch.Generator] = None):
@@ -216,9 +214,9 @@ def _inputs(d: Draw, dtype: Optional[torch.dtype], jitter: Optional[torch.Genera
     random."""
     leaves, views = {}, {}
     for name, (values, view, grad) in d.leaves.items():
-        leaf = values.to(dtype or values.dtype).clone()
+        leaf = values.to(device=d.device, dtype=dtype or values.dtype).clone()
         if jitter is not None:
-            up = torch.rand(leaf.shape, generator=jitter) < 0.5
+            up = (torch.rand(leaf.shape, generator=jitter) < 0.5).to(leaf.device)
             leaf = torch.nextafter(leaf, torch.where(up, float("inf"), float("-inf")).to(leaf.dtype))
         leaf.requires_grad_(grad)
         leaves[name] = leaf
@@ -239,7 +237,7 @@ def _run(case: Case, d: Draw, dtype, function, upstream_seed: int, jitter=None):
         return [o.detach() for o in outputs], {}
     differentiable = [o for o in outputs if o.requires_grad]
     generator = torch.Generator().manual_seed(upstream_seed)
-    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.dtype)
+    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(o.device, o.dtype)
                 for o in differentiable]
     got = torch.autograd.grad(differentiable, [leaves[n] for n in wanted], upstream,
                               allow_unused=True)
@@ -251,7 +249,7 @@ def relative_error(x: torch.Tensor, truth: torch.Tensor, floor: float) -> float:
     """max |x - truth| / (|truth| + floor * max|truth|) (max|truth| at least 1 for a
     pointwise floor or a truth that is ZERO), ignoring differences below NEGLIGIBLE; inf
     where one is not finite and the other differs."""
-    x, truth = x.double(), truth.double()
+    x, truth = x.double().cpu(), truth.double().cpu()
     if x.shape != truth.shape:
         return float("inf")
     if truth.numel() == 0:
@@ -356,7 +354,7 @@ def run(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = C
     for seed in seeds:
         if taken == cases or (ONE_CASE and taken):
             break
-        d = Draw(seed)
+        d = Draw(seed, backend_device(backend))
         case = draw(d)
         case._draw = d
         if _refused(case, backend):
@@ -405,23 +403,32 @@ def with_extra_dim(name: str):
 
 
 def replaced(name: str, value, description: str):
-    """A corruption: ``name`` replaced by ``value`` (a tensor or a plain value)."""
-    return description, name, lambda t: {**t, name: value}
+    """A corruption: ``name`` replaced by ``value`` (a tensor, placed on the case's device,
+    or a plain value)."""
+    def corrupt(t):
+        moved = value.to(t[name].device) if isinstance(value, torch.Tensor) else value
+        return {**t, name: moved}
+    return description, name, corrupt
 
 
 def child_main(module_path: str, function: str, backend: str, seed: int, cases: int):
-    """In the child: runs the bad inputs of ``cases`` draws, printing a JSON line per input
-    before and after its call (a crash leaves the last 'before' line)."""
+    """In the child: runs the bad inputs of ``cases`` cases the backend takes (drawing as
+    ``run`` does), printing a JSON line per input before and after its call (a crash leaves
+    the last 'before' line), and last the number of cases taken."""
     spec = importlib.util.spec_from_file_location("fuzzed_module", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     draw = getattr(module, function)
-    for i in range(cases):
-        d = Draw(seed + i)
+    taken = 0
+    for i in range(cases * DRAWS_PER_CASE):
+        if taken == cases:
+            break
+        d = Draw(seed + i, backend_device(backend))
         case = draw(d)
         case._draw = d
         if _refused(case, backend):
             continue
+        taken += 1
         attempts = list(_corruptions(case, d)) + [(desc, name, mutate(_inputs(d, None)[1]))
                                             for desc, name, mutate in case.bad]
         for description, name, views in attempts:
@@ -437,10 +444,11 @@ def child_main(module_path: str, function: str, backend: str, seed: int, cases: 
                 result = {"raised": type(error).__name__, "message": str(error)[:300],
                           "argument": name, "unclear": True}
             print(json.dumps(result), flush=True)
+    print(json.dumps({"taken": taken}), flush=True)
 
 
 def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = 20):
-    """The bad inputs of ``cases`` draws of ``draw`` (a function of a test file): every
+    """The bad inputs of ``cases`` cases of ``draw`` (a function of a test file): every
     tensor argument in a wrong dtype, and each case's own ``bad`` list, in a child process.
     Every one must raise TypeError or ValueError naming an argument of the op; a crash of
     the child fails with its last input."""
@@ -455,8 +463,11 @@ def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cas
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
             os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))})
     lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
-    problems, current = [], None
+    problems, current, taken = [], None, None
     for line in lines:
+        if "taken" in line:
+            taken = line["taken"]
+            continue
         if "start" in line:
             current = line
             continue
@@ -472,6 +483,8 @@ def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cas
         problems.append(f"child exited with {child.returncode} during "
                         f"{last and last['start']} (seed {last and last['seed']}): "
                         f"{child.stderr[-1500:]}")
+    elif not taken:
+        problems.append(f"{backend} took none of the cases drawn: draw more of what it takes")
     assert not problems, f"{len(problems)} bad inputs not refused clearly:\n" + "\n".join(problems[:20])
 
 

@@ -254,3 +254,16 @@ def test_a_check_inside_a_checkpointed_forward_leaves_the_checkpoint_intact(chec
     x2, b2 = x.detach().requires_grad_(), b.detach().requires_grad_()
     block(x2, b2).sum().backward()
     torch.testing.assert_close((x.grad, b.grad), (x2.grad, b2.grad))
+
+
+# The cuda branch of the record's identity and of the messages runs only on a GPU: without
+# one, torch's functions it calls are stood in for (monkeypatch fails on a name torch lacks).
+def test_a_cuda_devices_identity_and_name_use_functions_torch_has(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    ident = verify.identity(torch.device("cuda"))
+    assert ident["device"] and ident["capability"].count(".") == 1
+    assert ident["driver"] is None or ident["driver"] > 0
+    assert verify.device_name(torch.device("cuda", 0)).startswith("cuda:0 (")

@@ -56,6 +56,18 @@ std::map<std::string, bool> paths() {
 }
 FUSEDLM_BIND(paths);
 
+#if !defined(FUSEDLM_EMULATE)
+// The CUDA version the installed driver supports (12080 for 12.8): a driver update may
+// change what a kernel computes (it JIT-compiles PTX), so the checks at first use record
+// it. PyTorch's Python API does not expose it.
+int driver_version() {
+  int version = 0;
+  C10_CUDA_CHECK(cudaDriverGetVersion(&version));
+  return version;
+}
+FUSEDLM_BIND(driver_version);
+#endif
+
 #if defined(FUSEDLM_EMULATE)
 // The GPU the emulator acts as: "sm_80" or "sm_90a" (FUSEDLM_EMULATE_ARCH).
 std::string emulated_arch() { return emu::arch_name(); }

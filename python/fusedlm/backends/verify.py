@@ -204,7 +204,7 @@ def _dtype_name(dtype: Optional[torch.dtype]) -> str:
 def device_name(device: torch.device) -> str:
     """The device as a report names it: cuda:0 (NVIDIA H100 80GB HBM3), cpu (x86_64)."""
     if device.type == "cuda":
-        return f"{device} ({torch.cuda.getdevice_name(device)})"
+        return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
@@ -213,7 +213,7 @@ def identity(device: torch.device) -> dict:
     from importlib import metadata
 
     from .. import __version__
-    from .._extension import _build_info
+    from .._extension import _C, _build_info
 
     def version(module):
         try:
@@ -227,7 +227,8 @@ def identity(device: torch.device) -> dict:
         index = device.index if device.index is not None else torch.cuda.current_device()
         ident.update(device=torch.cuda.get_device_name(index),
                      capability=".".join(map(str, torch.cuda.get_device_capability(index))),
-                     driver=torch._C._cuda_getDriverVersion(), cuda=torch.version.cuda)
+                     driver=_C.cuda.driver_version() if _C.with_cuda else None,
+                     cuda=torch.version.cuda)
     else:
         ident.update(device=platform.processor() or platform.machine())
     return ident
