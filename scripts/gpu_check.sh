@@ -103,10 +103,13 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
   local plot=()
   "$PY" -c "import matplotlib" 2> /dev/null && plot=(--plot "$OUT/$stage.png")
   # shellcheck disable=SC2086  # names is a list of words
-  run_stage "$stage" env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda --$part $names \
-      --json "$OUT/$stage.json" ${plot[@]+"${plot[@]}"} || return
+  # bench rewrites its JSON after every case: a run cut off by the stage's time still
+  # leaves its rows for the record below.
   local status=0
-  if [ "$part" = ops ]; then
+  run_stage "$stage" env -u TRITON_INTERPRET "$PY" -m fusedlm bench --device cuda --$part $names \
+      --json "$OUT/$stage.json" ${plot[@]+"${plot[@]}"} || status=$?
+  [ -f "$OUT/$stage.json" ] || return "$status"
+  if [ "$part" = ops ] && [ "$status" -eq 0 ]; then
     # Ops again with cuda-backend paths off, each run against its own baselines: the
     # attention without its resident path (what it buys at BERT lengths), and the
     # attention and the FFN without their wgmma kernels (what Hopper's products buy).
@@ -127,7 +130,8 @@ from fusedlm.bench.report import slug
 out = Path(sys.argv[1])
 parts = [json.loads(p.read_text()) for p in sorted(out.glob("bench*.json"))]
 record = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
-              skipped=[s for p in parts for s in p["skipped"]])
+              skipped=[s for p in parts for s in p["skipped"]],
+              complete=all(p.get("complete", True) for p in parts))
 for path in sorted(out.glob("variant-*.json")):  # their fusedlm[cuda] rows, named for it
     variant = path.stem.removeprefix("variant-")
     record["rows"] += [dict(r, impl=f"{r['impl']} {variant}")

@@ -51,9 +51,22 @@ def test_bert_inference_runs_against_onnx_runtime_or_says_why_not(quick_run):
     if not has_onnx:
         assert "onnxruntime" in table and "not installed" in table
 
+def test_a_run_hands_over_the_cases_measured_so_far_after_each():
+    import torch
+
+    from fusedlm import bench
+
+    partial = []
+    final = bench.run(torch.device("cpu"), ["bias_gelu"], [], quick=True, progress=partial.append)
+    assert len(partial) == 2  # forward, forward+backward
+    assert [p["complete"] for p in partial] == [False, False] and final["complete"] is True
+    assert 0 < len(partial[0]["rows"]) < len(partial[1]["rows"]) == len(final["rows"])
+    assert partial[0]["rows"] == final["rows"][:len(partial[0]["rows"])]
+
+
 def test_json_has_device_versions_ceilings_and_every_row(quick_run):
     _, _, report = quick_run
-    assert report["device"].startswith("cpu") and report["quick"] is True
+    assert report["device"].startswith("cpu") and report["quick"] is True and report["complete"]
     assert {"fusedlm", "torch", "triton", "python"} <= set(report["versions"])
     assert "commit" in report and report["statistic"] == "min"
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0

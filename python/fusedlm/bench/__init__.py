@@ -7,7 +7,7 @@ steps); :func:`run` times them on one device next to the device's ceilings
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -19,9 +19,11 @@ from .timing import Timer
 
 
 def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: bool = False,
-        log=sys.stderr) -> dict:
+        log=sys.stderr, progress: Optional[Callable[[dict], None]] = None) -> dict:
     """The report (see :func:`.report.report`) of `ops` and `models` (names in OPS and
-    MODELS) timed on `device`; one line per case goes to `log` as it is measured."""
+    MODELS) timed on `device`; one line per case goes to `log` as it is measured, and
+    `progress`, where given, gets the report of the cases measured so far after each (its
+    "complete" false until the last): a run cut off keeps what it measured."""
     torch.manual_seed(0)
     bench = Bench(device, quick)
     timer = Timer(device, min_rounds=1, seconds=0.0) if quick else Timer(device)
@@ -34,6 +36,9 @@ def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: 
             rows += measure(case, timer, peak)
             skipped += [{"benchmark": case.benchmark, "shape": case.shape, "impl": impl,
                          "reason": reason} for impl, reason in case.skipped.items()]
+            if progress is not None:
+                progress(report.report(device, quick, timer.statistic, peak, rows, skipped,
+                                       complete=False))
     return report.report(device, quick, timer.statistic, peak, rows, skipped)
 
 

@@ -81,13 +81,14 @@ def targets(rows: list) -> list:
 
 
 def report(device: torch.device, quick: bool, statistic: str, ceilings: dict, rows: list,
-           skipped: list) -> dict:
+           skipped: list, complete: bool = True) -> dict:
+    """complete: false for the cases measured so far of a run still going."""
     return {"device": device_name(device), "date": datetime.date.today().isoformat(),
-            "commit": git_commit(), "versions": versions(), "quick": quick,
+            "commit": git_commit(), "versions": versions(), "quick": quick, "complete": complete,
             "statistic": statistic, "ceilings": ceilings,
             # The targets are the project's for a GPU, at the GPU shapes.
-            "targets": targets(rows) if device.type == "cuda" and not quick else [], "rows": rows,
-            "skipped": skipped}
+            "targets": targets(rows) if device.type == "cuda" and not quick else [],
+            "rows": list(rows), "skipped": list(skipped)}
 
 
 def device_name(device: torch.device) -> str:

@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--ops", nargs="+", metavar="OP", help=f"among {', '.join(OPS)}")
     p.add_argument("--models", nargs="+", metavar="MODEL", help=f"among {', '.join(MODELS)}")
     p.add_argument("--json", type=Path, metavar="FILE", help="write every row, the device, "
-                   "versions, commit and ceilings here")
+                   "versions, commit and ceilings here (after every case: a run stopped "
+                   "early keeps the rows it measured)")
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="a bar chart of the speed-ups (needs matplotlib)")
     p.add_argument("--quick", action="store_true",
@@ -59,11 +60,15 @@ def run(args: argparse.Namespace) -> int:
     _writable("--plot", args.plot)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install matplotlib)")
-    # The log named now: bench's default is the stderr of when it was first imported.
-    result = bench.run(device, ops, models, quick=args.quick, log=sys.stderr)
+    def save(result):
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+    # The log named now: bench's default is the stderr of when it was first imported. The
+    # JSON is rewritten after every case: a run stopped early keeps the rows it measured.
+    result = bench.run(device, ops, models, quick=args.quick, log=sys.stderr, progress=save)
     print(report.table(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    save(result)
     if args.plot is not None:
         report.plot(result, args.plot)
     return 0
