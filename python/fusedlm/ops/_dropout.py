@@ -8,12 +8,17 @@ default generator, so ``torch.manual_seed`` repeats a run on one backend.
 import torch
 
 from .._extension import _C
+from ..backends import unobserved
+
+# The seed of every call without dropout, whose value changes nothing: one tensor for all of
+# them in eager code. Traced code (torch.compile, fake tensors) makes its own, in its mode.
+_NO_DROPOUT = torch.zeros((), dtype=torch.int64)
 
 
 def next_seed(p: float) -> torch.Tensor:
     """A fresh int64 seed (0-d, on the CPU) from torch's generator; a constant when p == 0."""
     if p == 0.0:
-        return torch.zeros((), dtype=torch.int64)
+        return _NO_DROPOUT if unobserved() else torch.zeros((), dtype=torch.int64)
     return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 

@@ -41,23 +41,22 @@ def _filled(outputs, args):
     return tuple(like.new_empty(0) if o is None else o for o in outputs)
 
 
-class _Direct(torch.autograd.Function):
-    """An op's kernels called directly in eager code, with the op's own setup and gradient.
-    Takes ``(*args, backend, op)``: the backend last, as the registered op has it, so that
-    ``ctx.needs_input_grad`` counts the op's inputs alike on both paths."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        *args, backend, op = inputs
+def _direct_function(op: "Op", backend: str) -> type:
+    """The torch.autograd.Function that runs ``op``'s kernels on ``backend`` directly in
+    eager code, with the op's own setup and gradient. One class per op and backend, made
+    once, so that a call passes autograd only the op's own inputs."""
+    def forward(ctx, *args):
         outputs = _filled(kernel(backend, op.name).forward(*args), args)
-        ctx.backend, ctx.op, ctx.direct = backend, op, True
-        op._setup(ctx, tuple(args), outputs)
+        ctx.backend, ctx.direct = backend, True
+        op._setup(ctx, args, outputs)
         return outputs
 
-    @staticmethod
     def backward(ctx, *grads):
-        taken = ctx.op._grad(ctx, *grads)
-        return (*taken, *(None,) * (ctx.op._arguments + 1 - len(taken)))
+        taken = op._grad(ctx, *grads)
+        return (*taken, *(None,) * (op._arguments - 1 - len(taken)))
+
+    return type(f"{op.name}_{backend}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 class Op:
@@ -84,6 +83,7 @@ class Op:
         self._backward: Optional[torch.library.CustomOpDef] = None
         self._setup: Optional[Callable] = None  # set by differentiable()
         self._grad: Optional[Callable] = None
+        self._direct: dict = {}  # {backend: its _direct_function}
 
     def __call__(self, backend: str, *args):
         """The op's outputs on ``backend``."""
@@ -91,7 +91,10 @@ class Op:
             if not torch.is_grad_enabled():
                 return _filled(kernel(backend, self.name).forward(*args), args)
             if self._grad is not None:
-                return _Direct.apply(*args, backend, self)
+                direct = self._direct.get(backend)
+                if direct is None:
+                    direct = self._direct[backend] = _direct_function(self, backend)
+                return direct.apply(*args)
         return self._forward(*args, backend)
 
     def backward(self, ctx, *args):
