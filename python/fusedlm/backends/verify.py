@@ -225,10 +225,12 @@ def identity(device: torch.device) -> dict:
              "cuda_arches": _build_info.cuda_arches, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
+        # The driver's version from fusedlm's own binding (torch has no public one); None in
+        # a build without the CUDA runtime, the emulated one included.
+        runtime = _C.with_cuda and not _C.cuda_emulated
         ident.update(device=torch.cuda.get_device_name(index),
                      capability=".".join(map(str, torch.cuda.get_device_capability(index))),
-                     driver=_C.cuda.driver_version() if _C.with_cuda else None,
-                     cuda=torch.version.cuda)
+                     driver=_C.cuda.driver_version() if runtime else None, cuda=torch.version.cuda)
     else:
         ident.update(device=platform.processor() or platform.machine())
     return ident
