@@ -1,5 +1,5 @@
 """fusedlm.ops, fusedlm.nn and fusedlm.patch need no transformers; fusedlm.models says
-that it does."""
+that it does; every torch function the source names exists."""
 import subprocess
 import sys
 
@@ -19,3 +19,35 @@ def test_models_without_transformers_say_what_to_install():
     done = _run("import fusedlm.models")
     assert done.returncode != 0
     assert "fusedlm.models needs transformers" in done.stderr and "fusedlm[hf]" in done.stderr
+
+
+# Much of the package runs only on a GPU (the checks at first use, the benchmarks' timers),
+# where a misspelt or removed torch function would first fail on a user's machine. Every
+# dotted torch name the package's source spells must resolve in the torch installed here.
+def test_every_torch_name_in_the_source_exists():
+    import importlib
+    import re
+    from pathlib import Path
+
+    import torch
+
+    import fusedlm
+
+    def resolves(name: str) -> bool:
+        parts = name.split(".")
+        obj = torch
+        for i, part in enumerate(parts[1:], 1):
+            if hasattr(obj, part):
+                obj = getattr(obj, part)
+                continue
+            try:
+                obj = importlib.import_module(".".join(parts[:i + 1]))
+            except ImportError:
+                return False
+        return True
+
+    root = Path(fusedlm.__file__).parent
+    names = {m for path in root.rglob("*.py")
+             for m in re.findall(r"\btorch(?:\.[A-Za-z_]\w*)+", path.read_text())}
+    assert len(names) > 50
+    assert not sorted(n for n in names if not resolves(n))
