@@ -244,7 +244,11 @@ def test_sharded_folders_and_dtype_load_both_ways(tmp_path):
         torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0, msg=name)
     ids = torch.randint(2, VOCAB, (2, 8))
     with torch.no_grad():
-        assert_rel(low(ids).logits.float(), ours(ids).logits, "bfloat16 logits", tol=2e-2)
+        truth = ours(ids).logits
+        # Rounding to bfloat16 alone moves the logits by 1-2%: fusedlm's bfloat16 model is
+        # held to transformers' own on the same weights.
+        theirs_error = ((again(ids).logits.float() - truth).norm() / truth.norm()).item()
+        assert_rel(low(ids).logits.float(), truth, "bfloat16 logits", tol=2 * theirs_error + 1e-3)
 
 
 def test_missing_unexpected_and_old_mask_buffers_are_reported_as_transformers_does(tmp_path):
