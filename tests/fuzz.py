@@ -169,7 +169,7 @@ class Draw:
         else:
             layout, stored, view = "contiguous", list(shape), (lambda t: t)
         values = torch.randn(stored, dtype=torch.float64, generator=self.generator) * scale + offset
-        self.leaves[name] = (values.to(dtype), view, grad)
+        self.leaves[name] = (values.to(self.device, dtype), view, grad)
         if layout == "expanded":  # its gradient sums over the expanded dimension
             self.summed.add(name)
         self.notes.append(f"{name}{list(shape)}:{layout}")
@@ -214,7 +214,7 @@ def _inputs(d: Draw, dtype: Optional[torch.dtype], jitter: Optional[torch.Genera
     random."""
     leaves, views = {}, {}
     for name, (values, view, grad) in d.leaves.items():
-        leaf = values.to(device=d.device, dtype=dtype or values.dtype).clone()
+        leaf = values.to(dtype or values.dtype).clone()
         if jitter is not None:
             up = (torch.rand(leaf.shape, generator=jitter) < 0.5).to(leaf.device)
             leaf = torch.nextafter(leaf, torch.where(up, float("inf"), float("-inf")).to(leaf.dtype))
@@ -343,6 +343,21 @@ def _refused(case: Case, backend: str) -> Optional[str]:
     return None
 
 
+def _taken(draw: Callable[[Draw], Case], backend: str, seeds, cases: int):
+    """(seed, case) for each of the first ``cases`` draws from ``seeds`` that the backend
+    takes (refused draws do not count), its tensors on the backend's device."""
+    taken = 0
+    for seed in seeds:
+        if taken == cases:
+            return
+        d = Draw(seed, backend_device(backend))
+        case = draw(d)
+        case._draw = d
+        if not _refused(case, backend):
+            taken += 1
+            yield seed, case
+
+
 def run(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = CASES):
     """``cases`` cases the backend takes (refused draws do not count); raises AssertionError
     listing every failing case with its reproduction."""
@@ -350,15 +365,10 @@ def run(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = C
     # A backend that takes few draws (the cuda attention: halves, head dims 64 and 128, no
     # bias; about one in seven) is drawn for until it has run ``cases`` of them.
     seeds = [int(ONE_CASE)] if ONE_CASE else [base + i for i in range(cases * DRAWS_PER_CASE)]
+    wanted = 1 if ONE_CASE else cases
     taken, failures = 0, []
-    for seed in seeds:
-        if taken == cases or (ONE_CASE and taken):
-            break
-        d = Draw(seed, backend_device(backend))
-        case = draw(d)
-        case._draw = d
-        if _refused(case, backend):
-            continue
+    for seed, case in _taken(draw, backend, seeds, wanted):
+        d = case._draw
         taken += 1
         try:
             found = check_case(case, d, backend)
@@ -367,7 +377,6 @@ def run(draw: Callable[[Draw], Case], backend: str, test_id: str, cases: int = C
         if found:
             failures.append(f"FUSEDLM_FUZZ_CASE={seed} pytest '{test_id}'  # {case.description}; "
                             f"{' '.join(d.notes)}: {'; '.join(found)}")
-    wanted = 1 if ONE_CASE else cases
     assert taken == wanted, (f"{backend} took {taken} of {len(seeds)} drawn cases, not {wanted}: "
                              f"draw more of what it takes")
     assert not failures, f"{len(failures)} of {taken} cases failed:\n" + "\n".join(failures[:20])
@@ -420,19 +429,14 @@ def child_main(module_path: str, function: str, backend: str, seed: int, cases: 
     spec.loader.exec_module(module)
     draw = getattr(module, function)
     taken = 0
-    for i in range(cases * DRAWS_PER_CASE):
-        if taken == cases:
-            break
-        d = Draw(seed + i, backend_device(backend))
-        case = draw(d)
-        case._draw = d
-        if _refused(case, backend):
-            continue
+    seeds = range(seed, seed + cases * DRAWS_PER_CASE)
+    for case_seed, case in _taken(draw, backend, seeds, cases):
+        d = case._draw
         taken += 1
         attempts = list(_corruptions(case, d)) + [(desc, name, mutate(_inputs(d, None)[1]))
                                             for desc, name, mutate in case.bad]
         for description, name, views in attempts:
-            print(json.dumps({"start": f"{case.description} | {description}", "seed": seed + i}),
+            print(json.dumps({"start": f"{case.description} | {description}", "seed": case_seed}),
                   flush=True)
             try:
                 with torch.no_grad():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import re
 import subprocess
@@ -102,6 +103,7 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+@functools.lru_cache(maxsize=None)  # one run's reports, written after every case, ask often
 def git_commit():
     """The commit of the source tree fusedlm runs from (with -dirty for uncommitted changes),
     or None when it is not in a git checkout (an installed package)."""
