@@ -183,3 +183,28 @@ def test_bert_family_training_steps_run_against_transformers(capsys):
     for family in ("RoBERTa", "ALBERT", "DistilBERT"):
         rows = [line for line in table.splitlines() if line.startswith(f"{family} MLM training step [")]
         assert any("transformers" in row for row in rows) and any("fusedlm" in row for row in rows), table
+
+
+def test_the_cpu_timer_interleaves_the_steps_of_a_case():
+    """A slow spell of a shared CPU must fall on every step compared, not on one: the steps
+    take turns, a call each per round, and each time is that step's fastest call."""
+    import time
+
+    import torch
+
+    from fusedlm.bench.timing import Timer
+
+    calls = []
+
+    def step(name, slow_calls):
+        def run():
+            calls.append(name)
+            if calls.count(name) in slow_calls:
+                time.sleep(0.02)
+        return run
+
+    # "a" is slow in its first timed round (its second call, after one warm-up call).
+    times = Timer(torch.device("cpu"), min_rounds=4, seconds=0.0).each(
+        {"a": step("a", {2}), "b": step("b", set())})
+    assert calls == ["a", "b"] + ["a", "b"] * 4
+    assert set(times) == {"a", "b"} and times["a"] < 10

@@ -34,6 +34,10 @@ def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: 
         for case in cases:
             print(f"bench: {case.benchmark} [{case.shape}]", file=log, flush=True)
             rows += measure(case, timer, peak)
+            # Cases compile their baselines from shared functions (every attention case's
+            # eager composition is one function): across cases dynamo's cache for a
+            # function fills up, and past its limit torch.compile runs it eagerly, quietly.
+            torch.compiler.reset()
             skipped += [{"benchmark": case.benchmark, "shape": case.shape, "impl": impl,
                          "reason": reason} for impl, reason in case.skipped.items()]
             if progress is not None:

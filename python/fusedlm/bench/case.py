@@ -119,20 +119,24 @@ def passes(benchmark: str, shape: str, impls: dict, *, unit: Optional[str] = Non
 
 def measure(case: Case, timer: Timer, ceilings: dict) -> list[dict]:
     """One row per implementation: time, rate and share of the ceiling, and for fusedlm's
-    rows the speed-up over each baseline; on a GPU also the peak memory of one step."""
-    rows = []
+    rows the speed-up over each baseline; on a GPU also the peak memory of one step. The
+    implementations are timed together (Timer.each), those that run at all."""
+    steps = {}
     for impl, step in case.steps.items():
         try:
-            row = {"benchmark": case.benchmark, "shape": case.shape, "impl": impl,
-                   "time_ms": timer(step, case.slow)}
+            step()
         except Exception as failed:  # noqa: BLE001  (a baseline torch cannot run: say why)
             if is_fused(impl):
                 raise
             why = (str(failed).strip().splitlines() or [""])[0]
             case.skipped[impl] = f"{type(failed).__name__}: {why}"
             continue
+        steps[impl] = step
+    rows = []
+    for impl, time_ms in timer.each(steps, case.slow).items():
+        row = {"benchmark": case.benchmark, "shape": case.shape, "impl": impl, "time_ms": time_ms}
         if timer.device.type == "cuda":
-            row["peak_MiB"] = _cuda_peak_mib(step)
+            row["peak_MiB"] = _cuda_peak_mib(steps[impl])
         if case.work:
             rate = case.work / row["time_ms"] / _PER_MS[case.unit]
             row.update(unit=case.unit, rate=rate)

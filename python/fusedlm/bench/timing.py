@@ -3,7 +3,9 @@ several wall-clock rounds on the CPU.
 
 On a GPU the device runs alone and its times are tight, so the median is the honest
 figure. On a shared CPU other processes only ever add time, so the fastest round is the
-least disturbed estimate.
+least disturbed estimate; and the steps compared in one case take turns, a call each per
+round, so that a slow spell of the machine (it has lasted seconds here) falls on all of
+them alike rather than on whichever step was being timed.
 """
 from __future__ import annotations
 
@@ -28,21 +30,34 @@ class Timer:
     def __call__(self, step: Callable[[], object], slow: bool = False) -> float:
         """Milliseconds of one call of step (after warm-up: compilation, caches, autotuning).
         A slow step (a model's, seconds on a CPU) gets at most 3 rounds."""
+        return self.each({"step": step}, slow)["step"]
+
+    def each(self, steps: dict, slow: bool = False) -> dict:
+        """{name: milliseconds of one call} of steps ({name: step}), as __call__ gives
+        for one; on the CPU the steps' rounds interleave."""
         if self.device.type == "cuda":
-            return _cuda_median_ms(step)
+            return {name: _cuda_median_ms(step) for name, step in steps.items()}
         rounds, seconds = (min(self.min_rounds, 3), 0.0) if slow else (self.min_rounds, self.seconds)
-        _run_for(step, calls=1, seconds=min(0.1, seconds))
-        return min(_run_for(step, calls=rounds, seconds=seconds)) * 1e3
+        for step in steps.values():  # warm-up
+            _run_for(step, calls=1, seconds=min(0.1, seconds))
+        times = {name: [] for name in steps}
+        start = time.perf_counter()
+        while (any(len(t) < rounds for t in times.values())
+               or (time.perf_counter() - start < seconds * len(steps)
+                   and all(len(t) < 1000 for t in times.values()))):
+            for name, step in steps.items():
+                begin = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - begin)
+        return {name: min(t) * 1e3 for name, t in times.items()}
 
 
-def _run_for(step, calls: int, seconds: float) -> list:
-    """Wall-clock seconds of each call of step, until at least `calls` calls and `seconds`."""
-    times, start = [], time.perf_counter()
-    while len(times) < calls or (time.perf_counter() - start < seconds and len(times) < 1000):
-        begin = time.perf_counter()
+def _run_for(step, calls: int, seconds: float) -> None:
+    """Calls step at least `calls` times and for at least `seconds` (at most 1000 calls)."""
+    count, start = 0, time.perf_counter()
+    while count < calls or (time.perf_counter() - start < seconds and count < 1000):
         step()
-        times.append(time.perf_counter() - begin)
-    return times
+        count += 1
 
 
 def _cuda_median_ms(step) -> float:
