@@ -2,14 +2,17 @@
 // matrix products, with the softmax, masking, dropout and their backward fused in
 // between (the kernels of csrc/cpu/attention.cpp).
 //
-// Forward: one at::parallel_for task per (sequence, group of kHeadGroup heads, block of
-// kBlockQ queries). For each block of kBlockK keys: S = Q K^T (at::bmm over the heads),
-// the fused scale + bias + mask + online-softmax step per head, O += P V. It writes
-// O / l and each row's log-sum-exp, the one statistic backward needs.
+// Forward: one task per (sequence, group of kHeadGroup heads, block of kBlockQ queries).
+// For each block of kBlockK keys: S = Q K^T (at::bmm over the heads), the fused scale +
+// bias + mask + online-softmax step per head, O += P V. It writes O / l and each row's
+// log-sum-exp, the one statistic backward needs.
 //
 // Backward: one task per (sequence, group of heads), which owns their dK and dV, so
 // those sums need no reduction across threads. Per query block it recomputes
 // P = exp(S - lse) tile by tile and accumulates dV += P^T dO, dK += dS^T Q, dQ += dS K.
+//
+// Tasks go to ATen's threads costliest first, each thread taking the next when it is
+// done (run_balanced): sequences of unequal length make tasks of unequal cost.
 //
 // The products read float32/float64 inputs in place (any row stride); other dtypes and
 // layouts are first packed into dense float32 buffers, one read of each input.
@@ -53,6 +56,7 @@
 #include "math.h"
 #else
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -604,6 +608,12 @@ struct Problem : AttentionProblem {
     return below[slot_start[b] + b + end];
   }
 
+  // The query-key pairs of the block of queries from i0 (a row's keys grow with i).
+  int64_t block_work(int64_t b, int64_t i0) const {
+    const int64_t rows = std::min(kBlockQ, q_len[b] - i0);
+    return rows > 0 ? rows * limit(b, i0 + rows - 1) : 0;
+  }
+
   int64_t max_keys() const {
     int64_t n = 0;
     for (int64_t b = 0; b < batch; ++b) n = std::max(n, keys(b));
@@ -657,6 +667,29 @@ class OneBlasThread {
  private:
   int before_;
 };
+
+// Runs work(t, workspace) for every task t in [0, n) on ATen's threads, each thread with
+// its own workspace from make_workspace(); a thread takes the next task when it finishes
+// one, the costliest first (cost(t): any measure proportional to a task's time).
+// at::parallel_for alone hands each thread an equal count of consecutive tasks: with
+// sequences of unequal lengths, one of two threads got 61% of a padded BERT batch's
+// attention. A task writes only its own outputs, so which thread runs it changes nothing.
+template <class Cost, class MakeWorkspace, class Work>
+void run_balanced(int64_t n, Cost cost, MakeWorkspace make_workspace, Work work) {
+  if (n == 0) return;
+  std::vector<int64_t> costs(n), order(n);
+  for (int64_t t = 0; t < n; ++t) costs[t] = cost(t);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    OneBlasThread one_blas_thread;
+    auto ws = make_workspace();
+    for (int64_t i = next++; i < n; i = next++) work(order[i], ws);
+  });
+}
 
 // A buffer of at least n elements for this thread. Up to kKeptBytes it is kept for the
 // thread's next call: a fresh allocation of that size comes from mmap, and touching its
@@ -816,16 +849,17 @@ void forward(const Problem& pb, const Rows& out, const Rows& lse) {
   const int64_t blocks = (longest + kBlockQ - 1) / kBlockQ;
   const int64_t group = std::min(kHeadGroup, pb.heads);
   const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
-  at::parallel_for(0, pb.batch * groups * blocks, 1, [&](int64_t begin, int64_t end) {
-    OneBlasThread one_blas_thread;
-    Workspace ws(pb, false, group);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / (groups * blocks), h0 = t / blocks % groups * group;
-      const int64_t i0 = t % blocks * kBlockQ;
-      if (i0 < pb.q_len[b])
-        forward_query_block(pb, ws, b, h0, std::min(group, pb.heads - h0), i0, out, lse);
-    }
-  });
+  // Task t: sequence b, heads from h0, queries from i0.
+  auto b_of = [&](int64_t t) { return t / (groups * blocks); };
+  auto i0_of = [&](int64_t t) { return t % blocks * kBlockQ; };
+  run_balanced(
+      pb.batch * groups * blocks, [&](int64_t t) { return pb.block_work(b_of(t), i0_of(t)); },
+      [&] { return Workspace(pb, false, group); },
+      [&](int64_t t, Workspace& ws) {
+        const int64_t b = b_of(t), h0 = t / blocks % groups * group, i0 = i0_of(t);
+        if (i0 < pb.q_len[b])
+          forward_query_block(pb, ws, b, h0, std::min(group, pb.heads - h0), i0, out, lse);
+      });
 }
 
 struct Grads {
@@ -915,16 +949,23 @@ void backward(const Problem& pb, const Grads& g) {
   const int64_t group = std::min(kHeadGroup, pb.heads);
   const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
   const int64_t tb = all_b ? 1 : pb.batch, tg = all_h ? 1 : groups;
-  at::parallel_for(0, tb * tg, 1, [&](int64_t begin, int64_t end) {
-    OneBlasThread one_blas_thread;
-    Workspace ws(pb, true, group);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bo = t / tg, go = t % tg;
-      for (int64_t b = all_b ? 0 : bo; b < (all_b ? pb.batch : bo + 1); ++b)
-        for (int64_t gi = all_h ? 0 : go; gi < (all_h ? groups : go + 1); ++gi)
-          backward_heads(pb, ws, b, gi * group, std::min(group, pb.heads - gi * group), g);
-    }
-  });
+  auto sequences = [&](int64_t t) {  // [first, last) of task t
+    const int64_t bo = t / tg;
+    return std::pair<int64_t, int64_t>(all_b ? 0 : bo, all_b ? pb.batch : bo + 1);
+  };
+  auto cost = [&](int64_t t) {
+    int64_t work = 0;
+    for (auto [b, last] = sequences(t); b < last; ++b)
+      for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) work += pb.block_work(b, i0);
+    return work;
+  };
+  run_balanced(tb * tg, cost, [&] { return Workspace(pb, true, group); },
+               [&](int64_t t, Workspace& ws) {
+                 const int64_t go = t % tg;
+                 for (auto [b, last] = sequences(t); b < last; ++b)
+                   for (int64_t gi = all_h ? 0 : go; gi < (all_h ? groups : go + 1); ++gi)
+                     backward_heads(pb, ws, b, gi * group, std::min(group, pb.heads - gi * group), g);
+               });
 }
 
 Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
