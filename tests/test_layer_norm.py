@@ -144,8 +144,14 @@ def test_add_layer_norm_every_instruction_set(cpu_isa, dtype):
     # Odd widths exercise the vector loops' remainders; 1000 > 32 lanes with a tail.
     for hidden in (1, 7, 33, 768, 1000):
         inputs = _inputs((5, hidden), dtype, scale=2.0)
+        # A row of one element has no spread: the norm's gradient is rstd = eps^-1/2 (316)
+        # times a difference of two equal terms, exactly 0, and the vector kernels' fused
+        # multiply-adds leave the rounding of upstream * weight in it, up to
+        # 316 * 2^-23 * |g w| = 3.8e-5 |g w| (3.0e-5 |g w| seen in 3000 draws; float32's
+        # tolerance is 2e-5, at |g w| up to about 15 here 6.4e-4).
+        grad_scale = 32.0 if hidden == 1 else 1.0
         try:
-            _compare(inputs)
+            _compare(inputs, grad_scale=grad_scale)
         except AssertionError as e:
             raise AssertionError(f"{cpu_isa}, hidden {hidden}: {e}") from e
 
