@@ -205,7 +205,10 @@ def test_the_cpu_timer_interleaves_the_steps_of_a_case():
 
     # A warm-up call each, then turns of two calls, the second timed; "a" is slow in its
     # first timed call.
-    times = Timer(torch.device("cpu"), min_rounds=4, seconds=0.0).each(
-        {"a": step("a", {3}), "b": step("b", set())})
+    timer = Timer(torch.device("cpu"), min_rounds=4, seconds=0.0)
+    steps = {"a": step("a", {3}), "b": step("b", set())}
+    for s in steps.values():
+        timer.warm_up(s)
+    times = timer.each(steps)
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 4
     assert set(times) == {"a", "b"} and times["a"] < 10

@@ -124,7 +124,7 @@ def measure(case: Case, timer: Timer, ceilings: dict) -> list[dict]:
     steps = {}
     for impl, step in case.steps.items():
         try:
-            step()
+            timer.warm_up(step, case.slow)
         except Exception as failed:  # noqa: BLE001  (a baseline torch cannot run: say why)
             if is_fused(impl):
                 raise

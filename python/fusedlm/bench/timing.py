@@ -33,16 +33,21 @@ class Timer:
     def __call__(self, step: Callable[[], object], slow: bool = False) -> float:
         """Milliseconds of one call of step (after warm-up: compilation, caches, autotuning).
         A slow step (a model's, seconds on a CPU) gets at most 3 rounds."""
+        self.warm_up(step, slow)
         return self.each({"step": step}, slow)["step"]
 
+    def warm_up(self, step: Callable[[], object], slow: bool = False) -> None:
+        """Calls step until compilation and caches are done with: once, and on the CPU for
+        0.1 s of a fast step. (On a GPU do_bench warms up again, after the compilation.)"""
+        fast_cpu = not slow and self.device.type == "cpu"
+        _run_for(step, calls=1, seconds=min(0.1, self.seconds) if fast_cpu else 0.0)
+
     def each(self, steps: dict, slow: bool = False) -> dict:
-        """{name: milliseconds of one call} of steps ({name: step}), as __call__ gives
-        for one; on the CPU the steps' rounds interleave."""
+        """{name: milliseconds of one call} of steps ({name: step}), each warmed up
+        already; on the CPU the steps' rounds interleave."""
         if self.device.type == "cuda":
             return {name: _cuda_median_ms(step) for name, step in steps.items()}
         rounds, seconds = (min(self.min_rounds, 3), 0.0) if slow else (self.min_rounds, self.seconds)
-        for step in steps.values():  # warm-up
-            _run_for(step, calls=1, seconds=min(0.1, seconds))
         times = {name: [] for name in steps}
         start = time.perf_counter()
         while (any(len(t) < rounds for t in times.values())
