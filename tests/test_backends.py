@@ -174,6 +174,21 @@ def test_an_emulated_backend_runs_only_when_named(monkeypatch):
     assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
 
 
+def test_a_change_to_a_backend_changes_the_choices_already_made(monkeypatch):
+    # choose() memoises its answers per kind of call: a backend switched off after a call
+    # (and back on) must change the next one's choice, automatic and asked for by name.
+    x = torch.randn(4, 8)
+    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> cpu")
+    assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
+    with monkeypatch.context() as patched:
+        patched.setattr(_REGISTRY["cpu"], "unavailable", "switched off")
+        assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
+        with pytest.raises(RuntimeError, match="cannot run on backend 'cpu'.*switched off"):
+            fusedlm.explain("bias_gelu", x, None, backend="cpu")
+    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> cpu")
+    assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
+
+
 @pytest.mark.cuda
 @needs_emulated_cuda
 def test_emulated_cuda_is_reported_as_emulated(capsys):

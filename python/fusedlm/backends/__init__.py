@@ -24,6 +24,7 @@ Environment switches are read once, when fusedlm is imported.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -154,6 +155,7 @@ _OPS: dict[str, OpInfo] = {}
 def declare(op: OpInfo) -> None:
     """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op)."""
     _OPS[op.name] = op
+    _MEMO.clear()
 
 
 def declared() -> dict[str, OpInfo]:
@@ -188,6 +190,13 @@ class Backend:
     _kernels: dict = field(default_factory=dict, repr=False)
     _ops_seen: int = field(default=0, repr=False)
 
+    def __setattr__(self, name, value):
+        # What a backend takes and runs decides choose()'s memoised answers: a change to it
+        # (a backend switched off, say) forgets them.
+        object.__setattr__(self, name, value)
+        if not name.startswith("_"):
+            _MEMO.clear()
+
     @property
     def kernels(self) -> dict:
         """{op name: Kernel} of every declared op the backend has kernels for."""
@@ -221,12 +230,21 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 _PLANNERS: dict[str, Callable] = {}
+# choose()'s fixed part, memoised by call features: why a backend cannot run such a call
+# ({(backend, op, device, *features): reason or None}) and the automatic order's reasons
+# ({(None, op, device, *features): ((backend, reason or None), ...)}). It depends only on
+# the declared ops and the backends, so declare(), register() and a change to a Backend
+# empty it; what may change between calls (the backend forced, the device checks of
+# fusedlm.backends.verify) is asked on every call.
+_MEMO: dict = {}
+_MEMO_SIZE = 4096
 _selected: Optional[str] = None
 _pinned: list = []  # the use_backend() blocks being run, innermost last
 
 
 def register(backend: Backend) -> Backend:
     _REGISTRY[backend.name] = backend
+    _MEMO.clear()
     return backend
 
 
@@ -321,16 +339,47 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
     """The backend that runs ``op`` on ``device`` for a call with these features."""
     forced, source = _forced(backend)
     if forced is not None:
-        reason = _REGISTRY[forced].cannot_run(op, device, features)
+        reason = _memoised((forced, op, device, *features.items()),
+                           lambda: _REGISTRY[forced].cannot_run(op, device, features))
         if reason:
             raise RuntimeError(f"fusedlm: {op} cannot run on backend {forced!r} (asked for by {source}): {reason}")
         failed = verify.failure(op, forced, device, features.get("dtype"))
         if failed:
             raise RuntimeError(f"fusedlm: {op} on backend {forced!r} (asked for by {source}) failed "
                                f"its check on this device: {failed} (FUSEDLM_VERIFY=0 runs it unchecked)")
-        return Choice(forced, f"asked for by {source}")
+        return _forced_choice(forced, source)
 
     skipped = []
+    for name, reason in _memoised((None, op, device, *features.items()),
+                                  lambda: _automatic(op, device, features)):
+        if reason is None:
+            failed = verify.failure(op, name, device, features.get("dtype"))
+            if not failed:
+                return _automatic_choice(name, device.type, tuple(skipped))
+            reason = f"failed its check on this device: {failed}"
+        skipped.append(f"{name}: {reason}")
+    raise RuntimeError(f"fusedlm: no backend can run {op} here: " + "; ".join(skipped))
+
+
+def _memoised(key: tuple, work: Callable):
+    """work(), memoised in _MEMO under key (worked out every time where a feature in key
+    cannot be a key, and while torch.compile traces: the memo is state it would guard on)."""
+    if torch.compiler.is_compiling():
+        return work()
+    try:
+        return _MEMO[key]
+    except KeyError:
+        if len(_MEMO) >= _MEMO_SIZE:  # features such as rows vary from call to call
+            _MEMO.clear()
+        known = _MEMO[key] = work()
+        return known
+    except TypeError:
+        return work()
+
+
+def _automatic(op: str, device: torch.device, features: dict) -> tuple:
+    """((backend, why it cannot take this call, or None), ...) in the automatic order."""
+    reasons = []
     for name in _AUTO_ORDER.get(device.type, ("reference",)):
         candidate = _REGISTRY[name]
         reason = candidate.cannot_run(op, device, features)
@@ -341,16 +390,21 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
             if slower:
                 reason = (f"measured slower than plain PyTorch for {slower} on {device.type}, "
                           "so only when asked for by name")
-        if reason is None:
-            failed = verify.failure(op, name, device, features.get("dtype"))
-            reason = f"failed its check on this device: {failed}" if failed else None
-        if reason is None:
-            why = f"fastest backend for {device.type} tensors that can run this call"
-            if skipped:
-                why += " (skipped " + "; ".join(skipped) + ")"
-            return Choice(name, why)
-        skipped.append(f"{name}: {reason}")
-    raise RuntimeError(f"fusedlm: no backend can run {op} here: " + "; ".join(skipped))
+        reasons.append((name, reason))
+    return tuple(reasons)
+
+
+@functools.lru_cache(maxsize=None)
+def _forced_choice(backend: str, source: str) -> Choice:
+    return Choice(backend, f"asked for by {source}")
+
+
+@functools.lru_cache(maxsize=None)
+def _automatic_choice(backend: str, device_type: str, skipped: tuple) -> Choice:
+    why = f"fastest backend for {device_type} tensors that can run this call"
+    if skipped:
+        why += " (skipped " + "; ".join(skipped) + ")"
+    return Choice(backend, why)
 
 
 def planner(op: str):

@@ -21,20 +21,18 @@ __all__ = ["attention_with_kvcache"]
 
 def _check_lengths(cache_seqlens: Tensor, cache_leftpad: Optional[Tensor], seq_new: int,
                    max_len: int) -> None:
-    cached = cache_seqlens.cpu().long()
-    total = cached + seq_new
-    bad = (cached < 0) | (total > max_len)
-    if bad.any():
-        b = int(bad.nonzero()[0])
-        raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {int(cached[b])} + {seq_new} must lie "
-                         f"in [0, max_cache_len = {max_len}]")
+    # As Python ints: a decoding step's batch is small, and tensor ops on it would cost
+    # more than the step's kernels.
+    cached = cache_seqlens.tolist()
+    for b, length in enumerate(cached):
+        if not 0 <= length <= max_len - seq_new:
+            raise ValueError(f"cache_seqlens[{b}] + seqlen_new = {length} + {seq_new} must lie "
+                             f"in [0, max_cache_len = {max_len}]")
     if cache_leftpad is not None:
-        pad = cache_leftpad.cpu().long()
-        bad = (pad < 0) | (pad > total)
-        if bad.any():
-            b = int(bad.nonzero()[0])
-            raise ValueError(f"cache_leftpad[{b}] = {int(pad[b])} must lie in [0, cache_seqlens[{b}]"
-                             f" + seqlen_new = {int(total[b])}]")
+        for b, (pad, length) in enumerate(zip(cache_leftpad.tolist(), cached)):
+            if not 0 <= pad <= length + seq_new:
+                raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}]"
+                                 f" + seqlen_new = {length + seq_new}]")
 
 
 def _check_no_grad(**tensors: Optional[Tensor]) -> None:
