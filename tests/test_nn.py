@@ -35,6 +35,19 @@ def test_layer_norm_over_several_trailing_dims():
     assert_close(ln(x), torch_ln(x))
 
 
+@pytest.mark.parametrize("normalized_shape", [48, (4, 12)])
+def test_layer_norm_rejects_inputs_of_another_shape(normalized_shape):
+    # A residual of another shape is never reshaped into x's, even with as many elements.
+    ln = fusedlm.nn.LayerNorm(normalized_shape)
+    with pytest.raises(ValueError, match=r"x must end in normalized_shape .*got shape \(2, 50\)"):
+        ln(torch.randn(2, 50))
+    x = torch.randn(2, *ln.normalized_shape)
+    with pytest.raises(ValueError, match=r"residual must have x's shape \(2, .*\), got \(96,\)"):
+        ln(x, x.flatten())
+    out, summed = ln(x, x)
+    assert out.shape == summed.shape == x.shape
+
+
 def test_gelu_ffn_loads_linear_gelu_linear_weights():
     torch_ffn = nn.Sequential(nn.Linear(16, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 16)).double()
     ffn = fusedlm.nn.GeluFFN(16, 64, approximate="tanh", dtype=torch.float64)

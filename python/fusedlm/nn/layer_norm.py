@@ -21,13 +21,20 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None, *,
                 dropout_p: float = 0.0) -> Union[Tensor, tuple]:
-        # Normalising over several trailing dims is normalising their flattened product.
-        width = math.prod(self.normalized_shape)
         shape = x.shape
-        flat = x.reshape(*shape[: x.dim() - len(self.normalized_shape)], width)
-        flat_residual = None if residual is None else residual.reshape(flat.shape)
-        weight = None if self.weight is None else self.weight.reshape(width)
-        bias = None if self.bias is None else self.bias.reshape(width)
+        if shape[x.dim() - len(self.normalized_shape):] != self.normalized_shape:
+            raise ValueError(f"x must end in normalized_shape {tuple(self.normalized_shape)}, "
+                             f"got shape {tuple(shape)}")
+        if residual is not None and residual.shape != shape:
+            raise ValueError(f"residual must have x's shape {tuple(shape)}, got {tuple(residual.shape)}")
+        flat, flat_residual, weight, bias = x, residual, self.weight, self.bias
+        if len(self.normalized_shape) > 1:
+            # Normalising over several trailing dims is normalising their flattened product.
+            width = math.prod(self.normalized_shape)
+            flat = x.reshape(*shape[: x.dim() - len(self.normalized_shape)], width)
+            flat_residual = None if residual is None else residual.reshape(flat.shape)
+            weight = None if weight is None else weight.reshape(width)
+            bias = None if bias is None else bias.reshape(width)
         flat, flat_residual, weight, bias = widen(flat, flat_residual, weight, bias)
         out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps,
                                          dropout_p=dropout_p)
