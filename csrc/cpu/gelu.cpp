@@ -23,12 +23,15 @@ FUSEDLM_CPU_KERNEL(bias_gelu_forward, void(DType, const void* x, const void* bia
                                            int64_t rows, int64_t cols, Gelu, const uint8_t* keep,
                                            double p))
 
-// dx = dy [* keep / (1 - p)] * gelu'(x + bias); when dbias_partial is not null it receives
-// the column sums of dx over these rows (the first stage of the bias gradient), in the
-// accumulation type: float64 for kF64, float32 otherwise.
+// dx = dy [* keep / (1 - p)] * gelu'(x + bias); dx may be dy itself (written in place).
+// When act is not null it also receives the forward's output, gelu(x + bias) [* keep /
+// (1 - p)], from the same evaluation of the normal CDF. When dbias_partial is not null it
+// receives the column sums of dx over these rows (the first stage of the bias gradient), in
+// the accumulation type: float64 for kF64, float32 otherwise.
 FUSEDLM_CPU_KERNEL(bias_gelu_backward, void(DType, const void* dy, const void* x, const void* bias,
-                                            void* dx, void* dbias_partial, int64_t rows,
-                                            int64_t cols, Gelu, const uint8_t* keep, double p))
+                                            void* dx, void* act, void* dbias_partial,
+                                            int64_t rows, int64_t cols, Gelu, const uint8_t* keep,
+                                            double p))
 
 #ifdef FUSEDLM_ISA
 
@@ -38,30 +41,30 @@ namespace {
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kTanhCubic = 0.044715;
 
-// GELU and its derivative at z, in the accumulation type A. The tanh form uses
-// 0.5 * (1 + tanh(u)) = sigmoid(2u), which does not cancel for negative z.
+// GELU and its derivative at z, in the accumulation type A, from one evaluation of the
+// CDF (a caller that needs one of them leaves the other to dead-code elimination). The
+// tanh form uses 0.5 * (1 + tanh(u)) = sigmoid(2u), which does not cancel for negative z.
 template <typename A>
-inline A gelu(A z, Gelu kind) {
+inline void gelu_and_grad(A z, Gelu kind, A& value, A& slope) {
   if (kind == Gelu::kErf) {
     A cdf, pdf;
     normal_cdf_pdf(z, cdf, pdf);
-    return z * cdf;
-  }
-  A u = A(kSqrt2OverPi) * (z + A(kTanhCubic) * z * z * z);
-  return z * sigmoid(A(2) * u);
-}
-
-template <typename A>
-inline A gelu_grad(A z, Gelu kind) {
-  if (kind == Gelu::kErf) {
-    A cdf, pdf;
-    normal_cdf_pdf(z, cdf, pdf);
-    return cdf + z * pdf;
+    value = z * cdf;
+    slope = cdf + z * pdf;
+    return;
   }
   A u = A(kSqrt2OverPi) * (z + A(kTanhCubic) * z * z * z);
   A s = sigmoid(A(2) * u);
   A du = A(kSqrt2OverPi) * (A(1) + A(3 * kTanhCubic) * z * z);
-  return s + z * A(2) * s * (A(1) - s) * du;
+  value = z * s;
+  slope = s + z * A(2) * s * (A(1) - s) * du;
+}
+
+template <typename A>
+inline A gelu(A z, Gelu kind) {
+  A value, slope;
+  gelu_and_grad(z, kind, value, slope);
+  return value;
 }
 
 // The inner loops have no branches (GELU kind and dropout are template
@@ -94,20 +97,21 @@ void forward_rows(const T* x, const acc_t<T>* bias, T* y, int64_t rows, int64_t 
   }
 }
 
-// dbias accumulates: the caller zeroes it.
-template <typename T, Gelu kind, bool dropout>
-void backward_rows(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T>* dbias,
-                   int64_t rows, int64_t cols, const uint8_t* keep, double p) {
+// dbias accumulates: the caller zeroes it. dx may alias dy; act is written when with_act.
+template <typename T, Gelu kind, bool dropout, bool with_act>
+void backward_rows(const T* dy, const T* x, const acc_t<T>* bias, T* dx, T* act,
+                   acc_t<T>* dbias, int64_t rows, int64_t cols, const uint8_t* keep, double p) {
   using A = acc_t<T>;
   if constexpr (std::is_same_v<T, f16>) {
-    std::unique_ptr<float[]> scratch(new float[3 * cols]);
-    float *dyf = scratch.get(), *xf = dyf + cols, *dxf = xf + cols;
+    std::unique_ptr<float[]> scratch(new float[4 * cols]);
+    float *dyf = scratch.get(), *xf = dyf + cols, *dxf = xf + cols, *actf = dxf + cols;
     for (int64_t r = 0; r < rows; ++r) {
       widen_row(dy + r * cols, dyf, cols);
       widen_row(x + r * cols, xf, cols);
-      backward_rows<float, kind, dropout>(dyf, xf, bias, dxf, dbias, 1, cols,
-                                          keep + (dropout ? r * cols : 0), p);
+      backward_rows<float, kind, dropout, with_act>(dyf, xf, bias, dxf, actf, dbias, 1, cols,
+                                                    keep + (dropout ? r * cols : 0), p);
       narrow_row(dxf, dx + r * cols, cols);
+      if (with_act) narrow_row(actf, act + r * cols, cols);
     }
     return;
   }
@@ -116,13 +120,21 @@ void backward_rows(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T
     const T* dyr = dy + r * cols;
     const T* xr = x + r * cols;
     T* dxr = dx + r * cols;
+    T* actr = act + (with_act ? r * cols : 0);
     const uint8_t* kr = keep + (dropout ? r * cols : 0);
+    // dx may be dy: each element is read before it is written, and never again, so the
+    // loop has no dependence across elements. Without this GCC checks the pointers for
+    // overlap at run time and, finding dx on dy, takes its scalar loop.
+#pragma GCC ivdep
     for (int64_t c = 0; c < cols; ++c) {
-      A g = load(dyr[c]);
-      if (dropout) g *= A(kr[c]) * scale;  // keep is 0 or 1: a multiply, not a branch
-      A d = g * gelu_grad<A>(load(xr[c]) + bias[c], kind);
+      // keep is 0 or 1: a multiply, not a branch
+      const A k = dropout ? A(kr[c]) * scale : A(1);
+      A value, slope;
+      gelu_and_grad<A>(load(xr[c]) + bias[c], kind, value, slope);
+      A d = load(dyr[c]) * k * slope;
       store(dxr[c], d);
       dbias[c] += d;
+      if (with_act) store(actr[c], value * k);
     }
   }
 }
@@ -140,9 +152,15 @@ auto forward_for(Gelu kind) {
   return kind == Gelu::kErf ? forward_rows<T, Gelu::kErf, dropout> : forward_rows<T, Gelu::kTanh, dropout>;
 }
 
-template <typename T, bool dropout>
+template <typename T, bool dropout, bool with_act>
 auto backward_for(Gelu kind) {
-  return kind == Gelu::kErf ? backward_rows<T, Gelu::kErf, dropout> : backward_rows<T, Gelu::kTanh, dropout>;
+  return kind == Gelu::kErf ? backward_rows<T, Gelu::kErf, dropout, with_act>
+                            : backward_rows<T, Gelu::kTanh, dropout, with_act>;
+}
+
+template <typename T, bool dropout>
+auto backward_for(Gelu kind, bool with_act) {
+  return with_act ? backward_for<T, dropout, true>(kind) : backward_for<T, dropout, false>(kind);
 }
 
 }  // namespace
@@ -158,7 +176,7 @@ void bias_gelu_forward(DType dtype, const void* x, const void* bias, void* y, in
 }
 
 void bias_gelu_backward(DType dtype, const void* dy, const void* x, const void* bias, void* dx,
-                        void* dbias_partial, int64_t rows, int64_t cols, Gelu kind,
+                        void* act, void* dbias_partial, int64_t rows, int64_t cols, Gelu kind,
                         const uint8_t* keep, double p) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -167,9 +185,10 @@ void bias_gelu_backward(DType dtype, const void* dy, const void* x, const void* 
     std::unique_ptr<acc_t<T>[]> scratch(dbias_partial ? nullptr : new acc_t<T>[cols]);
     auto* db = dbias_partial ? static_cast<acc_t<T>*>(dbias_partial) : scratch.get();
     for (int64_t c = 0; c < cols; ++c) db[c] = acc_t<T>(0);
-    auto run = keep ? backward_for<T, true>(kind) : backward_for<T, false>(kind);
-    run(static_cast<const T*>(dy), static_cast<const T*>(x), b.get(), static_cast<T*>(dx), db,
-        rows, cols, keep, p);
+    const bool with_act = act != nullptr;
+    auto run = keep ? backward_for<T, true>(kind, with_act) : backward_for<T, false>(kind, with_act);
+    run(static_cast<const T*>(dy), static_cast<const T*>(x), b.get(), static_cast<T*>(dx),
+        static_cast<T*>(act), db, rows, cols, keep, p);
   });
 }
 
@@ -216,10 +235,12 @@ void gelu_rows(const at::Tensor& pre, const at::Tensor& bias, at::Tensor& out, c
   });
 }
 
-// d(pre) from d(out) for gelu_rows, into dpre's contiguous memory; returns the bias
+// d(pre) from d(out) for gelu_rows, into dpre's contiguous memory (which may be grad's);
+// when act is given, gelu_rows' output too, into its contiguous memory. Returns the bias
 // gradient (undefined without bias).
 at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre, const at::Tensor& bias,
-                              at::Tensor& dpre, cpu::Gelu kind, double p, uint64_t seed) {
+                              at::Tensor& dpre, cpu::Gelu kind, double p, uint64_t seed,
+                              at::Tensor* act = nullptr) {
   const int64_t rows = pre.size(0), cols = pre.size(1);
   const bool has_bias = bias.defined();
   const int64_t blocks = (rows + kReduceBlockRows - 1) / kReduceBlockRows;
@@ -230,6 +251,7 @@ at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre, con
   const char* g = static_cast<const char*>(grad.data_ptr());
   const char* x = static_cast<const char*>(pre.data_ptr());
   char* dx = static_cast<char*>(dpre.data_ptr());
+  char* out = act ? static_cast<char*>(act->data_ptr()) : nullptr;
   char* part = has_bias ? static_cast<char*>(partial.data_ptr()) : nullptr;
   const size_t part_row = cols * partial.element_size();
   const void* b = data_or_null(bias);
@@ -240,10 +262,9 @@ at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre, con
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t begin = blk * kReduceBlockRows, end = std::min(rows, begin + kReduceBlockRows);
       const int64_t at = begin * cols * elem;
-      cpu::bias_gelu_backward(dtype, g + at, x + at, b, dx + at,
-                                       part ? part + blk * part_row : nullptr, end - begin, cols,
-                                       kind, keep_rows(keep, seed, begin, end, cols, p),
-                                       p);
+      cpu::bias_gelu_backward(dtype, g + at, x + at, b, dx + at, out ? out + at : nullptr,
+                              part ? part + blk * part_row : nullptr, end - begin, cols, kind,
+                              keep_rows(keep, seed, begin, end, cols, p), p);
     }
   });
   return has_bias ? sum_partials(partial, bias.scalar_type()) : at::Tensor();
@@ -300,11 +321,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
   const auto kind = gelu_kind(in.tanh);
   const uint64_t s = dropout_p > 0 ? seed_value(seed) : 0;
   const auto& g2 = in.grad;
-  // The activation is recomputed from the saved pre-activation rather than stored.
+  // The activation is recomputed from the saved pre-activation rather than stored, in the
+  // pass that takes its gradient back through the GELU (one evaluation of the CDF), and
+  // that gradient is written over the activation's, which nothing reads after.
   auto act = at::empty_like(in.pre_activation);
-  gelu_rows(in.pre_activation, in.b1, act, kind, dropout_p, s);
-  auto dpre = at::empty_like(in.pre_activation);
-  auto db1 = gelu_rows_backward(at::mm(g2, in.w2), in.pre_activation, in.b1, dpre, kind, dropout_p, s);
+  auto dpre = at::mm(g2, in.w2);
+  auto db1 = gelu_rows_backward(dpre, in.pre_activation, in.b1, dpre, kind, dropout_p, s, &act);
   const auto g = ffn_backward_products(in, x, g2, act, dpre);
   return {g.dx, g.dw1, db1, g.dw2, g.db2};
 }
