@@ -399,7 +399,7 @@ def _forced_choice(backend: str, source: str) -> Choice:
     return Choice(backend, f"asked for by {source}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)  # a reason skipped may name a size of the call
 def _automatic_choice(backend: str, device_type: str, skipped: tuple) -> Choice:
     why = f"fastest backend for {device_type} tensors that can run this call"
     if skipped:
