@@ -11,10 +11,11 @@ from ._autocast import widen
 class LayerNorm(nn.LayerNorm):
     """torch.nn.LayerNorm (same arguments, parameters and state_dict), on fusedlm's add_layer_norm.
 
-    ``forward(x)`` returns the normalised x, as torch's does. ``forward(x, residual)``
-    returns ``(layer_norm(x + residual), x + residual)`` in one pass over memory: the
-    sum is what a pre-LN stack carries on as its residual stream. ``dropout_p`` drops
-    elements of x before the add (a transformer layer's dropout on its branch).
+    ``forward(x)`` returns the normalised x, as torch's does. ``forward(x, residual)``, with
+    residual of x's shape (it is not broadcast), returns ``(layer_norm(x + residual),
+    x + residual)`` in one pass over memory: the sum is what a pre-LN stack carries on as
+    its residual stream. ``dropout_p`` drops elements of x before the add (a transformer
+    layer's dropout on its branch).
     Under autocast the norm runs in the widest dtype of its inputs and parameters.
     """
 
