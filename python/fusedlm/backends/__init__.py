@@ -24,7 +24,6 @@ Environment switches are read once, when fusedlm is imported.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -231,8 +230,9 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 _PLANNERS: dict[str, Callable] = {}
 # choose()'s fixed part, memoised by call features: why a backend cannot run such a call
-# ({(backend, op, device, *features): reason or None}) and the automatic order's reasons
-# ({(None, op, device, *features): ((backend, reason or None), ...)}). It depends only on
+# ({(backend, op, device, *features): reason or None}), the automatic order's reasons
+# ({(None, op, device, *features): ((backend, reason or None), ...)}) and the Choice
+# objects returned ({("forced" or "chosen", ...): Choice}). It depends only on
 # the declared ops and the backends, so declare(), register() and a change to a Backend
 # empty it; what may change between calls (the backend forced, the device checks of
 # fusedlm.backends.verify) is asked on every call.
@@ -347,7 +347,7 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
         if failed:
             raise RuntimeError(f"fusedlm: {op} on backend {forced!r} (asked for by {source}) failed "
                                f"its check on this device: {failed} (FUSEDLM_VERIFY=0 runs it unchecked)")
-        return _forced_choice(forced, source)
+        return _memoised(("forced", forced, source), lambda: Choice(forced, f"asked for by {source}"))
 
     skipped = []
     for name, reason in _memoised((None, op, device, *features.items()),
@@ -355,7 +355,8 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
         if reason is None:
             failed = verify.failure(op, name, device, features.get("dtype"))
             if not failed:
-                return _automatic_choice(name, device.type, tuple(skipped))
+                return _memoised(("chosen", name, device.type, *skipped),
+                                 lambda: _automatic_choice(name, device.type, skipped))
             reason = f"failed its check on this device: {failed}"
         skipped.append(f"{name}: {reason}")
     raise RuntimeError(f"fusedlm: no backend can run {op} here: " + "; ".join(skipped))
@@ -394,13 +395,7 @@ def _automatic(op: str, device: torch.device, features: dict) -> tuple:
     return tuple(reasons)
 
 
-@functools.lru_cache(maxsize=None)
-def _forced_choice(backend: str, source: str) -> Choice:
-    return Choice(backend, f"asked for by {source}")
-
-
-@functools.lru_cache(maxsize=1024)  # a reason skipped may name a size of the call
-def _automatic_choice(backend: str, device_type: str, skipped: tuple) -> Choice:
+def _automatic_choice(backend: str, device_type: str, skipped: list) -> Choice:
     why = f"fastest backend for {device_type} tensors that can run this call"
     if skipped:
         why += " (skipped " + "; ".join(skipped) + ")"
