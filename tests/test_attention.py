@@ -223,14 +223,6 @@ def test_attention_large_logits_do_not_overflow(backend, path, dtype, seq_k, cud
     expected = reference.attention(*ref, causal=True)
     ref_grads = torch.autograd.grad(expected, ref, grad.double())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-    if dtype == torch.bfloat16 and backend == "triton" and slow_backend(backend):
-        # Triton's interpreter truncates float32 -> bfloat16 conversions (a GPU rounds them
-        # to nearest), so there the kernels' roundings of P, dS and the stored output are up
-        # to a whole ulp, all one way, and these near-cancelling gradients carry it: over 20
-        # draws dq and dk were 1.1-8.7x the cpu backend's error on the same inputs, and on
-        # one draw 59 and 109 roundings off. The float16 case, whose conversions the
-        # interpreter rounds, checks these kernels' accuracy here; a GPU run, bfloat16's.
-        return
     # Errors relative to each tensor's largest entry, in roundings of the dtype. Rows that
     # fit one key block take rowsum(dO * O) from the exact probabilities: the outputs' own
     # rounding remains, and float32's in dS = P (dP - delta), whose terms are in the
