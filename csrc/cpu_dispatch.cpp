@@ -69,6 +69,15 @@ std::vector<std::string> supported_cpu_capabilities() {
 }
 FUSEDLM_BIND(supported_cpu_capabilities);
 
+at::Tensor partial_sums(int64_t rows, int64_t cols, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+  const int64_t bytes = rows * cols * int64_t(c10::elementSize(dtype));
+  if (bytes > kPartialScratchBytes) return at::empty({rows, cols}, options);
+  thread_local std::vector<double> scratch;  // doubles: aligned for every dtype
+  if (scratch.size() * sizeof(double) < size_t(bytes)) scratch.resize((bytes + 7) / 8);
+  return at::from_blob(scratch.data(), {rows, cols}, options);
+}
+
 at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
   const int64_t blocks = partial.size(0), cols = partial.size(1);
   auto out = at::empty({cols}, partial.options());

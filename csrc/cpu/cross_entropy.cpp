@@ -447,7 +447,7 @@ at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& label
                                const at::Tensor& row_scale) {
   const auto acc = losses.scalar_type();
   const int64_t blocks = (logits.size(0) + kReduceBlockRows - 1) / kReduceBlockRows;
-  auto partial = col_sum ? at::empty({blocks, logits.size(1)}, losses.options()) : at::Tensor();
+  auto partial = col_sum ? partial_sums(blocks, logits.size(1), acc) : at::Tensor();
   run_kernel(logits, labels1, losses, with_grad ? logits : at::Tensor(), partial, ignore_index,
              label_smoothing, grad_scale, row_scale);
   return col_sum ? sum_partials(partial, acc) : at::Tensor();

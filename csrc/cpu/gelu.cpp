@@ -244,8 +244,7 @@ at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre, con
   const int64_t rows = pre.size(0), cols = pre.size(1);
   const bool has_bias = bias.defined();
   const int64_t blocks = (rows + kReduceBlockRows - 1) / kReduceBlockRows;
-  auto partial = at::empty({has_bias ? blocks : 0, cols},
-                           pre.options().dtype(acc_dtype(pre.scalar_type())));
+  auto partial = partial_sums(has_bias ? blocks : 0, cols, acc_dtype(pre.scalar_type()));
   const auto dtype = kernel_dtype(pre);
   const size_t elem = pre.element_size();
   const char* g = static_cast<const char*>(grad.data_ptr());

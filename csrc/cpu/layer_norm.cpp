@@ -424,12 +424,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
   const uint64_t s = dropout ? seed_value(seed) : 0;
 
   const int64_t rows = in.summed.size(0), cols = in.summed.size(1);
-  const auto options = in.summed.options();
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   const bool has_weight = in.weight.defined();
-  auto partial_options = options.dtype(acc);
-  auto dw_part = at::empty({has_weight ? blocks : 0, cols}, partial_options);
-  auto db_part = at::empty({has_bias ? blocks : 0, cols}, partial_options);
+  const int64_t dw_blocks = has_weight ? blocks : 0, db_blocks = has_bias ? blocks : 0;
+  auto partials = partial_sums(dw_blocks + db_blocks, cols, acc);
+  auto dw_part = partials.narrow(0, 0, dw_blocks), db_part = partials.narrow(0, dw_blocks, db_blocks);
 
   const size_t row_bytes = cols * in.summed.element_size(), stat_bytes = mean.element_size();
   const size_t part_bytes = cols * dw_part.element_size();
