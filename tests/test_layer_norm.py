@@ -94,6 +94,20 @@ def test_add_layer_norm_long_rows(backend, dtype, hidden):
     _compare(inputs, backend)
 
 
+@pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
+def test_add_layer_norm_parameter_gradients_outlive_the_next_call(backend):
+    # The CPU kernels' partial sums of dweight and dbias sit in per-thread scratch that the
+    # next call reuses: a returned gradient must not be that scratch. The calls in between
+    # use it at other widths and numbers of row blocks.
+    device = backend_device(backend)
+    first = _inputs((130, 96), torch.float32, device)
+    _, _, (_, _, dweight, dbias) = _compare(first, backend)
+    kept = dweight.clone(), dbias.clone()
+    for shape in ((70, 32), (600, 640), (3, 96)):
+        _compare(_inputs(shape, torch.float32, device), backend)
+    assert torch.equal(dweight, kept[0]) and torch.equal(dbias, kept[1])
+
+
 def _misaligned(t):
     """A contiguous copy of `t` that starts one element past a 16-byte boundary."""
     flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
