@@ -530,7 +530,7 @@ def softmax_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if attn_bias is not None:
         scores = scores + attn_bias
-    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool)
+    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device)
     if causal:
         allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
     allowed = allowed.expand(scores.shape)
