@@ -42,13 +42,12 @@ inline at::ScalarType acc_dtype(at::ScalarType dtype) {
 }
 
 // A [rows, cols] buffer of `dtype` for the partial sums of the first stage of such a
-// reduction (CPU). Up to kPartialScratchBytes it is this thread's scratch, reused by every
-// call and valid until this thread's next call: allocated per call instead, a buffer of
-// tens of KiB taken and freed between a backward's large outputs splits the free space
-// glibc would reuse for them, its heap creeps upwards, and the trimmed top is faulted back
-// in 4 KiB at a time by the next output (hundreds of page faults a call at BERT sizes).
+// reduction (CPU). Up to 1 MiB it is this thread's scratch, reused by every call and valid
+// until this thread's next call: allocated per call instead, a buffer of tens of KiB taken
+// and freed between a backward's large outputs splits the free space glibc would reuse for
+// them, its heap creeps upwards, and the trimmed top is faulted back in 4 KiB at a time by
+// the next output (hundreds of page faults a call at BERT sizes).
 at::Tensor partial_sums(int64_t rows, int64_t cols, at::ScalarType dtype);
-constexpr int64_t kPartialScratchBytes = int64_t(1) << 20;
 
 // Sums a [blocks, cols] buffer of partial sums (in acc_dtype) over its blocks, in
 // block order, and returns it in `dtype`.

@@ -70,9 +70,10 @@ std::vector<std::string> supported_cpu_capabilities() {
 FUSEDLM_BIND(supported_cpu_capabilities);
 
 at::Tensor partial_sums(int64_t rows, int64_t cols, at::ScalarType dtype) {
+  constexpr int64_t kScratchBytes = int64_t(1) << 20;
   const auto options = at::TensorOptions().dtype(dtype);
   const int64_t bytes = rows * cols * int64_t(c10::elementSize(dtype));
-  if (bytes > kPartialScratchBytes) return at::empty({rows, cols}, options);
+  if (bytes > kScratchBytes) return at::empty({rows, cols}, options);
   thread_local std::vector<double> scratch;  // doubles: aligned for every dtype
   if (scratch.size() * sizeof(double) < size_t(bytes)) scratch.resize((bytes + 7) / 8);
   return at::from_blob(scratch.data(), {rows, cols}, options);
