@@ -455,7 +455,8 @@ def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cas
     """The bad inputs of ``cases`` cases of ``draw`` (a function of a test file): every
     tensor argument in a wrong dtype, and each case's own ``bad`` list, in a child process.
     Every one must raise TypeError or ValueError naming an argument of the op; a crash of
-    the child fails with its last input."""
+    the child fails with its last input. On a GPU the child runs under FUSEDLM_DEBUG=1, the
+    mode that checks the values of every index tensor there (fusedlm.backends.check_index_data)."""
     test_file, function = draw.__code__.co_filename, draw.__name__
     case = draw(Draw(0))
     arguments = [a for a in inspect.signature(getattr(fusedlm.ops, case.op)).parameters
@@ -464,8 +465,9 @@ def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cas
     child = subprocess.run(
         [sys.executable, __file__, test_file, function, backend, str(seed), str(cases)],
         capture_output=True, text=True, timeout=1800,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-            os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))})
+        env={**os.environ, **({"FUSEDLM_DEBUG": "1"} if backend_device(backend).type != "cpu" else {}),
+             "PYTHONPATH": os.pathsep.join(filter(None, [
+                 os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))})
     lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
     problems, current, taken = [], None, None
     for line in lines:

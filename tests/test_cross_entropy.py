@@ -156,6 +156,37 @@ def test_cross_entropy_all_labels_ignored(backend):
 
 
 @pytest.mark.parametrize("backend", backends_for("cross_entropy"))
+def test_cross_entropy_refuses_labels_past_the_classes(backend):
+    # On every device without FUSEDLM_DEBUG: a loss is one call a step, so its labels are
+    # checked even where that synchronises.
+    device = backend_device(backend)
+    logits = fresh((3, 50), torch.float32, device)
+    for bad in (50, -1):
+        labels = torch.tensor([1, bad, -100], device=device)
+        with pytest.raises(ValueError, match=f"labels must be class indices .* got {bad}"):
+            fusedlm.ops.cross_entropy(logits, labels, backend=backend)
+
+
+@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
+def test_cross_entropy_unchecked_bad_label_gives_nan_not_a_stray_read(backend, monkeypatch):
+    # Where the planner cannot read the labels (torch.compile tracing, a CUDA graph
+    # capturing), a GPU kernel's row with a label past the classes gets a NaN loss and the
+    # other rows are exact; the cpu backend reads them in its host code anyway.
+    monkeypatch.setattr(ce_module, "check_index_data", lambda *_, **__: False)
+    device = backend_device(backend)
+    logits = fresh((4, 50), torch.float32, device, requires_grad=False)
+    labels = torch.tensor([1, 50, -100, -7], device=device)
+    if backend == "cpu":
+        with pytest.raises(ValueError, match="labels"):
+            fusedlm.ops.cross_entropy(logits, labels, reduction="none", backend=backend)
+        return
+    loss = fusedlm.ops.cross_entropy(logits, labels, reduction="none", backend=backend)
+    expected = reference.cross_entropy(logits[:1], labels[:1], reduction="none")
+    assert torch.isnan(loss[1]) and torch.isnan(loss[3]) and loss[2] == 0
+    assert_close(loss[:1], expected, name="loss")
+
+
+@pytest.mark.parametrize("backend", backends_for("cross_entropy"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cross_entropy_large_logits(backend, dtype):
     # Logits near the largest values of the dtype (for bfloat16, small enough that a loss
@@ -526,6 +557,18 @@ def test_masked_lm_loss_all_labels_ignored(backend):
         assert torch.equal(loss, torch.zeros_like(loss)), reduction
         for g in grads:
             assert torch.equal(g, torch.zeros_like(g)), reduction
+
+
+@pytest.mark.parametrize("backend", backends_for("masked_lm_loss"))
+def test_masked_lm_loss_refuses_labels_past_the_vocabulary(backend):
+    # As cross_entropy: checked on every device without FUSEDLM_DEBUG.
+    device = backend_device(backend)
+    hidden, weight, bias, labels = _mlm_inputs(torch.float32, device)
+    for bad in (weight.shape[0], -1):
+        wrong = labels.clone()
+        wrong.view(-1)[3] = bad
+        with pytest.raises(ValueError, match=f"labels must be class indices .* got {bad}"):
+            fusedlm.ops.masked_lm_loss(hidden, weight, bias, wrong, backend=backend)
 
 
 def test_masked_lm_loss_frozen_weight_and_default_chunks():

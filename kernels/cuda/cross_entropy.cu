@@ -12,8 +12,9 @@
 // 60-100 KiB in bf16) and one write of the gradient. llm.c's fused classifier is the
 // reference point.
 //
-// Rows labelled ignore_index get a zero loss and gradient; a label outside [0, classes)
-// (not checked on the GPU, as that would synchronise) gets a NaN loss, not a stray read.
+// Rows labelled ignore_index get a zero loss and gradient. The planner refuses a label
+// outside [0, classes) before the kernel runs, except while torch.compile traces or a CUDA
+// graph captures; then such a row gets a NaN loss, not a stray read.
 //
 // masked_lm_loss gathers the labelled rows and projects them chunk_rows at a time with
 // ATen's matrix products into one reused logits buffer; the kernel overwrites each

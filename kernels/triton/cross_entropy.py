@@ -61,7 +61,8 @@ def _cross_entropy_kernel(LOGITS, LABELS, LOSS, GRAD, SCALE, ROW_SCALE, C, ignor
     loss = log_sum + (1.0 - smoothing) * (running_max - target)
     if SMOOTHING:
         loss += smoothing * (running_max - sum_logits / C)
-    # A label out of range (unchecked on the GPU) shows as a NaN loss rather than a wrong read.
+    # A label out of range (unchecked only while compiling or capturing a CUDA graph) shows
+    # as a NaN loss rather than a wrong read.
     loss = tl.where(ignored, 0.0, tl.where(valid, loss, float("nan")))
     tl.store(LOSS + row, loss)
 

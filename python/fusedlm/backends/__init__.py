@@ -427,14 +427,21 @@ def unobserved() -> bool:
             and not torch.jit.is_tracing() and torch._C._functorch.peek_interpreter_stack() is None)
 
 
-def check_index_data(device: torch.device) -> bool:
+def check_index_data(device: torch.device, *, once_a_step: bool = False) -> bool:
     """Whether a planner checks the values of index tensors (cu_seqlens, labels, indices,
-    cache lengths) before dispatch: always for CPU tensors; on a GPU the check copies to
-    the host, so only under FUSEDLM_DEBUG=1. Never while torch.compile traces (the values
-    are not known then) nor for meta tensors."""
+    cache lengths) before dispatch: always for CPU tensors. On a GPU the check copies to
+    the host, a synchronisation: an op called in every layer checks there only under
+    FUSEDLM_DEBUG=1, and an op called ``once_a_step`` (the losses' labels) always, as a
+    bad label would otherwise cost a NaN loss. Never while torch.compile traces (the values
+    are not known then), while a CUDA graph captures (it cannot synchronise) nor for meta
+    tensors."""
     if torch.compiler.is_compiling() or device.type == "meta":
         return False
-    return device.type == "cpu" or DEBUG
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return once_a_step or DEBUG
 
 
 from . import cpu, cuda, reference, triton  # noqa: E402,F401  (each registers itself)

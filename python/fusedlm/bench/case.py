@@ -82,19 +82,21 @@ def first(out):
 
 
 def forward_backward(fn: Callable, inputs: list) -> Callable[[], None]:
-    """fn(*inputs) then its backward with a fixed upstream gradient, as one step. The
-    gradient is made on the first call, so that a baseline that cannot run (torch.compile
-    without a compiler, say) fails while it is timed, where the failure is reported."""
+    """fn(*inputs) then its backward with a fixed upstream gradient, as one step: the
+    gradients of the inputs that require them, returned (torch.autograd.grad) rather than
+    accumulated into their .grad. Accumulation would add a copy wherever one gradient goes
+    to two inputs (x + residual hands both the same tensor), the engine's work in every
+    implementation alike and never an op's inside a model. The gradient is made on the
+    first call, so that a baseline that cannot run (torch.compile without a compiler, say)
+    fails while it is timed, where the failure is reported."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     upstream = []
 
     def step():
-        for t in inputs:
-            if isinstance(t, torch.Tensor):
-                t.grad = None
         out = first(fn(*inputs))
         if not upstream:
             upstream.append(torch.ones_like(out))
-        out.backward(upstream[0])
+        torch.autograd.grad(out, leaves, upstream[0])
 
     return step
 

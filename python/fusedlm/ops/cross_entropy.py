@@ -45,13 +45,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _check_labels(labels: Tensor, batch_shape, classes: int, ignore_index) -> None:
     """labels: int64 of batch_shape, each a class index or ignore_index.
 
-    The range check reads the labels (fusedlm.backends.check_index_data says when).
+    The range check reads the labels, on every device (fusedlm.backends.check_index_data
+    says when not).
     """
     check.tensor("labels", labels, dtypes=(torch.int64,))
     check.shape("labels", labels, batch_shape)
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not check_index_data(labels.device):
+    if not check_index_data(labels.device, once_a_step=True):
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= classes))
     if bad.any():
