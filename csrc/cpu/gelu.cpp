@@ -47,10 +47,7 @@ constexpr double kTanhCubic = 0.044715;
 template <typename A>
 inline void gelu_and_grad(A z, Gelu kind, A& value, A& slope) {
   if (kind == Gelu::kErf) {
-    A cdf, pdf;
-    normal_cdf_pdf(z, cdf, pdf);
-    value = z * cdf;
-    slope = cdf + z * pdf;
+    gelu_erf(z, value, slope);
     return;
   }
   A u = A(kSqrt2OverPi) * (z + A(kTanhCubic) * z * z * z);

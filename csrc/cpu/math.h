@@ -122,41 +122,59 @@ inline float exp_f(float x) {
   return x > 88.72283f ? INFINITY : y;
 }
 
-// erfc(a) for a >= 0 as erfcx(a) * exp(-a^2), with erfcx(a) = exp(a^2) erfc(a) = t P(t),
-// t = 1 / (1 + a / 2): a degree-8 fit of relative error (3.2e-7 at most in float over
-// [0, 9.3]), so the tail is as accurate as the middle, which keeps GELU's negative side
-// accurate. exp(-a^2) is returned too, for the normal density beside the CDF. Past
-// a = 9.3 erfc leaves float's range (4e-39): both are 0 there, which also keeps -a^2
-// inside exp_in_range_f's domain.
-inline float erfc_nonneg_f(float a, float& exp_neg_square) {
-  const bool in_range = a <= 9.3f;
-  const float ac = in_range ? a : 9.3f;
-  const float t = 1.0f / (1.0f + 0.5f * ac);
-  float p = -0.05880049f;
-  p = p * t + 0.28325874f;
-  p = p * t - 0.48445940f;
-  p = p * t + 0.27491200f;
-  p = p * t - 0.02443618f;
-  p = p * t + 0.20175257f;
-  p = p * t + 0.24334225f;
-  p = p * t + 0.28234214f;
-  p = p * t + 0.28208834f;
-  const float e = exp_in_range_f(-ac * ac);
-  exp_neg_square = in_range ? e : 0.0f;
-  return in_range ? t * p * e : 0.0f;
+// 2^y for y in [-127, 0], to 1e-7 relative: a degree-6 fit of 2^f on f in [-0.5, 0.5]
+// times 2^n. At n = -127 the scale's exponent field is 0, so the result is exactly 0:
+// callers clamp y to -127 to flush what lies below float's normal range.
+inline float exp2_nonpos_f(float y) {
+  const float n = (y + 12582912.0f) - 12582912.0f, f = y - n;  // round to nearest, as above
+  float q = 1.5345811e-4f;
+  q = q * f + 1.3399931e-3f;
+  q = q * f + 9.6184891e-3f;
+  q = q * f + 5.5503286e-2f;
+  q = q * f + 2.4022646e-1f;
+  q = q * f + 6.9314718e-1f;
+  q = q * f + 1.0f;
+  return q * bits_to_float(uint32_t(int32_t(n) + 127) << 23);
 }
 
-// The standard normal CDF, Phi(z) = erfc(-z / sqrt(2)) / 2, without cancellation on either
-// side, and the density phi(z) = exp(-z^2 / 2) / sqrt(2 pi), sharing one exp.
-inline void normal_cdf_pdf(float z, float& cdf, float& pdf) {
-  float e;
-  const float half_tail = 0.5f * erfc_nonneg_f(std::fabs(z) * 0.70710678118654752f, e);
-  cdf = z < 0.0f ? half_tail : 1.0f - half_tail;
-  pdf = e * 0.39894228040143267794f;
+// GELU with the exact normal CDF, and its derivative: value = z Phi(z) and
+// slope = Phi(z) + z phi(z), from one lower tail Phi(-a), a = |z|, and one Gaussian.
+//
+// The tail is erfcx times a Gaussian, erfc(u) / 2 = t P(t) exp(-u^2) with u = a / sqrt 2 and
+// t = 1 / (1 + u / 2): P (degree 8, halved) fits erfcx to a relative 3.2e-7 over float's
+// range, so the tail is accurate relative to itself, not only to float's epsilon as 1 - Phi
+// would be, and GELU's negative side keeps its digits (1.4e-6 relative down to z = -5, and
+// 8e-6 at worst, near z = -13, from the rounding of a^2). exp(-u^2) is 2^y with
+// y = -a^2 log2(e) / 2, clamped at -127 where it flushes to 0 (|z| > 13.3, past float's
+// normal range). value = max(z, 0) - a Phi(-a) holds on both sides and needs no select.
+// z is clamped to [-16, 16] first, where Phi is 0 or 1 to float precision, so +-inf give
+// value inf or 0 and slope 1 or 0 rather than NaN from inf * 0; a NaN stays NaN (it
+// compares false). About 35 AVX-512 instructions per 16 values and slopes: the folded
+// constants, the select-free value and 2^y without a separate range reduction (y is a
+// rounded product already) take a fifth off a separate erfc and exp.
+inline void gelu_erf(float z, float& value, float& slope) {
+  const float zc = z > 16.0f ? 16.0f : (z < -16.0f ? -16.0f : z);
+  const float a = std::fabs(zc);
+  const float t = 1.0f / (1.0f + 0.35355339059327376f * a);
+  float p = -0.029400245f;
+  p = p * t + 0.14162937f;
+  p = p * t - 0.2422297f;
+  p = p * t + 0.137456f;
+  p = p * t - 0.01221809f;
+  p = p * t + 0.100876285f;
+  p = p * t + 0.121671125f;
+  p = p * t + 0.14117107f;
+  p = p * t + 0.14104417f;
+  const float y = a * a * -0.72134752044448170f;
+  const float gauss = exp2_nonpos_f(y > -127.0f ? y : -127.0f);  // exp(-z^2 / 2)
+  const float tail = t * p * gauss;                               // Phi(-a)
+  value = (z > 0.0f ? z : 0.0f) - a * tail;
+  slope = (z < 0.0f ? tail : 1.0f - tail) + zc * gauss * 0.39894228040143267794f;
 }
-inline void normal_cdf_pdf(double z, double& cdf, double& pdf) {
-  cdf = 0.5 * std::erfc(-z * 0.70710678118654752440);
-  pdf = std::exp(-0.5 * z * z) * 0.39894228040143267794;
+inline void gelu_erf(double z, double& value, double& slope) {
+  const double cdf = 0.5 * std::erfc(-z * 0.70710678118654752440);
+  value = z * cdf;
+  slope = cdf + z * std::exp(-0.5 * z * z) * 0.39894228040143267794;
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp_f(-x)); }
