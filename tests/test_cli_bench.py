@@ -69,6 +69,8 @@ def test_json_has_device_versions_ceilings_and_every_row(quick_run):
     assert report["device"].startswith("cpu") and report["quick"] is True and report["complete"]
     assert {"fusedlm", "torch", "triton", "python"} <= set(report["versions"])
     assert "commit" in report and report["statistic"] == "min"
+    # On glibc the CPU run keeps freed memory, so page faults do not decide the ratios.
+    assert report["allocator"] is None or "glibc keeps freed memory" in report["allocator"]
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
     rows = {(r["benchmark"], r["impl"]): r for r in report["rows"]}
     for op in ("bias_gelu", "add_layer_norm"):

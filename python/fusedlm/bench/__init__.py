@@ -15,7 +15,7 @@ from . import ceilings, report
 from .case import Bench, measure
 from .models import MODELS
 from .ops import OPS, shapes_for
-from .timing import Timer
+from .timing import Timer, keep_freed_memory
 
 
 def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: bool = False,
@@ -25,6 +25,7 @@ def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: 
     `progress`, where given, gets the report of the cases measured so far after each (its
     "complete" false until the last): a run cut off keeps what it measured."""
     torch.manual_seed(0)
+    allocator = keep_freed_memory() if device.type == "cpu" else None
     bench = Bench(device, quick)
     timer = Timer(device, min_rounds=1, seconds=0.0) if quick else Timer(device)
     shapes = shapes_for(bench)
@@ -42,8 +43,8 @@ def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: 
                          "reason": reason} for impl, reason in case.skipped.items()]
             if progress is not None:
                 progress(report.report(device, quick, timer.statistic, peak, rows, skipped,
-                                       complete=False))
-    return report.report(device, quick, timer.statistic, peak, rows, skipped)
+                                       allocator, complete=False))
+    return report.report(device, quick, timer.statistic, peak, rows, skipped, allocator)
 
 
 __all__ = ["MODELS", "OPS", "run"]

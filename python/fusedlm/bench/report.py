@@ -8,6 +8,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -82,11 +83,12 @@ def targets(rows: list) -> list:
 
 
 def report(device: torch.device, quick: bool, statistic: str, ceilings: dict, rows: list,
-           skipped: list, complete: bool = True) -> dict:
-    """complete: false for the cases measured so far of a run still going."""
+           skipped: list, allocator: Optional[str] = None, complete: bool = True) -> dict:
+    """allocator: how the run set the host's allocator (fusedlm.bench.timing.keep_freed_memory),
+    or None; complete: false for the cases measured so far of a run still going."""
     return {"device": device_name(device), "date": datetime.date.today().isoformat(),
             "commit": git_commit(), "versions": versions(), "quick": quick, "complete": complete,
-            "statistic": statistic, "ceilings": ceilings,
+            "statistic": statistic, "ceilings": ceilings, "allocator": allocator,
             # The targets are the project's for a GPU, at the GPU shapes.
             "targets": targets(rows) if device.type == "cuda" and not quick else [],
             "rows": list(rows), "skipped": list(skipped)}
@@ -145,7 +147,8 @@ def table(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"device: {result['device']}; ceilings: copy {c['copy_GBps']:.1f} GB/s, "
              f"{c['matmul_dtype']} matmul {c['matmul_TFLOPs']:.2f} TFLOP/s; "
-             f"times: {result['statistic']} of rounds"]
+             f"times: {result['statistic']} of rounds"
+             + (f"; {result['allocator']}" if result.get("allocator") else "")]
     cells, previous = [], None
     for row in result["rows"]:
         name = f"{row['benchmark']} [{row['shape']}]"
