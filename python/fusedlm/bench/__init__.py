@@ -23,7 +23,9 @@ def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: 
     """The report (see :func:`.report.report`) of `ops` and `models` (names in OPS and
     MODELS) timed on `device`; one line per case goes to `log` as it is measured, and
     `progress`, where given, gets the report of the cases measured so far after each (its
-    "complete" false until the last): a run cut off keeps what it measured."""
+    "complete" false until the last): a run cut off keeps what it measured. On the CPU
+    it has glibc keep freed memory for the rest of the process (.timing.keep_freed_memory):
+    call it from a process of its own, as the command line does."""
     torch.manual_seed(0)
     allocator = keep_freed_memory() if device.type == "cpu" else None
     bench = Bench(device, quick)
