@@ -285,9 +285,9 @@ def _forced(backend: Optional[str] = None) -> tuple:
     """(the backend a call is forced to, what forced it), or (None, None)."""
     if backend is not None:
         return _checked_name(backend, "backend"), "backend= argument"
-    pinned = next((name for name in reversed(_pinned) if name is not None), None)
-    if pinned is not None:
-        return pinned, "fusedlm.use_backend()"
+    for pinned in reversed(_pinned):
+        if pinned is not None:
+            return pinned, "fusedlm.use_backend()"
     if _selected is not None:
         return _selected, "fusedlm.set_backend()"
     if _ENV_BACKEND is not None:

@@ -37,6 +37,11 @@ def _filled(outputs, args):
     """outputs with each None replaced by an empty tensor like the first tensor argument."""
     if not isinstance(outputs, tuple):
         return outputs
+    for o in outputs:  # (on every call: a plain loop, which costs least when none is None)
+        if o is None:
+            break
+    else:
+        return outputs
     like = next(a for a in args if isinstance(a, torch.Tensor))
     return tuple(like.new_empty(0) if o is None else o for o in outputs)
 

@@ -22,23 +22,29 @@ def tensor(name: str, t, *, ndim=None, min_ndim=None, dtypes=FLOAT_DTYPES, optio
 
 
 def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
-    """The one device of the given tensors (None entries are skipped)."""
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for name, t in named[1:]:
-        if t.device != first.device:
+    """The one device of the given tensors (None entries are skipped; the first is not)."""
+    first_name, device = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if device is None:
+            first_name, device = name, t.device
+        elif t.device != device:
             raise ValueError(
-                f"{name} is on {t.device} but {first_name} is on {first.device}: all tensors must be on one device"
+                f"{name} is on {t.device} but {first_name} is on {device}: all tensors must be on one device"
             )
-    return first.device
+    return device
 
 
 def same_dtype(**tensors: Optional[torch.Tensor]) -> None:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    first_name, first = named[0]
-    for name, t in named[1:]:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}: they must match")
+    first_name, dtype = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if dtype is None:
+            first_name, dtype = name, t.dtype
+        elif t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {dtype}: they must match")
 
 
 def shape(name: str, t: Optional[torch.Tensor], expected: tuple) -> None:
