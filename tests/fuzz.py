@@ -462,12 +462,12 @@ def run_bad_inputs(draw: Callable[[Draw], Case], backend: str, test_id: str, cas
     arguments = [a for a in inspect.signature(getattr(fusedlm.ops, case.op)).parameters
                  if a != "backend"]
     seed = int(ONE_CASE) if ONE_CASE else random.SystemRandom().randrange(2**31)
+    debug = {"FUSEDLM_DEBUG": "1"} if backend_device(backend).type != "cpu" else {}
     child = subprocess.run(
         [sys.executable, __file__, test_file, function, backend, str(seed), str(cases)],
         capture_output=True, text=True, timeout=1800,
-        env={**os.environ, **({"FUSEDLM_DEBUG": "1"} if backend_device(backend).type != "cpu" else {}),
-             "PYTHONPATH": os.pathsep.join(filter(None, [
-                 os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))})
+        env={**os.environ, **debug, "PYTHONPATH": os.pathsep.join(filter(None, [
+            os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))})
     lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
     problems, current, taken = [], None, None
     for line in lines:

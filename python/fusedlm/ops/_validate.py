@@ -21,30 +21,37 @@ def tensor(name: str, t, *, ndim=None, min_ndim=None, dtypes=FLOAT_DTYPES, optio
         raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
 
 
-def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
-    """The one device of the given tensors (None entries are skipped; the first is not)."""
-    first_name, device = None, None
+def _first_mismatch(attribute: str, tensors: dict) -> tuple:
+    """((name, value) of the first tensor that is not None, (name, value) of the first
+    whose ``attribute`` differs from it, or None). A plain loop: it runs on every call."""
+    first = None
     for name, t in tensors.items():
         if t is None:
             continue
-        if device is None:
-            first_name, device = name, t.device
-        elif t.device != device:
-            raise ValueError(
-                f"{name} is on {t.device} but {first_name} is on {device}: all tensors must be on one device"
-            )
+        value = getattr(t, attribute)
+        if first is None:
+            first = (name, value)
+        elif value != first[1]:
+            return first, (name, value)
+    return first, None
+
+
+def same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
+    """The one device of the given tensors (None entries are skipped; the first is not)."""
+    (first_name, device), mismatch = _first_mismatch("device", tensors)
+    if mismatch:
+        name, other = mismatch
+        raise ValueError(
+            f"{name} is on {other} but {first_name} is on {device}: all tensors must be on one device"
+        )
     return device
 
 
 def same_dtype(**tensors: Optional[torch.Tensor]) -> None:
-    first_name, dtype = None, None
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if dtype is None:
-            first_name, dtype = name, t.dtype
-        elif t.dtype != dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {dtype}: they must match")
+    (first_name, dtype), mismatch = _first_mismatch("dtype", tensors)
+    if mismatch:
+        name, other = mismatch
+        raise TypeError(f"{name} has dtype {other} but {first_name} has {dtype}: they must match")
 
 
 def shape(name: str, t: Optional[torch.Tensor], expected: tuple) -> None:
