@@ -96,10 +96,10 @@ struct AttnTile {
 FUSEDLM_CPU_KERNEL(attn_pack, void(DType, const void* src, int64_t row_stride, int64_t col_stride,
                                    const int32_t* rows, int64_t n, int64_t cols, void* dst))
 
-// dst[r] = scale * src[from[r]] (from null: r) into a strided matrix; zeros where from[r] < 0.
+// dst[r] = src[from[r]] (from null: r) into a strided matrix; zeros where from[r] < 0.
 // For each of `heads` heads, their src and dst the given head strides (elements) apart.
 FUSEDLM_CPU_KERNEL(attn_unpack, void(DType, const void* src, const int32_t* from, int64_t n,
-                                     int64_t cols, double scale, void* dst, int64_t row_stride,
+                                     int64_t cols, void* dst, int64_t row_stride,
                                      int64_t col_stride, int64_t heads, int64_t src_head_stride,
                                      int64_t dst_head_stride))
 
@@ -259,22 +259,21 @@ void pack(const T* src, int64_t row_stride, int64_t col_stride, const int32_t* r
 // Row by row across the heads: in a [batch, seq, heads, dim] output one row of every
 // head is one contiguous run, which the stores (the first touch of that memory) favour.
 template <typename T>
-void unpack(const acc_t<T>* src, const int32_t* from, int64_t n, int64_t cols, acc_t<T> scale,
-            T* dst, int64_t row_stride, int64_t col_stride, int64_t heads,
+void unpack(const acc_t<T>* src, const int32_t* from, int64_t n, int64_t cols, T* dst,
+            int64_t row_stride, int64_t col_stride, int64_t heads,
             int64_t src_head_stride, int64_t dst_head_stride) {
   using A = acc_t<T>;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t f = from ? from[r] : r;
     for (int64_t h = 0; h < heads; ++h) {
       T* d = dst + h * dst_head_stride + r * row_stride;
-      // A row with no source (a padding key) gets zeros: multiplying by 0 would keep NaN/inf.
       const A* s = f >= 0 ? src + h * src_head_stride + f * cols : nullptr;
-      if (!s) {
+      if (!s) {  // a padding key
         for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], A(0));
       } else if (col_stride == 1) {
-        for (int64_t c = 0; c < cols; ++c) store(d[c], s[c] * scale);
+        for (int64_t c = 0; c < cols; ++c) store(d[c], s[c]);
       } else {
-        for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], s[c] * scale);
+        for (int64_t c = 0; c < cols; ++c) store(d[c * col_stride], s[c]);
       }
     }
   }
@@ -437,12 +436,12 @@ void attn_pack(DType dtype, const void* src, int64_t row_stride, int64_t col_str
 }
 
 void attn_unpack(DType dtype, const void* src, const int32_t* from, int64_t n, int64_t cols,
-                 double scale, void* dst, int64_t row_stride, int64_t col_stride, int64_t heads,
+                 void* dst, int64_t row_stride, int64_t col_stride, int64_t heads,
                  int64_t src_head_stride, int64_t dst_head_stride) {
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    unpack(static_cast<const acc_t<T>*>(src), from, n, cols, acc_t<T>(scale), static_cast<T*>(dst),
-           row_stride, col_stride, heads, src_head_stride, dst_head_stride);
+    unpack(static_cast<const acc_t<T>*>(src), from, n, cols, static_cast<T*>(dst), row_stride,
+           col_stride, heads, src_head_stride, dst_head_stride);
   });
 }
 
@@ -867,20 +866,37 @@ struct Grads {
   const Rows* dbias;  // null without a bias gradient; strides 0 where it is broadcast
 };
 
+// out = alpha * a b, or out += alpha * a b: the products take the softmax scale, which
+// Q K^T left out, as their alpha.
+void product(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate,
+             double alpha) {
+  auto result = out;
+  at::baddbmm_out(result, out, a, b, accumulate ? 1.0 : 0.0, alpha);
+}
+
 void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
                     const Grads& g) {
   const int64_t n = pb.keys(b);
   const Operand k = ws.keys(pb, pb.k, b, h0, heads, n, pb.dk, ws.k);
   const Operand v = ws.keys(pb, pb.v, b, h0, heads, n, pb.dv, ws.v);
+  // The products write the gradients in place when they are in the accumulation type,
+  // with unit column strides, and the valid keys are consecutive (the padding keys, at
+  // the ends, are zeroed there after); otherwise into the workspace, unpacked after.
+  const bool in_place = pb.direct && g.dq.col == 1 && g.dk.col == 1 && g.dv.col == 1 &&
+                        pb.keys_consecutive[b];
+  const int64_t key_row = pb.k_row0[b], first_key = n ? pb.positions(b)[0] : 0;
+  auto in_grad = [&](const Rows& grad, int64_t row) {
+    return Operand{grad.at(b, h0, row), grad.head, grad.row};
+  };
   // dK and dV accumulate over query blocks; a key block's first product overwrites them
   // (no zero-fill), so `filled` tracks how many of their rows hold a value.
-  const Operand dk_acc{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
-  const Operand dv_acc{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
+  const Operand dk_acc = in_place ? in_grad(g.dk, key_row + first_key) : Operand{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
+  const Operand dv_acc = in_place ? in_grad(g.dv, key_row + first_key) : Operand{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
   int64_t filled = 0;
-  auto zero_rows = [&](int64_t from, int64_t to) {
+  auto zero_rows = [&](const Operand& dk, const Operand& dv, int64_t from, int64_t to) {
     if (to <= from) return;
-    ws.mats(dk_acc, heads, from, to - from, pb.dk).zero_();
-    ws.mats(dv_acc, heads, from, to - from, pb.dv).zero_();
+    ws.mats(dk, heads, from, to - from, pb.dk).zero_();
+    ws.mats(dv, heads, from, to - from, pb.dv).zero_();
   };
   for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) {
     const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
@@ -898,7 +914,8 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
         cpu::attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
                         dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
                         pb.dv, ws.at(ws.delta, j * rows));
-    auto dq = ws.mats(ws.o, heads, rows, pb.dk);
+    const auto dq = in_place ? ws.mats(in_grad(g.dq, row), heads, 0, rows, pb.dk)
+                             : ws.mats(ws.o, heads, rows, pb.dk);
     for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
       const int64_t cols = std::min(kBlockK, reach - k0);
       const auto kb = ws.mats(k, heads, k0, cols, pb.dk);
@@ -914,30 +931,29 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
                               g.dbias->row, g.dbias->col);
       }
       // s now holds the weights that multiplied V, dp holds dS.
-      auto dvb = ws.mats(dv_acc, heads, k0, cols, pb.dv), dkb = ws.mats(dk_acc, heads, k0, cols, pb.dk);
-      if (k0 >= filled) {
-        at::bmm_out(dvb, s.transpose(1, 2), dout);
-        at::bmm_out(dkb, dp.transpose(1, 2), q);
-      } else {
-        zero_rows(filled, k0 + cols);
-        dvb.baddbmm_(s.transpose(1, 2), dout);
-        dkb.baddbmm_(dp.transpose(1, 2), q);
-      }
-      if (k0 == 0) at::bmm_out(dq, dp, kb);
-      else dq.baddbmm_(dp, kb);
+      const bool fresh = k0 >= filled;
+      if (!fresh) zero_rows(dk_acc, dv_acc, filled, k0 + cols);
+      product(ws.mats(dv_acc, heads, k0, cols, pb.dv), s.transpose(1, 2), dout, !fresh, 1.0);
+      product(ws.mats(dk_acc, heads, k0, cols, pb.dk), dp.transpose(1, 2), q, !fresh, pb.scale);
+      product(dq, dp, kb, k0 > 0, pb.scale);
     }
     filled = std::max(filled, reach);
     if (reach == 0) dq.zero_();
-    // The products used Q and K unscaled: the scale enters dQ and dK here.
-    cpu::attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, pb.scale, g.dq.at(b, h0, row), g.dq.row,
-                     g.dq.col, heads, rows * pb.dk, g.dq.head);
+    if (!in_place)
+      cpu::attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, g.dq.at(b, h0, row), g.dq.row,
+                       g.dq.col, heads, rows * pb.dk, g.dq.head);
   }
-  zero_rows(filled, n);  // keys no query attends to
+  zero_rows(dk_acc, dv_acc, filled, n);  // keys no query attends to
   // Padding keys get zero gradients.
-  const int64_t key_row = pb.k_row0[b];
-  cpu::attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, pb.scale,
-                   g.dk.at(b, h0, key_row), g.dk.row, g.dk.col, heads, n * pb.dk, g.dk.head);
-  cpu::attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, 1.0, g.dv.at(b, h0, key_row),
+  if (in_place) {
+    const Operand dk_all = in_grad(g.dk, key_row), dv_all = in_grad(g.dv, key_row);
+    zero_rows(dk_all, dv_all, 0, first_key);
+    zero_rows(dk_all, dv_all, first_key + n, pb.k_len[b]);
+    return;
+  }
+  cpu::attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, g.dk.at(b, h0, key_row),
+                   g.dk.row, g.dk.col, heads, n * pb.dk, g.dk.head);
+  cpu::attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, g.dv.at(b, h0, key_row),
                    g.dv.row, g.dv.col, heads, n * pb.dv, g.dv.head);
 }
 
