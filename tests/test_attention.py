@@ -295,6 +295,23 @@ def test_attention_random_shapes(batch, heads, seq_q, seq_k, head_dim, causal, m
                              grad_scale=10)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_keys_padded_at_the_ends(layout, dtype, causal):
+    # Padding only at the ends of a sequence leaves its valid keys consecutive: the CPU
+    # products then write dK and dV in place (over query blocks of 128 and key blocks of
+    # 256 here) and zero the padding keys' rows around them.
+    batch, seq_q, seq_k = 5, 300, 530
+    first = torch.tensor([0, 0, 17, 200, 0])  # first valid key of each sequence
+    end = torch.tensor([530, 260, 530, 401, 0])  # one past its last; the last sequence has none
+    position = torch.arange(seq_k)[None, :]
+    mask = (position < first[:, None]) | (position >= end[:, None])
+    leaves, _ = _inputs(batch, 2, seq_q, seq_k, 16, dtype, "cpu", layout=layout)
+    _check_against_reference("cpu", leaves, layout, key_padding_mask=mask, causal=causal,
+                             grad_scale=10)
+
+
 def test_attention_every_instruction_set(cpu_isa):
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         leaves, _ = _inputs(2, 2, 21, 35, 20, dtype, "cpu", layout="bshd")
