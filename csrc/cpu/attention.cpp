@@ -890,8 +890,10 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
   };
   // dK and dV accumulate over query blocks; a key block's first product overwrites them
   // (no zero-fill), so `filled` tracks how many of their rows hold a value.
-  const Operand dk_acc = in_place ? in_grad(g.dk, key_row + first_key) : Operand{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
-  const Operand dv_acc = in_place ? in_grad(g.dv, key_row + first_key) : Operand{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
+  const Operand dk_acc = in_place ? in_grad(g.dk, key_row + first_key)
+                                  : Operand{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
+  const Operand dv_acc = in_place ? in_grad(g.dv, key_row + first_key)
+                                  : Operand{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
   int64_t filled = 0;
   auto zero_rows = [&](const Operand& dk, const Operand& dv, int64_t from, int64_t to) {
     if (to <= from) return;
