@@ -96,8 +96,9 @@ def cuda_paths():
 
 @pytest.fixture(autouse=True)
 def _fresh_seed():
-    """Every test draws new random inputs; pytest shows the printed seed when a test fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Every test draws new random inputs; pytest shows the printed seed when a test fails,
+    and FUSEDLM_SEED=<seed> replays it."""
+    seed = int(os.environ.get("FUSEDLM_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"torch.manual_seed({seed})")
     torch.manual_seed(seed)
     yield seed
