@@ -242,8 +242,6 @@ def _run(case: Case, d: Draw, dtype, function, upstream_seed: int, jitter=None):
     # sees (a float16 dc that nearly cancels dh * o * tanh'(c) moves dc_prev by percents).
     generator = torch.Generator().manual_seed(upstream_seed)
     rounding = case.dtype if case.dtype.is_floating_point else torch.float64
-    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=generator).to(rounding)
-                for o in differentiable]
     # A jittered run scales the upstream gradients by a random factor near 1 and divides
     # the gradients it gets by it (they are linear in the upstream): where the inputs are far
     # finer than what the op rounds (logits of 1e-3 whose probabilities are near 0.5, the
@@ -252,8 +250,8 @@ def _run(case: Case, d: Draw, dtype, function, upstream_seed: int, jitter=None):
     factor = 1.0
     if jitter is not None:
         factor = 2.0 ** (torch.rand((), dtype=torch.float64, generator=jitter).item() / 2 - 0.25)
-    upstream = [(u * factor).to(rounding).to(o.device, o.dtype)
-                for u, o in zip(upstream, differentiable)]
+    upstream = [(torch.randn(o.shape, dtype=torch.float64, generator=generator).to(rounding)
+                 * factor).to(rounding).to(o.device, o.dtype) for o in differentiable]
     got = torch.autograd.grad(differentiable, [leaves[n] for n in wanted], upstream,
                               allow_unused=True)
     grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(wanted, got)}
