@@ -122,54 +122,61 @@ inline float exp_f(float x) {
   return x > 88.72283f ? INFINITY : y;
 }
 
-// 2^y for y in [-127, 0], to 1e-7 relative: a degree-6 fit of 2^f on f in [-0.5, 0.5]
-// times 2^n. At n = -127 the scale's exponent field is 0, so the result is exactly 0:
-// callers clamp y to -127 to flush what lies below float's normal range.
-inline float exp2_nonpos_f(float y) {
-  const float n = (y + 12582912.0f) - 12582912.0f, f = y - n;  // round to nearest, as above
-  float q = 1.5345811e-4f;
-  q = q * f + 1.3399931e-3f;
-  q = q * f + 9.6184891e-3f;
-  q = q * f + 5.5503286e-2f;
-  q = q * f + 2.4022646e-1f;
-  q = q * f + 6.9314718e-1f;
-  q = q * f + 1.0f;
-  return q * bits_to_float(uint32_t(int32_t(n) + 127) << 23);
+// The standard normal density phi(a) = exp(-a^2 / 2) / sqrt(2 pi), for 0 <= a <= 13.25, to
+// 1e-7 relative: 2^y with y = -a^2 log2(e) / 2, as a degree-6 fit of 2^f on f in
+// [-0.5, 0.5] (its coefficients divided by sqrt(2 pi), which costs no instruction) times
+// 2^n, n = round(y). Adding 1.5 * 2^23 + 127 rounds y + 127 to an integer and leaves it in
+// the sum's low mantissa bits; shifted left by 23 they are 2^n's exponent field (the
+// constant's own bits shift out), so no conversion to an integer is needed. a <= 13.25
+// keeps y > -127: where n = -127 the field is 0 and the result exactly 0, flushing what
+// lies below float's normal range.
+inline float normal_pdf_f(float a) {
+  const float y = a * a * -0.72134752044448170f;
+  const float m = y + 12583039.0f;           // 1.5 * 2^23 + 127
+  const float f = y - (m - 12583039.0f);     // y - n, in [-0.5, 0.5]
+  float q = 6.1220926e-5f;
+  q = q * f + 5.34579915e-4f;
+  q = q * f + 3.83722200e-3f;
+  q = q * f + 2.21426077e-2f;
+  q = q * f + 9.58364904e-2f;
+  q = q * f + 0.276525706f;
+  q = q * f + 0.398942280f;
+  return q * bits_to_float(float_to_bits(m) << 23);
 }
 
 // GELU with the exact normal CDF, and its derivative: value = z Phi(z) and
-// slope = Phi(z) + z phi(z), from one lower tail Phi(-a), a = |z|, and one Gaussian.
+// slope = Phi(z) + z phi(z), from one lower tail Phi(-a), a = |z|, and one density phi(a).
 //
-// The tail is erfcx times a Gaussian, erfc(u) / 2 = t P(t) exp(-u^2) with u = a / sqrt 2 and
-// t = 1 / (1 + 0.42 u): P (degree 7, halved; 0.42 is where a degree-7 fit does best) fits
-// erfcx to a relative 1.7e-7 over float's range (4.6e-7 as float evaluates it), so the tail
-// is accurate relative to itself, not only to float's epsilon as 1 - Phi would be, and
-// GELU's negative side keeps its digits (1.6e-6 relative down to z = -5, and 8e-6 at
-// worst, near z = -13, from the rounding of a^2). exp(-u^2) is 2^y with
-// y = -a^2 log2(e) / 2, clamped at -127 where it flushes to 0 (|z| > 13.3, past float's
-// normal range). value = max(z, 0) - a Phi(-a) holds on both sides and needs no select.
-// z is clamped to [-16, 16] first, where Phi is 0 or 1 to float precision, so +-inf give
-// value inf or 0 and slope 1 or 0 rather than NaN from inf * 0; a NaN stays NaN (it
-// compares false). About 34 AVX-512 instructions per 16 values and slopes: the folded
-// constants, the select-free value and 2^y without a separate range reduction (y is a
-// rounded product already) take a fifth off a separate erfc and exp.
+// The tail is erfcx times the density, Phi(-a) = t P(t) phi(a) with t = 1 / (1 + 0.42 u),
+// u = a / sqrt 2: P (degree 7; 0.42 is where a degree-7 fit does best) fits
+// sqrt(pi / 2) erfcx(u) to a relative 1.7e-7 over float's range (4.6e-7 as float evaluates
+// it), so the tail is accurate relative to itself, not only to float's epsilon as
+// 1 - Phi would be, and GELU's negative side keeps its digits (1.1e-6 relative down to
+// z = -5, and 5.1e-6 at worst, near z = -13, from the rounding of a^2). a is capped at
+// 13.25: beyond it the density flushes to 0 (past float's normal range), so Phi is 0 or 1
+// and the cap changes nothing, but +-inf give value inf or 0 and slope 1 or 0 rather than
+// NaN from inf * 0; a NaN stays NaN (the cap's compare is false for it). With
+// d = Phi(-a) - a phi(a) = (t P - a) phi, value = max(z, 0) - a Phi(-a) and slope = d for
+// z < 0, 1 - d otherwise. The loops are bound by their vector instructions (about 34 per
+// 16 values, or 16 slopes), so each counts: no select but the slope's, no clamp but the
+// cap, no float-to-integer conversion, no constant factor of its own.
 inline void gelu_erf(float z, float& value, float& slope) {
-  const float zc = z > 16.0f ? 16.0f : (z < -16.0f ? -16.0f : z);
-  const float a = std::fabs(zc);
+  float a = std::fabs(z);
+  a = a > 13.25f ? 13.25f : a;  // one vminps, NaN kept
   const float t = 1.0f / (1.0f + 0.29698484809834991f * a);
-  float p = 0.0351938643f;
-  p = p * t - 0.160458967f;
-  p = p * t + 0.220914826f;
-  p = p * t - 0.0658044294f;
-  p = p * t + 0.134662896f;
-  p = p * t + 0.0972729325f;
-  p = p * t + 0.119807675f;
-  p = p * t + 0.118411131f;
-  const float y = a * a * -0.72134752044448170f;
-  const float gauss = exp2_nonpos_f(y > -127.0f ? y : -127.0f);  // exp(-z^2 / 2)
-  const float tail = t * p * gauss;                               // Phi(-a)
-  value = (z > 0.0f ? z : 0.0f) - a * tail;
-  slope = (z < 0.0f ? tail : 1.0f - tail) + zc * gauss * 0.39894228040143267794f;
+  float p = 0.0882179365f;
+  p = p * t - 0.402210981f;
+  p = p * t + 0.553751349f;
+  p = p * t - 0.164947242f;
+  p = p * t + 0.337549835f;
+  p = p * t + 0.24382709f;
+  p = p * t + 0.300313294f;
+  p = p * t + 0.296812683f;
+  const float phi = normal_pdf_f(a);
+  const float tp = t * p;
+  value = (z > 0.0f ? z : 0.0f) - a * (tp * phi);
+  const float d = (tp - a) * phi;
+  slope = z < 0.0f ? d : 1.0f - d;
 }
 inline void gelu_erf(double z, double& value, double& slope) {
   const double cdf = 0.5 * std::erfc(-z * 0.70710678118654752440);
