@@ -141,7 +141,7 @@ def test_eager_autograd_gives_the_registered_ops_outputs_and_gradients(call):
         torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
         return outputs, [t.grad for t in leaves]
 
-    eager = run()  # the kernels under a plain autograd.Function
+    eager = run()  # the kernels under a plain autograd.Function, or the backend's own node
     with Recorder() as recorder:
         registered = run()  # a dispatch mode watches: the registered op and its autograd
     assert any(name.startswith("fusedlm.") for name in recorder.ops)

@@ -125,10 +125,13 @@ class Supports:
 @dataclass(frozen=True)
 class Kernel:
     """One backend's implementation of one op: the forward and backward kernels of the op's
-    schemas (fusedlm.ops._op), and what they take."""
+    schemas (fusedlm.ops._op), the op's autograd node where the backend has its own (a
+    function of the forward's arguments returning its outputs, recorded by autograd without
+    Python in between), and what they take."""
 
     forward: Callable
     backward: Optional[Callable] = None
+    autograd: Optional[Callable] = None
     supports: Supports = Supports()
 
 
@@ -177,7 +180,8 @@ class Backend:
     name: str
     devices: tuple  # the device types whose tensors it runs on
     unavailable: Optional[str]  # why it cannot run at all, or None
-    # (forward, backward or None) of an op, or None where the backend has no kernel for it.
+    # (forward, backward or None[, autograd node or None]) of an op, or None where the
+    # backend has no kernel for it.
     find: Callable[[OpInfo], Optional[tuple]]
     supports: Supports = Supports()  # what its kernels take, unless an op says otherwise
     # How it runs where it only emulates its device on the CPU (then never chosen
@@ -209,7 +213,7 @@ class Backend:
         found = None if self.unavailable else self.find(op)
         if found is None:
             return None
-        return Kernel(*found, op.supports.get(self.name, self.supports))
+        return Kernel(*found, supports=op.supports.get(self.name, self.supports))
 
     def cannot_run(self, op: str, device: torch.device, features: dict) -> Optional[str]:
         if self.unavailable:

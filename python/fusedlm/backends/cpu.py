@@ -1,7 +1,8 @@
 """The cpu backend: fusedlm's C++ kernels (csrc/), vectorised per instruction set.
 
-An op's kernels are fusedlm._C.<op>_forward and <op>_backward. They take every floating
-dtype (float64 for gradcheck) and any shape.
+An op's kernels are fusedlm._C.<op>_forward and <op>_backward, and <op>_autograd where the
+op's autograd node is written in C++ too. They take every floating dtype (float64 for
+gradcheck) and any shape.
 """
 from .._extension import _C
 from . import Backend, register
@@ -9,7 +10,10 @@ from . import Backend, register
 
 def _find(op):
     forward = getattr(_C, f"{op.name}_forward", None)
-    return None if forward is None else (forward, getattr(_C, f"{op.name}_backward", None))
+    if forward is None:
+        return None
+    return (forward, getattr(_C, f"{op.name}_backward", None),
+            getattr(_C, f"{op.name}_autograd", None))
 
 
 BACKEND = register(Backend("cpu", ("cpu",), None, _find))

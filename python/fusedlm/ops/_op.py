@@ -17,7 +17,10 @@ The registered op is what torch.compile, dispatch modes (fake tensors) and torch
 see. In plain eager code nothing observes the difference, and its Python dispatch is
 costly (about 100 µs a forward and backward on a CPU, several times the kernels' own time
 at BERT sizes on a GPU): there a call goes straight to the backend's kernel, under a plain
-``torch.autograd.Function`` with the same setup and gradient where autograd records it.
+``torch.autograd.Function`` with the same setup and gradient where autograd records it, or
+through the backend's own autograd node where it has one (``Kernel.autograd``: the cpu
+backend's add_layer_norm, whose node in C++ records the same saved tensors and gradient
+without Python in the forward or the backward).
 """
 import sys
 from dataclasses import replace
@@ -93,8 +96,11 @@ class Op:
     def __call__(self, backend: str, *args):
         """The op's outputs on ``backend``."""
         if unobserved():
+            found = kernel(backend, self.name)
             if not torch.is_grad_enabled():
-                return _filled(kernel(backend, self.name).forward(*args), args)
+                return _filled(found.forward(*args), args)
+            if found.autograd is not None:
+                return found.autograd(*args)
             if self._grad is not None:
                 direct = self._direct.get(backend)
                 if direct is None:
