@@ -82,6 +82,26 @@ def test_bias_gelu_negative_tail_keeps_its_digits(cpu_isa):
         assert relative.max() < 1e-5, f"{cpu_isa} {name}: {relative.max():.3g} at z = {z[relative.argmax()]:.4f}"
 
 
+def test_bias_gelu_extremes_and_nan(cpu_isa):
+    # Past |z| = 13.25 the cpu kernels cap |z| (the normal density is 0 there in float):
+    # huge and infinite inputs give GELU's limits, z or 0 with slope 1 or 0, not NaN from
+    # inf * 0; a NaN stays NaN.
+    inf, nan = math.inf, math.nan
+    z = torch.tensor([-inf, -1e30, -20.0, -13.3, -13.2, 13.2, 13.3, 20.0, 1e30, inf, nan],
+                     requires_grad=True)
+    out = fusedlm.ops.bias_gelu(z, None, "none", backend="cpu")
+    (slope,) = torch.autograd.grad(out, z, torch.ones_like(out))
+    z64 = z.detach().double()
+    cdf = 0.5 * torch.erfc(-z64 / math.sqrt(2))
+    density = torch.exp(-z64 ** 2 / 2) / math.sqrt(2 * math.pi)
+    limits = torch.isinf(z64)
+    expected = torch.where(limits, torch.where(z64 > 0, z64, 0.0), z64 * cdf)
+    expected_slope = torch.where(limits, (z64 > 0).double(), cdf + torch.nan_to_num(z64 * density))
+    # Float's subnormals (|GELU| near 1e-38 at z = -13.2) carry few digits: absolute there.
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-37, equal_nan=True)
+    torch.testing.assert_close(slope.double(), expected_slope, rtol=1e-6, atol=1e-37, equal_nan=True)
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(0, 70), cols=st.integers(1, 300), scale=st.floats(0.1, 20.0),
        approximate=st.sampled_from(["none", "tanh"]))

@@ -37,20 +37,25 @@ def checks(tmp_path, monkeypatch):
 
 
 def _broken(backend: str, op: str, monkeypatch, corrupt):
-    """Replaces backend's forward kernel of op by one whose first output goes through
-    corrupt; returns the list of its calls."""
+    """Replaces backend's forward kernel of op (and its autograd node, which runs that
+    kernel, where it has one) by one whose first output goes through corrupt; returns the
+    list of its calls."""
     calls = []
     kernels = _REGISTRY[backend].kernels
     good = kernels[op]
 
-    def forward(*args):
-        calls.append(1)
-        outputs = good.forward(*args)
-        if isinstance(outputs, tuple):
-            return (corrupt(outputs[0]), *outputs[1:])
-        return corrupt(outputs)
+    def corrupted(run):
+        def call(*args):
+            calls.append(1)
+            outputs = run(*args)
+            if isinstance(outputs, tuple):
+                return (corrupt(outputs[0]), *outputs[1:])
+            return corrupt(outputs)
+        return call
 
-    monkeypatch.setitem(kernels, op, dataclasses.replace(good, forward=forward))
+    monkeypatch.setitem(kernels, op, dataclasses.replace(
+        good, forward=corrupted(good.forward),
+        autograd=good.autograd and corrupted(good.autograd)))
     return calls
 
 

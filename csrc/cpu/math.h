@@ -152,17 +152,18 @@ inline float normal_pdf_f(float a) {
 // sqrt(pi / 2) erfcx(u) to a relative 1.7e-7 over float's range (4.6e-7 as float evaluates
 // it), so the tail is accurate relative to itself, not only to float's epsilon as
 // 1 - Phi would be, and GELU's negative side keeps its digits (1.1e-6 relative down to
-// z = -5, and 5.1e-6 at worst, near z = -13, from the rounding of a^2). a is capped at
+// z = -5, and 5.2e-6 at worst, near z = -13, from the rounding of a^2). a is capped at
 // 13.25: beyond it the density flushes to 0 (past float's normal range), so Phi is 0 or 1
 // and the cap changes nothing, but +-inf give value inf or 0 and slope 1 or 0 rather than
 // NaN from inf * 0; a NaN stays NaN (the cap's compare is false for it). With
 // d = Phi(-a) - a phi(a) = (t P - a) phi, value = max(z, 0) - a Phi(-a) and slope = d for
-// z < 0, 1 - d otherwise. The loops are bound by their vector instructions (about 34 per
-// 16 values, or 16 slopes), so each counts: no select but the slope's, no clamp but the
-// cap, no float-to-integer conversion, no constant factor of its own.
+// z < 0, 1 - d otherwise. The loops are bound by their vector instructions (about 36 per
+// 16 values, 38 per 16 slopes, loads and stores included), so each counts: no select but
+// the slope's, no clamp but the cap, no float-to-integer conversion, no constant factor of
+// its own.
 inline void gelu_erf(float z, float& value, float& slope) {
   float a = std::fabs(z);
-  a = a > 13.25f ? 13.25f : a;  // one vminps, NaN kept
+  a = a > 13.25f ? 13.25f : a;  // NaN kept: the compare is false
   const float t = 1.0f / (1.0f + 0.29698484809834991f * a);
   float p = 0.0882179365f;
   p = p * t - 0.402210981f;
