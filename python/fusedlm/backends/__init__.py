@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _is_tracing, _len_torch_dispatch_stack
+from torch._C._functorch import peek_interpreter_stack
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
 KERNEL_BACKENDS = BACKEND_NAMES[1:]  # those with kernels of their own (the reference is the yardstick)
@@ -233,13 +234,11 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 _PLANNERS: dict[str, Callable] = {}
-# choose()'s fixed part, memoised by call features: why a backend cannot run such a call
-# ({(backend, op, device, *features): reason or None}), the automatic order's reasons
-# ({(None, op, device, *features): ((backend, reason or None), ...)}) and the Choice
-# objects returned ({("forced" or "chosen", ...): Choice}). It depends only on
-# the declared ops and the backends, so declare(), register() and a change to a Backend
-# empty it; what may change between calls (the backend forced, the device checks of
-# fusedlm.backends.verify) is asked on every call.
+# choose()'s answers, memoised by call: {(op, device, backend forced, what forced it,
+# *features): _worked_out's plan, or the Choice itself once the device checks of
+# fusedlm.backends.verify have passed it for good}. It depends only on the declared ops, the
+# backends and those checks, so declare(), register(), a change to a Backend and
+# verify.forget() empty it.
 _MEMO: dict = {}
 _MEMO_SIZE = 4096
 _selected: Optional[str] = None
@@ -342,49 +341,71 @@ class Choice:
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **features) -> Choice:
     """The backend that runs ``op`` on ``device`` for a call with these features."""
     forced, source = _forced(backend)
+    # While torch.compile traces, nothing is memoised (the memo is state it would guard on)
+    # nor checked: the graph it captures runs the kernels as configured (the eager calls
+    # before it are checked).
+    if torch.compiler.is_compiling():
+        return _decided(op, device, forced, source, features,
+                        _worked_out(op, device, forced, source, features), _unchecked)[0]
+    key = (op, device, forced, source, *features.items())
+    try:
+        known = _MEMO[key]
+    except KeyError:
+        if len(_MEMO) >= _MEMO_SIZE:  # features such as rows vary from call to call
+            _MEMO.clear()
+        known = _MEMO[key] = _worked_out(op, device, forced, source, features)
+    except TypeError:  # a feature that cannot be a key
+        return _decided(op, device, forced, source, features,
+                        _worked_out(op, device, forced, source, features), verify.failure)[0]
+    if known.__class__ is Choice:
+        return known
+    choice, final = _decided(op, device, forced, source, features, known, verify.failure)
+    if final:  # the same answer until the backends or the checks change: memoised whole
+        _MEMO[key] = choice
+    return choice
+
+
+def _decided(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
+             features: dict, plan: tuple, failure: Callable) -> tuple:
+    """(the Choice, whether it is final) from _worked_out's plan and the device checks
+    (``failure``: fusedlm.backends.verify.failure); raises where no backend can run the
+    call."""
+    dtype = features.get("dtype")
     if forced is not None:
-        reason = _memoised((forced, op, device, *features.items()),
-                           lambda: _REGISTRY[forced].cannot_run(op, device, features))
+        (_, reason, choice), = plan
         if reason:
             raise RuntimeError(f"fusedlm: {op} cannot run on backend {forced!r} (asked for by {source}): {reason}")
-        failed = verify.failure(op, forced, device, features.get("dtype"))
+        failed = failure(op, forced, device, dtype)
         if failed:
             raise RuntimeError(f"fusedlm: {op} on backend {forced!r} (asked for by {source}) failed "
                                f"its check on this device: {failed} (FUSEDLM_VERIFY=0 runs it unchecked)")
-        return _memoised(("forced", forced, source), lambda: Choice(forced, f"asked for by {source}"))
+        return choice, verify.passed_for_good(op, forced, device, dtype)
 
-    skipped = []
-    for name, reason in _memoised((None, op, device, *features.items()),
-                                  lambda: _automatic(op, device, features)):
+    skipped, checks_failed = [], False
+    for name, reason, choice in plan:
         if reason is None:
-            failed = verify.failure(op, name, device, features.get("dtype"))
-            if not failed:
-                return _memoised(("chosen", name, device.type, *skipped),
-                                 lambda: _automatic_choice(name, device.type, skipped))
-            reason = f"failed its check on this device: {failed}"
+            failed = failure(op, name, device, dtype)
+            if not failed:  # (the plan's Choice names only the backends it skipped)
+                if checks_failed:
+                    return _automatic_choice(name, device.type, skipped), False
+                return choice, verify.passed_for_good(op, name, device, dtype)
+            reason, checks_failed = f"failed its check on this device: {failed}", True
         skipped.append(f"{name}: {reason}")
     raise RuntimeError(f"fusedlm: no backend can run {op} here: " + "; ".join(skipped))
 
 
-def _memoised(key: tuple, work: Callable):
-    """work(), memoised in _MEMO under key (worked out every time where a feature in key
-    cannot be a key, and while torch.compile traces: the memo is state it would guard on)."""
-    if torch.compiler.is_compiling():
-        return work()
-    try:
-        return _MEMO[key]
-    except KeyError:
-        if len(_MEMO) >= _MEMO_SIZE:  # features such as rows vary from call to call
-            _MEMO.clear()
-        known = _MEMO[key] = work()
-        return known
-    except TypeError:
-        return work()
+def _unchecked(*call) -> None:
+    return None
 
 
-def _automatic(op: str, device: torch.device, features: dict) -> tuple:
-    """((backend, why it cannot take this call, or None), ...) in the automatic order."""
-    reasons = []
+def _worked_out(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
+                features: dict) -> tuple:
+    """((backend, why it cannot take this call or None, its Choice), ...): the backend
+    forced, else every backend in the automatic order."""
+    if forced is not None:
+        return ((forced, _REGISTRY[forced].cannot_run(op, device, features),
+                 Choice(forced, f"asked for by {source}")),)
+    plan, skipped = [], []
     for name in _AUTO_ORDER.get(device.type, ("reference",)):
         candidate = _REGISTRY[name]
         reason = candidate.cannot_run(op, device, features)
@@ -395,8 +416,10 @@ def _automatic(op: str, device: torch.device, features: dict) -> tuple:
             if slower:
                 reason = (f"measured slower than plain PyTorch for {slower} on {device.type}, "
                           "so only when asked for by name")
-        reasons.append((name, reason))
-    return tuple(reasons)
+        plan.append((name, reason, _automatic_choice(name, device.type, skipped)))
+        if reason is not None:
+            skipped.append(f"{name}: {reason}")
+    return tuple(plan)
 
 
 def _automatic_choice(backend: str, device_type: str, skipped: list) -> Choice:
@@ -427,8 +450,10 @@ def unobserved() -> bool:
     """Nothing but autograd watches the call: no torch.compile, jit tracing, dispatch mode
     (fake tensors) or torch.func transform. Such calls may take shortcuts (fusedlm.ops._op)
     and run checks (fusedlm.backends.verify) that traced code must not see."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and not torch.jit.is_tracing() and torch._C._functorch.peek_interpreter_stack() is None)
+    # (The C functions behind torch.jit.is_tracing and the dispatch mode stack's: this runs
+    # on every eager call, where each Python frame saved is a microsecond.)
+    return (not torch.compiler.is_compiling() and not _len_torch_dispatch_stack()
+            and not _is_tracing() and peek_interpreter_stack() is None)
 
 
 def check_index_data(device: torch.device, *, once_a_step: bool = False) -> bool:

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from . import probes, unobserved
+from . import _MEMO, probes, unobserved
 
 # Read once, at import.
 _MODE = (os.environ.get("FUSEDLM_VERIFY") or "1").strip().lower()
@@ -75,10 +75,9 @@ def cache_folder() -> Path:
 def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.dtype]) -> Optional[str]:
     """Why ``backend``'s kernels of ``op`` in ``dtype`` must not run on ``device`` (they
     failed their check), or None: passed, not checked (off, no probe, or not now), or
-    the reference backend. Checks on first use."""
-    # While torch.compile traces, nothing is checked or looked up: the graph it captures
-    # runs the kernels as configured (the eager calls before it are checked).
-    if _MODE == "0" or backend == "reference" or torch.compiler.is_compiling() or _suspended():
+    the reference backend. Checks on first use; never asked while torch.compile traces
+    (fusedlm.backends.choose)."""
+    if _MODE == "0" or backend == "reference" or getattr(_checking, "active", False):
         return None
     decided = _decided.get((op, backend, device, dtype), _UNDECIDED)
     if decided is None or (decided is not _UNDECIDED and _MODE != "strict"):
@@ -110,6 +109,15 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
     return outcome
 
 
+def passed_for_good(op: str, backend: str, device: torch.device,
+                    dtype: Optional[torch.dtype]) -> bool:
+    """Whether failure() answers None for such calls until forget(): checks off, the
+    reference backend, a check passed, or no probe to check with."""
+    return (_MODE == "0" or backend == "reference"
+            or _decided.get((op, backend, device, dtype), _UNDECIDED) is None
+            or not probes.probes(op))
+
+
 def forget() -> None:
     """Drops the results held in memory (the files stay): the next calls check again, or
     read the files again."""
@@ -117,6 +125,7 @@ def forget() -> None:
         _records.clear()
         _warned.clear()
         _decided.clear()
+        _MEMO.clear()  # choose()'s answers that rest on them
 
 
 @contextlib.contextmanager
@@ -128,10 +137,6 @@ def suspended():
         yield
     finally:
         _checking.active = was
-
-
-def _suspended() -> bool:
-    return getattr(_checking, "active", False)
 
 
 def _may_check(device: torch.device) -> bool:
