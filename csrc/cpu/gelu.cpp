@@ -11,6 +11,8 @@
 
 #include "math.h"
 #else
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <vector>
 
 #include "bind.h"
@@ -290,6 +292,39 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
   return {dx, db};
 }
 FUSEDLM_BIND(bias_gelu_backward);
+
+namespace {
+
+// The autograd node of bias_gelu on the CPU, as fusedlm/ops/gelu.py's _bias_gelu_setup and
+// _bias_gelu_grad record it from Python (tests/test_gelu.py holds the two to the same output
+// and gradients, bit for bit): eager calls skip torch.autograd.Function's Python in the
+// forward and the backward.
+struct BiasGeluNode : torch::autograd::Function<BiasGeluNode> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const std::optional<at::Tensor>& bias, const std::string& approximate) {
+    ctx->save_for_backward({x, bias.value_or(at::Tensor())});
+    ctx->saved_data["approximate"] = approximate;
+    return bias_gelu_forward(x, bias, approximate);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto bias = saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
+    auto [dx, dbias] = bias_gelu_backward(grads[0], saved[0], bias,
+                                          ctx->saved_data["approximate"].toStringRef());
+    return {dx, dbias, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+// bias_gelu_forward's output, recorded by autograd with BiasGeluNode.
+at::Tensor bias_gelu_autograd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                              const std::string& approximate) {
+  return BiasGeluNode::apply(x, bias, approximate);
+}
+FUSEDLM_BIND(bias_gelu_autograd);
 
 // Linear -> GELU -> dropout -> Linear. Returns (y, pre_activation), the one activation the
 // backward needs: on the CPU x @ w1^T without its bias; on CUDA with b1 (each backend's

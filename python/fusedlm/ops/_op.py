@@ -19,8 +19,8 @@ costly (about 100 µs a forward and backward on a CPU, several times the kernels
 at BERT sizes on a GPU): there a call goes straight to the backend's kernel, under a plain
 ``torch.autograd.Function`` with the same setup and gradient where autograd records it, or
 through the backend's own autograd node where it has one (``Kernel.autograd``: the cpu
-backend's add_layer_norm, whose node in C++ records the same saved tensors and gradient
-without Python in the forward or the backward).
+backend's add_layer_norm and bias_gelu, whose nodes in C++ record the same saved tensors and
+gradients without Python in the forward or the backward).
 """
 import sys
 from dataclasses import replace
