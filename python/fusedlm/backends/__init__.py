@@ -345,7 +345,7 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
     # nor checked: the graph it captures runs the kernels as configured (the eager calls
     # before it are checked).
     if torch.compiler.is_compiling():
-        return _decided(op, device, forced, source, features,
+        return _decided(op, device, forced, source, features.get("dtype"),
                         _worked_out(op, device, forced, source, features), _unchecked)[0]
     key = (op, device, forced, source, *features.items())
     try:
@@ -355,22 +355,22 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
             _MEMO.clear()
         known = _MEMO[key] = _worked_out(op, device, forced, source, features)
     except TypeError:  # a feature that cannot be a key
-        return _decided(op, device, forced, source, features,
+        return _decided(op, device, forced, source, features.get("dtype"),
                         _worked_out(op, device, forced, source, features), verify.failure)[0]
     if known.__class__ is Choice:
         return known
-    choice, final = _decided(op, device, forced, source, features, known, verify.failure)
+    choice, final = _decided(op, device, forced, source, features.get("dtype"), known,
+                             verify.failure)
     if final:  # the same answer until the backends or the checks change: memoised whole
         _MEMO[key] = choice
     return choice
 
 
 def _decided(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
-             features: dict, plan: tuple, failure: Callable) -> tuple:
-    """(the Choice, whether it is final) from _worked_out's plan and the device checks
-    (``failure``: fusedlm.backends.verify.failure); raises where no backend can run the
-    call."""
-    dtype = features.get("dtype")
+             dtype: Optional[torch.dtype], plan: tuple, failure: Callable) -> tuple:
+    """(the Choice, whether it is final) from _worked_out's plan and the device checks of
+    calls in ``dtype`` (``failure``: fusedlm.backends.verify.failure); raises where no
+    backend can run the call."""
     if forced is not None:
         (_, reason, choice), = plan
         if reason:
