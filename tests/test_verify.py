@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
-from fusedlm.backends import _REGISTRY, probes, verify
+from fusedlm.backends import _REGISTRY, forget_choices, probes, verify
 from fusedlm.backends import cuda as cuda_backend
 from fusedlm.ops import reference
 from cli_helpers import run_cli
@@ -36,26 +36,37 @@ def checks(tmp_path, monkeypatch):
     verify.forget()
 
 
+@pytest.fixture(autouse=True)
+def unsettled():
+    """No choice made with a kernel a test replaces outlives it (nor precedes it)."""
+    forget_choices()
+    yield
+    forget_choices()
+
+
 def _broken(backend: str, op: str, monkeypatch, corrupt):
-    """Replaces backend's forward kernel of op (and its autograd node, which runs that
-    kernel, where it has one) by one whose first output goes through corrupt; returns the
-    list of its calls."""
+    """Replaces backend's forward kernel of op (and its autograd node and eager lane, which
+    run that kernel, where it has them) by one whose first output goes through corrupt;
+    returns the list of its calls."""
     calls = []
     kernels = _REGISTRY[backend].kernels
     good = kernels[op]
 
     def corrupted(run):
         def call(*args):
-            calls.append(1)
             outputs = run(*args)
+            if outputs is None:  # a lane that did not take the call
+                return None
+            calls.append(1)
             if isinstance(outputs, tuple):
                 return (corrupt(outputs[0]), *outputs[1:])
             return corrupt(outputs)
         return call
 
     monkeypatch.setitem(kernels, op, dataclasses.replace(
-        good, forward=corrupted(good.forward),
-        autograd=good.autograd and corrupted(good.autograd)))
+        good, forward=corrupted(good.forward), autograd=good.autograd and corrupted(good.autograd),
+        eager=good.eager and corrupted(good.eager)))
+    forget_choices()  # the lanes opened with the good kernel
     return calls
 
 

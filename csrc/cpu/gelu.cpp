@@ -18,6 +18,7 @@
 #include "bind.h"
 #include "checks.h"
 #include "common.h"
+#include "eager_lane.h"
 #endif
 
 // y = gelu(x + bias) [* keep / (1 - p)] over rows x cols, row-major; bias may be null.
@@ -325,6 +326,29 @@ at::Tensor bias_gelu_autograd(const at::Tensor& x, const std::optional<at::Tenso
   return BiasGeluNode::apply(x, bias, approximate);
 }
 FUSEDLM_BIND(bias_gelu_autograd);
+
+// bias_gelu's eager lane (eager_lane.h): fusedlm.ops.bias_gelu's output for its usual call,
+// bias absent or alike x (dtype, device, x's last dimension) and approximate "none" or
+// "tanh"; None for any other call.
+pybind11::object bias_gelu_eager(pybind11::handle dtypes, pybind11::handle x_arg,
+                                 pybind11::handle bias_arg, pybind11::handle approximate_arg) {
+  const at::Tensor* x = eager::cpu_tensor(x_arg);
+  const bool has_bias = !bias_arg.is_none();
+  const at::Tensor* bias = has_bias ? eager::cpu_tensor(bias_arg) : nullptr;
+  const auto approximate = eager::one_of(approximate_arg, {"none", "tanh"});
+  if (!x || (has_bias && !bias) || !approximate || !eager::unobserved() ||
+      !eager::settled(dtypes, *x) || x->dim() < 1) {
+    return pybind11::none();
+  }
+  if (has_bias && (bias->scalar_type() != x->scalar_type() || bias->dim() != 1 ||
+                   bias->size(0) != x->size(-1))) {
+    return pybind11::none();
+  }
+  const auto given = has_bias ? std::optional<at::Tensor>(*bias) : std::nullopt;
+  return pybind11::cast(at::GradMode::is_enabled() ? BiasGeluNode::apply(*x, given, *approximate)
+                                                   : bias_gelu_forward(*x, given, *approximate));
+}
+FUSEDLM_BIND(bias_gelu_eager);
 
 // Linear -> GELU -> dropout -> Linear. Returns (y, pre_activation), the one activation the
 // backward needs: on the CPU x @ w1^T without its bias; on CUDA with b1 (each backend's

@@ -39,6 +39,7 @@
 #include "bind.h"
 #include "checks.h"
 #include "common.h"
+#include "eager_lane.h"
 #endif
 
 // summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
@@ -510,6 +511,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_autogr
   return {outputs[0], outputs[1], outputs[2], outputs[3]};
 }
 FUSEDLM_BIND(add_layer_norm_autograd);
+
+// add_layer_norm's eager lane (eager_lane.h): (out, summed) of fusedlm.ops.add_layer_norm's
+// usual call, every tensor given and alike (dtype, device, x's last dimension) and eps and
+// dropout_p floats in range; None for any other call.
+pybind11::object add_layer_norm_eager(pybind11::handle dtypes, pybind11::handle x_arg,
+                                      pybind11::handle residual_arg, pybind11::handle weight_arg,
+                                      pybind11::handle bias_arg, pybind11::handle eps_arg,
+                                      pybind11::handle dropout_arg) {
+  const at::Tensor* x = eager::cpu_tensor(x_arg);
+  const at::Tensor* residual = eager::cpu_tensor(residual_arg);
+  const at::Tensor* weight = eager::cpu_tensor(weight_arg);
+  const at::Tensor* bias = eager::cpu_tensor(bias_arg);
+  const auto eps = eager::float_in(eps_arg, 0.0, INFINITY);
+  const auto p = eager::float_in(dropout_arg, 0.0, 1.0);
+  if (!x || !residual || !weight || !bias || !eps || !p || !eager::unobserved() ||
+      !eager::settled(dtypes, *x)) {
+    return pybind11::none();
+  }
+  const auto dtype = x->scalar_type();
+  if (residual->scalar_type() != dtype || weight->scalar_type() != dtype ||
+      bias->scalar_type() != dtype || x->dim() < 1 || x->size(-1) == 0 ||
+      residual->sizes() != x->sizes() || weight->dim() != 1 || weight->size(0) != x->size(-1) ||
+      bias->dim() != 1 || bias->size(0) != x->size(-1)) {
+    return pybind11::none();
+  }
+  const auto seed = eager::next_seed(*p);
+  if (at::GradMode::is_enabled()) {
+    auto outputs = AddLayerNormNode::apply(*x, *residual, *weight, *bias, *eps, *p, seed);
+    return pybind11::make_tuple(outputs[0], outputs[1]);
+  }
+  auto [out, summed, mean, rstd] = add_layer_norm_forward(*x, *residual, *weight, *bias, *eps, *p, seed);
+  return pybind11::make_tuple(out, summed);
+}
+FUSEDLM_BIND(add_layer_norm_eager);
 
 }  // namespace fusedlm
 

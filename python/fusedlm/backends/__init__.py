@@ -24,6 +24,7 @@ Environment switches are read once, when fusedlm is imported.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -128,11 +129,19 @@ class Kernel:
     """One backend's implementation of one op: the forward and backward kernels of the op's
     schemas (fusedlm.ops._op), the op's autograd node where the backend has its own (a
     function of the forward's arguments returning its outputs, recorded by autograd without
-    Python in between), and what they take."""
+    Python in between), its eager lane where it has one, and what they take.
+
+    The eager lane is the op's whole eager call in one step, from the argument checks to
+    the autograd node: ``eager(dtypes, *args)`` with the public function's arguments returns
+    its outputs, or None for any call it does not take whole (an argument out of the
+    ordinary, a dtype not in the set ``dtypes``, anything but autograd watching), which
+    then goes the usual way. An op calls it first once dispatch has settled on the backend
+    (:func:`lane`)."""
 
     forward: Callable
     backward: Optional[Callable] = None
     autograd: Optional[Callable] = None
+    eager: Optional[Callable] = None
     supports: Supports = Supports()
 
 
@@ -155,10 +164,12 @@ class OpInfo:
 _OPS: dict[str, OpInfo] = {}
 
 
-def declare(op: OpInfo) -> None:
-    """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op)."""
+def declare(op: OpInfo) -> dict:
+    """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op); returns
+    its lanes (:func:`lane`)."""
     _OPS[op.name] = op
-    _MEMO.clear()
+    forget_choices()
+    return _LANES.setdefault(op.name, {})
 
 
 def declared() -> dict[str, OpInfo]:
@@ -181,8 +192,8 @@ class Backend:
     name: str
     devices: tuple  # the device types whose tensors it runs on
     unavailable: Optional[str]  # why it cannot run at all, or None
-    # (forward, backward or None[, autograd node or None]) of an op, or None where the
-    # backend has no kernel for it.
+    # (forward, backward or None[, autograd node or None[, eager lane or None]]) of an op,
+    # or None where the backend has no kernel for it.
     find: Callable[[OpInfo], Optional[tuple]]
     supports: Supports = Supports()  # what its kernels take, unless an op says otherwise
     # How it runs where it only emulates its device on the CPU (then never chosen
@@ -199,7 +210,7 @@ class Backend:
         # (a backend switched off, say) forgets them.
         object.__setattr__(self, name, value)
         if not name.startswith("_"):
-            _MEMO.clear()
+            forget_choices()
 
     @property
     def kernels(self) -> dict:
@@ -238,16 +249,25 @@ _PLANNERS: dict[str, Callable] = {}
 # *features): _worked_out's plan, or the Choice itself once the device checks of
 # fusedlm.backends.verify have passed it for good}. It depends only on the declared ops, the
 # backends and those checks, so declare(), register(), a change to a Backend and
-# verify.forget() empty it.
+# verify.forget() empty it (forget_choices), and the lanes opened with its Choices.
 _MEMO: dict = {}
 _MEMO_SIZE = 4096
+# {op: {backend forced or None: its eager lane}}: see lane().
+_LANES: dict[str, dict] = {}
 _selected: Optional[str] = None
 _pinned: list = []  # the use_backend() blocks being run, innermost last
 
 
+def forget_choices() -> None:
+    """Drops choose()'s memoised answers and the lanes opened with them."""
+    _MEMO.clear()
+    for lanes in _LANES.values():
+        lanes.clear()  # (in place: each op holds its own)
+
+
 def register(backend: Backend) -> Backend:
     _REGISTRY[backend.name] = backend
-    _MEMO.clear()
+    forget_choices()
     return backend
 
 
@@ -259,6 +279,7 @@ def set_backend(name: Optional[str]) -> None:
     """Run every op on backend ``name`` (None: choose automatically again)."""
     global _selected
     _selected = _checked_name(name, "backend")
+    _FORCING.update()
 
 
 def get_backend() -> Optional[str]:
@@ -277,25 +298,44 @@ class use_backend:
 
     def __enter__(self):
         _pinned.append(self.name)
+        _FORCING.update()
         return self
 
     def __exit__(self, *exc):
         _pinned.pop()
+        _FORCING.update()
         return False
+
+
+class _Forcing:
+    """The backend that calls without a ``backend=`` argument are forced to, and what forced
+    it (None, None: chosen automatically); brought up to date by set_backend and use_backend,
+    so that a call reads it in one step."""
+
+    __slots__ = ("backend", "source")
+
+    def update(self) -> None:
+        for pinned in reversed(_pinned):
+            if pinned is not None:
+                self.backend, self.source = pinned, "fusedlm.use_backend()"
+                return
+        if _selected is not None:
+            self.backend, self.source = _selected, "fusedlm.set_backend()"
+        elif _ENV_BACKEND is not None:
+            self.backend, self.source = _ENV_BACKEND, "FUSEDLM_BACKEND"
+        else:
+            self.backend, self.source = None, None
+
+
+_FORCING = _Forcing()
+_FORCING.update()
 
 
 def _forced(backend: Optional[str] = None) -> tuple:
     """(the backend a call is forced to, what forced it), or (None, None)."""
     if backend is not None:
         return _checked_name(backend, "backend"), "backend= argument"
-    for pinned in reversed(_pinned):
-        if pinned is not None:
-            return pinned, "fusedlm.use_backend()"
-    if _selected is not None:
-        return _selected, "fusedlm.set_backend()"
-    if _ENV_BACKEND is not None:
-        return _ENV_BACKEND, "FUSEDLM_BACKEND"
-    return None, None
+    return _FORCING.backend, _FORCING.source
 
 
 class Emulated(str):
@@ -359,11 +399,43 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
                         _worked_out(op, device, forced, source, features), verify.failure)[0]
     if known.__class__ is Choice:
         return known
-    choice, final = _decided(op, device, forced, source, features.get("dtype"), known,
-                             verify.failure)
+    dtype = features.get("dtype")
+    choice, final = _decided(op, device, forced, source, dtype, known, verify.failure)
     if final:  # the same answer until the backends or the checks change: memoised whole
         _MEMO[key] = choice
+        if device.type == "cpu":
+            _open_lane(op, forced, choice.backend, dtype)
     return choice
+
+
+def lane(lanes: dict, backend: Optional[str]) -> Optional[Callable]:
+    """The eager lane (:class:`Kernel`) of an op's call on CPU tensors with this ``backend=``
+    argument, where dispatch has settled, else None: ``lane(OP.lanes, backend)``, then
+    ``lane(*args)`` gives the outputs or None. Dispatch has settled for calls in a dtype once
+    the backend's answer to them is memoised whole, whatever the call's other features:
+    the backend takes every shape, and (chosen automatically) no ``slower`` entry of it
+    could match a call in that dtype. Never while torch.compile traces (nothing but the
+    registered op may be seen then)."""
+    if torch.compiler.is_compiling():
+        return None
+    return lanes.get(_FORCING.backend if backend is None else backend)
+
+
+def _open_lane(op: str, forced: Optional[str], backend: str, dtype: Optional[torch.dtype]) -> None:
+    """Settles calls of ``op`` on CPU tensors in ``dtype`` forced to ``forced`` (None:
+    chosen automatically) on ``backend``'s eager lane, where it has one that takes them all."""
+    found = _REGISTRY[backend].kernels[op]
+    supports = found.supports
+    if (found.eager is None or dtype is None
+            or replace(supports, dtypes=FLOATS, slower=()) != Supports()
+            or (forced is None and any(entry.get("dtype", dtype) == dtype for entry in supports.slower))):
+        return
+    lanes = _LANES[op]
+    opened = lanes.get(forced)
+    if opened is None:
+        opened = lanes[forced] = functools.partial(found.eager, set())
+    if opened.func is found.eager:
+        opened.args[0].add(dtype)
 
 
 def _decided(op: str, device: torch.device, forced: Optional[str], source: Optional[str],

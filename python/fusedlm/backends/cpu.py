@@ -1,7 +1,8 @@
 """The cpu backend: fusedlm's C++ kernels (csrc/), vectorised per instruction set.
 
-An op's kernels are fusedlm._C.<op>_forward and <op>_backward, and <op>_autograd where the
-op's autograd node is written in C++ too. They take every floating dtype (float64 for
+An op's kernels are fusedlm._C.<op>_forward and <op>_backward, and <op>_autograd and
+<op>_eager where its autograd node and its eager lane (fusedlm.backends.Kernel) are written
+in C++ too. They take every floating dtype (float64 for
 gradcheck) and any shape.
 """
 from .._extension import _C
@@ -12,8 +13,8 @@ def _find(op):
     forward = getattr(_C, f"{op.name}_forward", None)
     if forward is None:
         return None
-    return (forward, getattr(_C, f"{op.name}_backward", None),
-            getattr(_C, f"{op.name}_autograd", None))
+    return (forward, *(getattr(_C, f"{op.name}_{part}", None)
+                       for part in ("backward", "autograd", "eager")))
 
 
 BACKEND = register(Backend("cpu", ("cpu",), None, _find))

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from . import _MEMO, probes, unobserved
+from . import forget_choices, probes, unobserved
 
 # Read once, at import.
 _MODE = (os.environ.get("FUSEDLM_VERIFY") or "1").strip().lower()
@@ -125,7 +125,7 @@ def forget() -> None:
         _records.clear()
         _warned.clear()
         _decided.clear()
-        _MEMO.clear()  # choose()'s answers that rest on them
+        forget_choices()  # choose()'s answers that rest on them
 
 
 @contextlib.contextmanager

@@ -20,7 +20,9 @@ at BERT sizes on a GPU): there a call goes straight to the backend's kernel, und
 ``torch.autograd.Function`` with the same setup and gradient where autograd records it, or
 through the backend's own autograd node where it has one (``Kernel.autograd``: the cpu
 backend's add_layer_norm and bias_gelu, whose nodes in C++ record the same saved tensors and
-gradients without Python in the forward or the backward).
+gradients without Python in the forward or the backward). Those two ops go further on the
+CPU once dispatch has settled: their public function hands the whole call to the backend's
+eager lane first (``Kernel.eager``, fusedlm.backends.lane), checks and node in one C++ call.
 """
 import sys
 from dataclasses import replace
@@ -83,8 +85,9 @@ class Op:
         # The module of fusedlm.ops declaring the op (fusedlm.backends.triton finds its
         # kernels in the Triton module of the same name).
         module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
-        declare(OpInfo(name, module, supports or {}, reference, reference_kernels,
-                       tuple(replace(p, op=name) for p in probes)))
+        # {backend forced or None: eager lane} (fusedlm.backends.lane)
+        self.lanes = declare(OpInfo(name, module, supports or {}, reference, reference_kernels,
+                                    tuple(replace(p, op=name) for p in probes)))
         self._arguments = len(torch._C.parse_schema(f"fusedlm::{name}{_with_backend(schema)}").arguments)
         self._forward = self._register(name, schema, fake, lambda backend: kernel(backend, name).forward,
                                        mutates)

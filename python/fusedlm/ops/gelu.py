@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends import HALVES, Supports, choose, planner
+from ..backends import HALVES, Supports, choose, lane, planner
 from ..backends.probes import FFN_WGMMA, Probe, randn
 from ..backends.reference import keep_mask, vjp
 from . import _validate as check
@@ -40,6 +40,11 @@ def plan_bias_gelu(x, bias=None, approximate="none", *, backend=None):
 def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none", *,
               backend: Optional[str] = None) -> Tensor:
     """gelu(x + bias), bias over the last dimension; approximate is "none" (erf) or "tanh"."""
+    eager = lane(BIAS_GELU.lanes, backend)
+    if eager is not None:
+        out = eager(x, bias, approximate)
+        if out is not None:
+            return out
     choice = plan_bias_gelu(x, bias, approximate, backend=backend)
     return BIAS_GELU(choice.backend, x, bias, approximate)
 
