@@ -2,7 +2,8 @@
 backend, add_layer_norm's and bias_gelu's public functions hand the whole call to one C++
 call. A lane takes only calls the Python checks pass, gives that path's outputs and
 gradients bit for bit, steps aside whenever something but autograd watches, and follows
-every change of dispatch: a forced backend, a backend changed, the checks forgotten."""
+every change of dispatch: a forced backend, a backend changed, the checks forgotten, a
+kernel replaced."""
 import itertools
 
 import pytest
@@ -234,4 +235,10 @@ def test_a_change_to_dispatch_closes_the_lanes(monkeypatch):
     assert not BIAS_GELU.lanes
     F.bias_gelu(x, b)
     monkeypatch.setattr(_REGISTRY["cpu"], "supports", Supports())
+    assert not BIAS_GELU.lanes
+    monkeypatch.undo()
+    F.bias_gelu(x, b)
+    assert BIAS_GELU.lanes
+    kernels = _REGISTRY["cpu"].kernels
+    monkeypatch.setitem(kernels, "bias_gelu", kernels["bias_gelu"])  # a kernel swapped at run time
     assert not BIAS_GELU.lanes

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
-from fusedlm.backends import _REGISTRY, forget_choices, probes, verify
+from fusedlm.backends import _REGISTRY, probes, verify
 from fusedlm.backends import cuda as cuda_backend
 from fusedlm.ops import reference
 from cli_helpers import run_cli
@@ -34,14 +34,6 @@ def checks(tmp_path, monkeypatch):
     verify.forget()
     yield tmp_path
     verify.forget()
-
-
-@pytest.fixture(autouse=True)
-def unsettled():
-    """No choice made with a kernel a test replaces outlives it (nor precedes it)."""
-    forget_choices()
-    yield
-    forget_choices()
 
 
 def _broken(backend: str, op: str, monkeypatch, corrupt):
@@ -66,7 +58,6 @@ def _broken(backend: str, op: str, monkeypatch, corrupt):
     monkeypatch.setitem(kernels, op, dataclasses.replace(
         good, forward=corrupted(good.forward), autograd=good.autograd and corrupted(good.autograd),
         eager=good.eager and corrupted(good.eager)))
-    forget_choices()  # the lanes opened with the good kernel
     return calls
 
 

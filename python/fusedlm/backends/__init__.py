@@ -187,6 +187,20 @@ def _any_device(device: torch.device) -> Optional[str]:
     return None
 
 
+class _Kernels(dict):
+    """A backend's {op name: Kernel}. Replacing one at run time (a kernel swapped, as the
+    tests swap in broken ones) forgets the choices made with the old one, and closes its
+    lanes."""
+
+    def __setitem__(self, op, found):
+        super().__setitem__(op, found)
+        forget_choices()
+
+    def __delitem__(self, op):
+        super().__delitem__(op)
+        forget_choices()
+
+
 @dataclass
 class Backend:
     name: str
@@ -217,7 +231,7 @@ class Backend:
         """{op name: Kernel} of every declared op the backend has kernels for."""
         if self._ops_seen != len(_OPS):  # found once, after the ops are declared
             found = {name: self._kernel(op) for name, op in _OPS.items()}
-            self._kernels = {name: k for name, k in found.items() if k is not None}
+            self._kernels = _Kernels({name: k for name, k in found.items() if k is not None})
             self._ops_seen = len(_OPS)
         return self._kernels
 
