@@ -24,6 +24,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 from fusedlm.backends import _REGISTRY, KERNEL_BACKENDS
@@ -193,3 +194,16 @@ def assert_relative_error(actual, expected, dtype, name, bound=None):
     error = ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
     bound = MAX_RELATIVE_ERROR[dtype] if bound is None else bound
     assert error <= bound, f"{name}: relative error {error:.3g} > {bound:g} ({dtype})"
+
+
+class Recorder(TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees (with it active, an op
+    takes the registered path rather than its eager shortcuts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -4,22 +4,11 @@ malformed call of a compiled entry point (fusedlm._C) raises rather than touchin
 outside its tensors."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
 from fusedlm.backends import cuda as cuda_backend
-from helpers import backend_device, backends_for
-
-
-class Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from helpers import Recorder, backend_device, backends_for
 
 
 def _calls(device="cpu"):

@@ -4,11 +4,9 @@ call. A lane takes only calls the Python checks pass, gives that path's outputs 
 gradients bit for bit, steps aside whenever something but autograd watches, and follows
 every change of dispatch: a forced backend, a backend changed, the checks forgotten, a
 kernel replaced."""
-import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
@@ -16,18 +14,9 @@ from fusedlm.backends import _REGISTRY, FLOATS, Supports, forget_choices, verify
 from fusedlm.ops._dropout import next_seed
 from fusedlm.ops.gelu import BIAS_GELU, plan_bias_gelu
 from fusedlm.ops.layer_norm import ADD_LAYER_NORM, plan_add_layer_norm
+from helpers import Recorder
 
 ALL = set(FLOATS)  # a lane told that dispatch has settled in every dtype
-
-
-class Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
