@@ -1,5 +1,7 @@
 """The fusedlm command: help, info, the default corpus, and bad input (exit status 2, a
 one-line error, no traceback, nothing written over an existing checkpoint)."""
+import json
+import string
 import subprocess
 import sys
 
@@ -154,21 +156,43 @@ def test_bad_input_is_one_line_exit_2_and_leaves_checkpoints_alone(capsys, tmp_p
     assert checkpoint.latest(out).name == "checkpoint-2"
 
 
-def test_a_corpus_always_trains_the_same_bpe_tokenizer():
+# Each word of the second corpus is "q" and one more letter: its 26 merges are equally
+# frequent, and the tie between them is broken by how the trainer numbered "##a" .. "##z".
+TIED_MERGES = [" ".join("q" + c for c in string.ascii_lowercase)]
+
+
+def _trained_in_a_process_of_its_own(cases) -> list:
+    """tokenizer.json of tokenizer.train(kind, documents, vocab_size) for each case, trained
+    in a new process: tokenizers' hash maps are seeded afresh by each process."""
+    script = ("import json, sys\nfrom fusedlm.cli import tokenizer\n"
+              "cases = json.load(sys.stdin)\n"
+              "json.dump([tokenizer.train(*case).to_str() for case in cases], sys.stdout)")
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_a_corpus_always_trains_the_same_tokenizer():
+    documents = list(corpus_module.default_documents()[:150])
+    cases = [(kind, documents, 400) for kind in ("wordpiece", "bpe", "roberta-bpe", "words")]
+    cases.append(("wordpiece", TIED_MERGES, 5 + 26 + 26 + 3))  # specials, a-z, ##a-##z, 3 merges
     from fusedlm.cli import tokenizer
 
-    documents = list(corpus_module.default_documents()[:150])
-    first = tokenizer.train("bpe", documents, 400)
-    assert first.get_vocab_size() == 400
-    for _ in range(3):  # the trainer's hash maps are seeded afresh for each training
-        assert tokenizer.train("bpe", documents, 400).to_str() == first.to_str()
-    assert first.decode(first.encode("Return the value.").ids) == "Return the value."
+    first = [tokenizer.train(*case).to_str() for case in cases]
+    assert _trained_in_a_process_of_its_own(cases) == first
+    bpe = tokenizer.from_json(first[1])
+    assert bpe.get_vocab_size() == 400
+    assert bpe.decode(bpe.encode("Return the value.").ids) == "Return the value."
+    # Ties go to the continuation numbered first, "##a".
+    tied = tokenizer.from_json(first[-1]).get_vocab()
+    assert {t for t in tied if len(t) == 2 and t.isalpha()} == {"qa", "qb", "qc"}
 
 
 def test_wordpiece_numbers_its_tokens_in_sorted_order():
-    # tokenizers' WordPiece trainer numbers its "##" alphabet in hash-map order (and so
-    # may break ties between equally frequent merges differently from run to run); the
-    # tokens it keeps are renumbered: the specials, then the rest sorted.
+    # tokenizers' WordPiece trainer numbers its "##" alphabet in hash-map order; the tokens
+    # it keeps are renumbered: the specials, then the rest sorted. Of them only the
+    # specials are special tokens.
     from fusedlm.cli import tokenizer
 
     trained = tokenizer.train("wordpiece", list(corpus_module.default_documents()[:150]), 400)
@@ -178,6 +202,9 @@ def test_wordpiece_numbers_its_tokens_in_sorted_order():
     assert tokens[:5] == list(tokenizer.WORDPIECE_SPECIALS) and tokens[5:] == sorted(tokens[5:])
     assert trained.encode("Return the [MASK].").tokens == ["[CLS]", "return", "the", "[MASK]",
                                                            ".", "[SEP]"]
+    assert {t.content for t in trained.get_added_tokens_decoder().values()} == \
+        set(tokenizer.WORDPIECE_SPECIALS)
+    assert "##n" in tokens and "##n" not in trained.encode("return##n").tokens
 
 
 def test_without_tqdm_and_matplotlib_progress_is_plain_lines_and_no_plot(capsys, tmp_path,

@@ -40,27 +40,7 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
     vocab_size tokens."""
     tk = _tokenizers()
     if kind == "wordpiece":
-        tokenizer = tk.Tokenizer(tk.models.WordPiece(unk_token="[UNK]"))
-        tokenizer.normalizer = tk.normalizers.BertNormalizer(lowercase=True)
-        tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
-        tokenizer.decoder = tk.decoders.WordPiece()
-        trainer = tk.trainers.WordPieceTrainer(vocab_size=vocab_size,
-                                               special_tokens=list(WORDPIECE_SPECIALS),
-                                               show_progress=False)
-        tokenizer.train_from_iterator(documents, trainer)
-        # The trainer numbers its "##" alphabet in hash-map order, which changes from run
-        # to run: the tokens after the specials are renumbered in sorted order. (Ties
-        # between equally frequent merges follow those numbers, so two trainings on one
-        # corpus may still keep a few different rare tokens; a run saves its tokenizer,
-        # and resuming or a second process reads that one.)
-        vocab = tokenizer.get_vocab()
-        ordered = list(WORDPIECE_SPECIALS) + sorted(set(vocab) - set(WORDPIECE_SPECIALS))
-        tokenizer.model = tk.models.WordPiece({t: i for i, t in enumerate(ordered)},
-                                              unk_token="[UNK]")
-        cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-        tokenizer.post_processor = tk.processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+        tokenizer = _wordpiece(_trained_wordpiece_vocab(documents, vocab_size))
     elif kind == "bpe":
         tokenizer = tk.Tokenizer(tk.models.BPE())
         tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -89,6 +69,48 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
     else:
         raise ValueError(f"no tokenizer of kind {kind!r}")
     return tokenizer
+
+
+def _wordpiece(vocab=None):
+    """BERT's tokenizer (lower-cased, [CLS] text [SEP]) over ``vocab``, or untrained."""
+    tk = _tokenizers()
+    tokenizer = tk.Tokenizer(tk.models.WordPiece(vocab, unk_token="[UNK]") if vocab
+                             else tk.models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = tk.normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = tk.decoders.WordPiece()
+    if vocab:
+        tokenizer.add_special_tokens(list(WORDPIECE_SPECIALS))
+        tokenizer.post_processor = tk.processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[(t, vocab[t]) for t in ("[CLS]", "[SEP]")])
+    return tokenizer
+
+
+def _wordpiece_vocab(documents: Sequence[str], vocab_size: int, first: Sequence[str]) -> dict:
+    """The vocabulary tokenizers' WordPiece trainer learns from ``documents``, the tokens
+    ``first`` numbered first."""
+    tk = _tokenizers()
+    tokenizer = _wordpiece()
+    tokenizer.train_from_iterator(documents, tk.trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=list(first), show_progress=False))
+    return tokenizer.get_vocab()
+
+
+def _trained_wordpiece_vocab(documents: Sequence[str], vocab_size: int) -> dict:
+    """The vocabulary WordPiece training keeps, numbered: the specials, then the rest sorted.
+
+    tokenizers' trainer numbers the "##x" token of each character that continues a word in
+    the order of a hash map, which changes from run to run, and breaks ties between equally
+    frequent merges by those numbers: on its own it keeps different tokens on each run.
+    A first pass without merges finds those tokens; the second training numbers them in
+    sorted order, after the specials (passed as its special tokens, which fixes their
+    numbers and nothing else: the tokenizer returned has only the real specials)."""
+    alphabet = _wordpiece_vocab(documents, 0, WORDPIECE_SPECIALS)
+    continuing = sorted(t for t in alphabet if t.startswith("##") and len(t) == 3)
+    vocab = _wordpiece_vocab(documents, vocab_size, [*WORDPIECE_SPECIALS, *continuing])
+    ordered = list(WORDPIECE_SPECIALS) + sorted(set(vocab) - set(WORDPIECE_SPECIALS))
+    return {token: i for i, token in enumerate(ordered)}
 
 
 def load(path):
