@@ -13,6 +13,11 @@ and GPT-2.
   submodules;
 - masked-LM and causal-LM models: the loss runs through the fused head (hf/heads.py).
 
+transformers records hidden_states and attentions by hooks on the modules of the classes a
+model names in ``_can_record_outputs``, found by ``isinstance``: a fused block that takes
+the place of one derives from its class (hf/layers.py), and patching drops the hooks a
+model already has, so that transformers installs them anew on the patched modules.
+
 Each rule matches one exact class of one model family. A module whose layout this
 transformers release changed is left alone, with a reason naming the release.
 """
@@ -29,6 +34,11 @@ from . import attention
 from .heads import LMHead, bind
 from .layers import (AddNormOutput, AlbertAttentionAddNorm, AlbertFusedLayer, DistilBertBlock,
                      GeluIntermediate, GeluMLP)
+
+try:  # transformers 5 hooks the modules it records outputs from, once per model
+    from transformers.utils import output_capturing
+except ImportError:  # earlier releases wrap them for the length of each call
+    output_capturing = None
 
 VERSION = transformers.__version__
 _ATTENTION_UNAVAILABLE = attention.register()
@@ -88,6 +98,21 @@ def _switch_configs(model: nn.Module) -> None:
         own = copies.get(id(vars(module).get("config")))
         if own is not None:
             module.config = own
+
+
+def _drop_output_hooks(model: nn.Module) -> None:
+    """Removes the hooks transformers installed to record ``model``'s outputs, and its mark
+    that they are installed: they sit on the modules the model had before patching, some
+    of which are gone, and transformers installs them anew at the next call asking for
+    outputs, on the patched modules."""
+    if output_capturing is None:
+        return
+    for module in model.modules():
+        hooks = module._forward_hooks
+        for key in [k for k, hook in hooks.items()
+                    if getattr(hook, "__module__", None) == output_capturing.__name__]:
+            del hooks[key]
+        vars(module).pop("_output_capturing_hooks_installed", None)
 
 
 def _add_norm(module: nn.Module):
@@ -207,25 +232,23 @@ def _albert_transform(model, hidden):
 def _families():
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, MaskedLMOutput
 
-    mlm_extras = ("hidden_states", "attentions")
-    causal_extras = ("past_key_values", "hidden_states", "attentions", "cross_attentions")
     heads = {
         "BertForMaskedLM": (LMHead("bert", _bert_transform, lambda m: m.cls.predictions.decoder,
-                                   MaskedLMOutput, mlm_extras), ("cls",)),
+                                   MaskedLMOutput), ("cls",)),
         "RobertaForMaskedLM": (LMHead("roberta", _roberta_transform, lambda m: m.lm_head.decoder,
-                                      MaskedLMOutput, mlm_extras), ("lm_head",)),
+                                      MaskedLMOutput), ("lm_head",)),
         "ElectraForMaskedLM": (LMHead("electra", _electra_transform, lambda m: m.generator_lm_head,
-                                      MaskedLMOutput, mlm_extras),
+                                      MaskedLMOutput),
                                ("generator_predictions", "generator_lm_head")),
         "GPT2LMHeadModel": (LMHead("transformer", _gpt2_transform, lambda m: m.lm_head,
-                                   CausalLMOutputWithCrossAttentions, causal_extras, causal=True),
+                                   CausalLMOutputWithCrossAttentions, causal=True),
                             ("lm_head",)),
         "DistilBertForMaskedLM": (LMHead("distilbert", _distilbert_transform,
-                                         lambda m: m.vocab_projector, MaskedLMOutput, mlm_extras),
+                                         lambda m: m.vocab_projector, MaskedLMOutput),
                                   ("vocab_transform", "activation", "vocab_layer_norm",
                                    "vocab_projector")),
         "AlbertForMaskedLM": (LMHead("albert", _albert_transform, lambda m: m.predictions.decoder,
-                                     MaskedLMOutput, mlm_extras), ("predictions",)),
+                                     MaskedLMOutput), ("predictions",)),
     }
     add_norm = "dropout + residual add + LayerNorm"
     blocks = {}
@@ -268,6 +291,7 @@ def _register_all() -> None:
         register(Rule(f"{name} loss -> fusedlm masked_lm_loss", lambda m, cls=cls: type(m) is cls,
                       _head_rule(head, *attrs)))
     register(finish=_switch_configs)
+    register(finish=_drop_output_hooks)
 
 
 _register_all()

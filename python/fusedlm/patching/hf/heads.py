@@ -12,7 +12,7 @@ Causal heads shift the labels one token left, as transformers' causal-LM loss do
 """
 import inspect
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -29,8 +29,7 @@ class LMHead:
     base: str  # attribute holding the base model
     transform: Callable[[nn.Module, Tensor], Tensor]  # (model, last hidden state) -> decoder input
     decoder: Callable[[nn.Module], nn.Linear]  # the vocabulary projection
-    output: type  # transformers' output class
-    extras: tuple  # fields copied from the base model's output
+    output: type  # transformers' output class; its fields but loss and logits are the base model's
     causal: bool = False
 
 
@@ -38,6 +37,8 @@ def bind(model: nn.Module, head: LMHead) -> None:
     # Positional arguments keep the meaning they have in the class's own forward.
     signature = inspect.signature(type(model).forward)
     names = list(signature.parameters)[1:]
+    # hidden_states, attentions, the cache ...: named as this transformers release names them.
+    extras = [f.name for f in fields(head.output) if f.name not in ("loss", "logits")]
     fused_losses, losses = {}, {}
     for reduction in ("mean", "sum"):
         fused_losses[reduction] = fused.LinearCrossEntropyLoss(IGNORE_INDEX, reduction)
@@ -71,7 +72,7 @@ def bind(model: nn.Module, head: LMHead) -> None:
         if loss is not None and reduction == "sum":
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         output = head.output(loss=loss, logits=logits,
-                             **{name: getattr(outputs, name, None) for name in head.extras})
+                             **{name: getattr(outputs, name, None) for name in extras})
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
             return output.to_tuple()
         return output

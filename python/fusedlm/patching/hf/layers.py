@@ -21,12 +21,19 @@ block it replaces, and computes the same function:
 Under autocast they compute in the dtypes the unpatched blocks do (fusedlm.nn's
 autocast rules): GELU in the autocast dtype of the product before it, the norm in
 the widest dtype of its inputs.
+
+A block that replaces one of the modules transformers records a model's outputs from
+(``_can_record_outputs``: hidden_states from each layer, attentions from each attention
+module) derives from that module's class: transformers finds those modules by
+``isinstance``, so the fused block's output is recorded in its place. It skips that
+class's ``__init__``, which would build new weights, and holds the replaced block's.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.modeling_layers import GradientCheckpointingLayer  # transformers >= 4.52
+from transformers.models.albert.modeling_albert import AlbertAttention, AlbertLayer
+from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
 from ... import ops
 from ...nn._autocast import lower, widen
@@ -85,9 +92,9 @@ class GeluMLP(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
-class DistilBertBlock(GradientCheckpointingLayer):
+class DistilBertBlock(TransformerBlock):  # a GradientCheckpointingLayer, as TransformerBlock is
     def __init__(self, block: nn.Module, approximate: str):
-        super().__init__()
+        nn.Module.__init__(self)
         self.attention, self.ffn = block.attention, block.ffn
         self.sa_layer_norm, self.output_layer_norm = block.sa_layer_norm, block.output_layer_norm
         self.approximate = approximate
@@ -108,9 +115,9 @@ class DistilBertBlock(GradientCheckpointingLayer):
         return f"approximate={self.approximate!r}"
 
 
-class AlbertAttentionAddNorm(nn.Module):
+class AlbertAttentionAddNorm(AlbertAttention):
     def __init__(self, module: nn.Module):
-        super().__init__()
+        nn.Module.__init__(self)
         self.config, self.is_causal = module.config, module.is_causal
         self.attention_head_size, self.scaling = module.attention_head_size, module.scaling
         self.query, self.key, self.value, self.dense = module.query, module.key, module.value, module.dense
@@ -129,9 +136,9 @@ class AlbertAttentionAddNorm(nn.Module):
                          self.output_dropout.p if self.training else 0.0), weights
 
 
-class AlbertFusedLayer(nn.Module):
+class AlbertFusedLayer(AlbertLayer):
     def __init__(self, layer: nn.Module, approximate: str):
-        super().__init__()
+        nn.Module.__init__(self)
         self.config = layer.config
         self.attention, self.ffn, self.ffn_output = layer.attention, layer.ffn, layer.ffn_output
         self.full_layer_layer_norm = layer.full_layer_layer_norm
