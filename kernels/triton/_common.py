@@ -21,9 +21,41 @@ def interpreting() -> bool:
 
 
 def autotune(configs, key, **options):
-    """triton.autotune over ``configs``; in the interpreter only the first (with one config
-    Triton benchmarks nothing), so CPU tests do not time every configuration."""
-    return triton.autotune(configs[:1] if interpreting() else configs, key=key, **options)
+    """triton.autotune over ``configs`` (an :class:`Autotuned` kernel); in the interpreter
+    only the first (with one config Triton benchmarks nothing), so CPU tests do not time
+    every configuration."""
+    return lambda fn: Autotuned(fn, configs[:1] if interpreting() else configs, key, options)
+
+
+class Autotuned:
+    """A kernel autotuned over ``configs``: each key runs the configuration timed fastest at
+    its first launch. A configuration sets the blocks a sum is split into, and so the order
+    of its additions, and timings pick a different one from run to run (or GPU to GPU of a
+    model): while ``torch.are_deterministic_algorithms_enabled()``, the kernel runs the
+    first configuration the pruning keeps instead, untimed. Anything else (``fn``,
+    ``warmup``, ``configs``) is the autotuned kernel's."""
+
+    def __init__(self, fn, configs, key, options):
+        self.tuned = triton.autotune(configs, key=key, **options)(fn)
+        self._prune = options.get("prune_configs_by", {}).get("early_config_prune")
+        rest = {k: v for k, v in options.items() if k != "prune_configs_by"}
+        # One single-configuration kernel per configuration: Triton never times those.
+        self._fixed = [(c, triton.autotune([c], key=key, **rest)(fn)) for c in configs]
+
+    def __getitem__(self, grid):
+        if not torch.are_deterministic_algorithms_enabled():
+            return self.tuned[grid]
+        return lambda *args, **kwargs: self.fixed(args, kwargs)[grid](*args, **kwargs)
+
+    def fixed(self, args, kwargs):
+        """The single-configuration kernel that deterministic mode runs for these arguments."""
+        kept = [c for c, _ in self._fixed]
+        if self._prune is not None:
+            kept = self._prune(kept, dict(zip(self.tuned.arg_names, args)), **kwargs)
+        return next(kernel for c, kernel in self._fixed if c is kept[0])
+
+    def __getattr__(self, name):
+        return getattr(self.tuned, name)
 
 
 def upcast_products(dtype: torch.dtype) -> bool:
