@@ -27,9 +27,10 @@ FAMILIES = tuple(BASES)
 def _classes(family):
     """The family's base and task model classes, by name, as transformers exports them."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return [name for name in module.__all__
-            if issubclass(getattr(module, name), transformers.PreTrainedModel)
-            and not name.endswith("PreTrainedModel")]
+    exported = [getattr(module, name) for name in module.__all__]
+    return [cls.__name__ for cls in exported
+            if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+            and not cls.__name__.endswith("PreTrainedModel")]
 
 
 CASES = [(family, name) for family in FAMILIES for name in _classes(family)]
@@ -133,7 +134,5 @@ def test_model_that_returned_outputs_before_patching_still_returns_them(family):
                  return_dict=False)
     with torch.no_grad():
         expected = model(ids, **asked)
-        reference = copy.deepcopy(model)
         patched = fusedlm.patch(fusedlm.patch(model))  # twice: the hooks are not doubled
         _assert_same(patched(ids, **asked), expected, mask, name)
-        _assert_same(reference(ids, **asked), expected, mask, f"{name}, unpatched")
