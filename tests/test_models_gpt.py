@@ -297,7 +297,7 @@ def test_generate_decodes_through_attention_with_kvcache(monkeypatch):
     assert isinstance(cache, FusedKVCache) and cache.get_seq_length() == 9 + 4
     # One call per layer per forward: the prompt (9 queries), then one token at a time.
     assert calls == [(3, 9, 4, 16)] * 2 + [(3, 1, 4, 16)] * 8
-    capacity = {layer.keys.shape[1] for layer in cache.layers}
+    capacity = {layer.key_buffer.shape[1] for layer in cache.layers}
     assert capacity == {9 + 5 - 1}, "sized for the whole output up front, never grown"
 
 
@@ -382,17 +382,134 @@ def test_the_cache_grows_crops_and_selects_rows():
         cache = FusedKVCache(ours.config)
         steps = [ours(ids[:, t:t + 1], cache).logits for t in range(10)]
         assert_rel(torch.cat(steps, dim=1), full[:, :10], "step by step")
-        assert {layer.keys.shape[1] for layer in cache.layers} == {16}  # 1, 2, 4, 8, 16
+        assert {layer.key_buffer.shape[1] for layer in cache.layers} == {16}  # 1, 2, 4, 8, 16
         cache.crop(-3)
         assert_rel(ours(ids[:, 7:11], cache).logits, full[:, 7:11], "after crop")
-        cache.crop(7)  # as transformers': a positive count is the length kept
-        assert cache.get_seq_length() == 7
-        assert_rel(ours(ids[:, 7:11], cache).logits, full[:, 7:11], "after crop to a length")
         cache.batch_select_indices(torch.tensor([2, 0]))
         assert_rel(ours(ids[[2, 0], 11:12], cache).logits, full[[2, 0], 11:12], "selected rows")
         cache.crop(-1)
         cache.batch_repeat_interleave(2)
         assert_rel(ours(ids[[2, 2, 0, 0], 11:12], cache).logits, full[[2, 2, 0, 0], 11:12], "repeated rows")
+
+
+def _prompt_caches(model, batch: dict) -> list:
+    """[a FusedKVCache, a DynamicCache], each holding batch's prompt as model's forward
+    leaves it (the fused step, and the unfused path)."""
+    with torch.no_grad():
+        return [getattr(model(**batch, **{CACHE: cache}, use_cache=True), CACHE)
+                for cache in (FusedKVCache(model.config), transformers.DynamicCache())]
+
+
+def _assert_same_cache(fused, dynamic, real: torch.Tensor) -> None:
+    """fused and dynamic hold the same tokens, in transformers' layout: keys and values
+    (B, nh, S, hs) equal where real (bool (B, S), False at padding, which the fused and the
+    unfused path compute differently)."""
+    assert fused.get_seq_length() == dynamic.get_seq_length()
+    assert len(fused) == len(dynamic) and fused.is_initialized == dynamic.is_initialized
+    assert fused.get_mask_sizes(3, 1) == dynamic.get_mask_sizes(3, 1)
+    for i, (ours, theirs) in enumerate(zip(fused, dynamic)):  # (keys, values, sliding window)
+        assert ours[2] is theirs[2] is None
+        for name, a, b in zip(("keys", "values"), ours, theirs):
+            assert torch.equal(getattr(fused.layers[i], name), a) and a.shape == b.shape
+            shown = real[:, None, :a.shape[2], None].expand_as(a)
+            assert_rel(a[shown], b[shown], f"layer {i} {name}")
+
+
+@pytest.mark.parametrize("count", [-3, 0, -20, 4, 20])
+def test_crop_removes_what_dynamic_cache_removes(count):
+    """crop(n <= 0) removes -n tokens (crop(0) none); a positive n is the length kept where
+    transformers reads it so (up to 5.17) and refused where it refuses it. The next step
+    then gives what it gives over the DynamicCache."""
+    ours, _ = _pair()
+    batch = _padded("left")
+    caches = _prompt_caches(ours, batch)
+    outcomes = []
+    for cache in caches:
+        try:
+            cache.crop(count)
+            outcomes.append(cache.get_seq_length())
+        except ValueError:
+            outcomes.append("refused")
+    assert outcomes[0] == outcomes[1]
+    if outcomes[0] == "refused":
+        return
+    real = batch["attention_mask"].bool()
+    _assert_same_cache(*caches, real)
+    kept = outcomes[0]
+    mask = torch.cat([batch["attention_mask"][:, :kept], torch.ones(3, 2, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        steps = [ours(batch["input_ids"][:, :2], cache, attention_mask=mask).logits for cache in caches]
+    assert_rel(steps[0], steps[1], "the step after crop")
+
+
+def test_the_cache_is_what_a_dynamic_cache_is_to_code_that_reads_it():
+    """transformers' contract, read against a DynamicCache filled by the same model: keys and
+    values (B, nh, S, hs) through layers[i] and iteration, after decoding steps and through
+    beam search's reorder_cache, batch_select_indices, batch_repeat_interleave, offload and
+    prefetch; DynamicCache(fused) copies it; reset empties it as DynamicCache's does."""
+    ours, _ = _pair()
+    batch = _padded("left")
+    caches = _prompt_caches(ours, batch)
+    real, mask = batch["attention_mask"].bool(), batch["attention_mask"]
+    steps = torch.randint(2, VOCAB, (3, 2))
+    with torch.no_grad():
+        for t in range(2):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            for cache in caches:
+                ours(steps[:, t:t + 1], cache, attention_mask=mask)
+    real = torch.cat([real, torch.ones(3, 2, dtype=torch.bool)], dim=1)
+    _assert_same_cache(*caches, real)
+    _assert_same_cache(transformers.DynamicCache(caches[0]), caches[1], real)
+    changes = [("reorder_cache", torch.tensor([2, 0, 0]), [2, 0, 0]),
+               ("batch_select_indices", torch.tensor([1, 0]), [1, 0]),
+               ("batch_repeat_interleave", 2, [0, 0, 1, 1])]
+    for method, argument, rows in changes:
+        for cache in caches:
+            getattr(cache, method)(argument)
+        real = real[rows]
+        _assert_same_cache(*caches, real)
+    for layer in caches[0].layers:
+        layer.offload()
+        layer.prefetch()
+    _assert_same_cache(*caches, real)
+    for cache in caches:
+        cache.reset()
+    assert [(c.get_seq_length(), c.is_initialized, c.layers[0].keys) for c in caches] == [(0, False, None)] * 2
+
+
+def _left_padded_row(length: int, padding: int) -> dict:
+    ids = torch.randint(2, VOCAB, (1, length))
+    mask = torch.ones_like(ids)
+    ids[:, :padding], mask[:, :padding] = PAD, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _assistant(model, kind: str):
+    """A copy of model (its candidates all taken: the main model's cache is cropped by 0)
+    or a smaller model of other weights (most of its candidates refused)."""
+    assistant = GPT2LMHeadModel(_config(n_layer=TINY["n_layer"] if kind == "copy" else 1))
+    if kind == "copy":
+        assistant.load_state_dict(model.state_dict())
+    else:
+        perturb(assistant, 0.3)
+    return assistant.to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("padding", [0, 3], ids=["one_sequence", "left_padded"])
+@pytest.mark.parametrize("method", ["assistant_copy", "assistant_other", "prompt_lookup"])
+def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(method, padding):
+    """Both crop the caches after every round (crop(0) where every candidate was taken, or
+    none proposed): the tokens are greedy decoding's, ours and transformers'."""
+    ours, theirs = _pair(dtype=torch.float64)
+    batch = _left_padded_row(12, padding)
+    options = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    if method == "prompt_lookup":
+        assisted = dict(prompt_lookup_num_tokens=2)
+    else:
+        assisted = dict(assistant_model=_assistant(ours, method.removeprefix("assistant_")))
+    greedy = theirs.generate(**batch, **options)
+    assert torch.equal(ours.generate(**batch, **options), greedy)
+    assert torch.equal(ours.generate(**batch, **options, **assisted), greedy)
 
 
 # --- the deliberate differences, training features and refusals ---------------------------------
