@@ -2,6 +2,8 @@
 and gradients on left- and right-padded batches, every forward argument, checkpoints both
 ways, generation through transformers' GenerationMixin over the fused KV cache, and each
 deliberate difference."""
+import warnings
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -132,6 +134,50 @@ def test_other_supported_settings_match_transformers(changes):
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         assert_rel(ours(**batch).logits[real], theirs(**batch).logits[real], "logits")
+
+
+def _shifted_targets(batch: dict) -> torch.Tensor:
+    """Random next-token targets (B, T), some ignored (-100): what a context-parallel trainer
+    passes as shift_labels."""
+    targets = torch.randint(0, VOCAB, batch["input_ids"].shape)
+    return targets.masked_fill(torch.rand(targets.shape) < 0.3, -100)
+
+
+LOSS_ARGUMENTS = {
+    "num_items_in_batch_tensor": lambda batch: {"labels": _labels(batch), "num_items_in_batch": torch.tensor(29)},
+    "num_items_in_batch_int": lambda batch: {"labels": _labels(batch), "num_items_in_batch": 29},
+    "ignore_index": lambda batch: {"labels": _labels(batch).masked_fill(_labels(batch) == -100, -7),
+                                   "ignore_index": -7},
+    "shift_labels": lambda batch: {"labels": batch["input_ids"], "shift_labels": _shifted_targets(batch)},
+    "shift_labels_num_items": lambda batch: {"labels": batch["input_ids"], "num_items_in_batch": 11,
+                                             "shift_labels": _shifted_targets(batch)},
+}
+
+
+@pytest.mark.parametrize("head", ["fused", "module"])
+@pytest.mark.parametrize("case", list(LOSS_ARGUMENTS))
+def test_loss_arguments_give_transformers_loss_and_gradients(case, head):
+    """transformers' causal LM loss arguments, through the fused loss (and through the head
+    as a module, where a hook must see its product)."""
+    ours, theirs = _pair()
+    if head == "module":
+        ours.lm_head.register_forward_hook(lambda module, args, out: None)
+    batch = _padded("right")
+    arguments = LOSS_ARGUMENTS[case](batch)
+    losses = []
+    for model in (ours.train(), theirs.train()):
+        loss = model(**batch, **arguments).loss
+        loss.backward()
+        losses.append(loss)
+    assert_rel(losses[0], losses[1], "loss", tol=1e-5)
+    _assert_same_grads(ours, theirs, tol=1e-5)
+
+
+def test_the_trainer_passes_num_items_in_batch_as_to_transformers_models(tmp_path):
+    pytest.importorskip("accelerate")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    ours, theirs = (transformers.Trainer(model=m, args=args) for m in _pair())
+    assert ours.model_accepts_loss_kwargs is theirs.model_accepts_loss_kwargs is True
 
 
 # --- every forward argument ----------------------------------------------------------------------
@@ -541,7 +587,51 @@ def test_outputs_at_padding_positions_are_the_fused_kernels():
     assert_rel(fused[~padding], expected[~padding], "fused path at real tokens")
 
 
-def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
+def _enable_checkpointing_with(model, options: dict) -> None:
+    """gradient_checkpointing_enable(**options), as the caller writes it (transformers' name
+    before 5.18, its deprecated alias since)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(**options)
+
+
+def _count_block_runs(model) -> list:
+    """A list that gets one entry each time a block's MLP starts: a recomputation runs it
+    again (up to the last tensor the backward needs, so a hook at its end may not see it)."""
+    runs = []
+    for block in model.transformer.h:
+        block.mlp.register_forward_pre_hook(lambda module, args: runs.append(1))
+    return runs
+
+
+CHECKPOINTING = {"reentrant": dict(gradient_checkpointing_kwargs={"use_reentrant": True}),
+                 "non_reentrant": dict(gradient_checkpointing_kwargs={"use_reentrant": False}),
+                 "every_2nd_layer": dict(every_n_layers=2)}
+
+
+@pytest.mark.parametrize("options", list(CHECKPOINTING))
+def test_gradient_checkpointing_options_give_transformers_gradients(options):
+    """gradient_checkpointing_enable's arguments as transformers' GPT-2 takes them: each
+    block (every n-th) runs again in the backward, through torch's checkpoint with the
+    caller's arguments, and the gradients are transformers'."""
+    ours, theirs = _pair()
+    batch = _padded("right")
+    batch["labels"] = _labels(batch)
+    runs = _count_block_runs(ours)
+    losses = []
+    for model in (ours.train(), theirs.train()):
+        _enable_checkpointing_with(model, CHECKPOINTING[options])
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss)
+    checkpointed = 1 if options == "every_2nd_layer" else TINY["n_layer"]
+    assert len(runs) == TINY["n_layer"] + checkpointed
+    assert_rel(losses[0], losses[1], "loss", tol=1e-5)
+    _assert_same_grads(ours, theirs, tol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_gradient_checkpointing_gives_the_same_gradients_with_dropout(reentrant):
     config = _config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     ids = torch.randint(2, VOCAB, (2, 11))
     grads = []
@@ -549,7 +639,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
         torch.manual_seed(0)
         model = GPT2LMHeadModel(config).train()
         if checkpointed:
-            _enable_checkpointing(model)
+            _enable_checkpointing_with(model, dict(gradient_checkpointing_kwargs={"use_reentrant": reentrant}))
             assert model.transformer.gradient_checkpointing
         torch.manual_seed(1)
         loss = model(ids, labels=ids).loss
@@ -619,8 +709,10 @@ def test_bad_calls_name_the_argument():
     for options, name in bad:
         with pytest.raises(ValueError, match=name):
             ours(ids, **options)
-    with pytest.raises(ValueError, match="every_n_layers"):
-        _enable_checkpointing(ours, every_n_layers=2)
+    for options, name in [(dict(shift_labels=ids), "shift_labels needs labels"),
+                           (dict(labels=ids, shift_labels=ids[:, 1:]), "shift_labels must be")]:
+        with pytest.raises(ValueError, match=name):
+            ours(ids, **options)
     _enable_checkpointing(ours)
     ours.train()
     with pytest.raises(ValueError, match="use_cache"):

@@ -23,8 +23,9 @@ Where the results differ from transformers' GPT-2, on purpose:
 - output_attentions=True runs attention in plain PyTorch (the fused kernels never
   build the weights), as slow as transformers' eager attention.
 - attention_mask is 2-D (1 = token, 0 = padding): the kernels take key padding, not
-  4-D masks. Gradient checkpointing covers every block with torch's non-reentrant
-  checkpoint, and refuses a cache in the forwards it recomputes.
+  4-D masks.
+- Gradient checkpointing (with transformers' options) refuses a cache in the forwards
+  it recomputes, where transformers drops the cache with a warning.
 
 Shapes: B batch, T new tokens, S = cached + new tokens, C n_embd, nh heads, hs head
 size (C = nh * hs), V vocab.
@@ -36,10 +37,10 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, GPT2Config, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (BaseModelOutputWithPastAndCrossAttentions,
                                            CausalLMOutputWithCrossAttentions)
 from transformers.pytorch_utils import Conv1D
@@ -178,11 +179,13 @@ def add_norm(norm: LayerNorm, x: Tensor, residual: Optional[Tensor], dropout_p: 
     return norm(x, residual, dropout_p=dropout_p)
 
 
-class Block(nn.Module):
+class Block(GradientCheckpointingLayer):
     """A pre-LN block whose residual adds happen in its LayerNorms: it takes the previous
     sublayer's output x (B, T, C) and the residual stream before it, and returns its own
     MLP's output and stream, then, when asked, its input hidden state (which ln_1
-    completes) and its attention weights."""
+    completes) and its attention weights. Under gradient checkpointing transformers'
+    GradientCheckpointingLayer runs it through the model's checkpoint function (x and
+    residual positional, as reentrant checkpointing needs)."""
 
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
@@ -231,19 +234,6 @@ class GPT2PreTrainedModel(PreTrainedModel):
             # GPT-2 starts the projections into the residual stream smaller: the stream
             # sums 2 * n_layer of them.
             init.normal_(module.c_proj.weight, std=std / math.sqrt(2 * self.config.n_layer))
-
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint,
-                                    every_n_layers: int = 1) -> None:
-        # fusedlm.nn.run_layers checkpoints every block with torch's non-reentrant checkpoint
-        # (replaying the dropout seeds): other choices are refused rather than ignored.
-        func = getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func)
-        options = getattr(gradient_checkpointing_func, "keywords", {})
-        if enable and (every_n_layers != 1 or func is not checkpoint
-                       or options not in ({}, {"use_reentrant": False})):
-            raise ValueError("fusedlm's GPT-2 checkpoints every block with torch's non-reentrant "
-                             "checkpoint: every_n_layers, offload and checkpoint arguments are not "
-                             "supported")
-        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
 
 class GPT2Model(GPT2PreTrainedModel):
@@ -311,7 +301,7 @@ class GPT2Model(GPT2PreTrainedModel):
                             output_hidden_states)
         states = [] if output_hidden_states or output_attentions else None
         x, residual, _, _ = run_layers(self.h, (x, None, None, None), args, step=_run_block,
-                                       checkpointing=checkpointing, states=states)
+                                       states=states)
         hidden, _ = add_norm(self.ln_f, x, residual, config.resid_pdrop if self.training else 0.0)
 
         hidden_states = attentions = None
@@ -331,6 +321,9 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     config.tie_word_embeddings is False."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    # transformers' Trainer passes num_items_in_batch to a model that says it takes it (its
+    # own models take **kwargs), and then does not divide the loss by the accumulation steps.
+    accepts_loss_kwargs = True
 
     def __init__(self, config: GPT2Config):
         super().__init__(config)
@@ -347,11 +340,19 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
                 output_attentions: Optional[bool] = None,
                 output_hidden_states: Union[bool, int, list, None] = None,
                 return_dict: Optional[bool] = None, return_logits: bool = False,
-                past_key_values: Optional[Cache] = None) -> CausalLMOutputWithCrossAttentions:
+                past_key_values: Optional[Cache] = None, num_items_in_batch: Union[Tensor, int, None] = None,
+                ignore_index: int = IGNORE_INDEX,
+                shift_labels: Optional[Tensor] = None) -> CausalLMOutputWithCrossAttentions:
         """transformers' GPT2LMHeadModel.forward (see GPT2Model.forward). labels (B, T) are
-        input_ids' positions, shifted inside (position t predicts token t + 1), -100
+        input_ids' positions, shifted inside (position t predicts token t + 1), ignore_index
         ignored. In training with labels the logits are not built (logits=None) unless
-        return_logits; logits_to_keep keeps the last n positions' logits (0: all)."""
+        return_logits; logits_to_keep keeps the last n positions' logits (0: all).
+
+        The loss arguments of transformers' causal LM loss: shift_labels (B, T), already
+        shifted (position t predicts shift_labels[:, t]), replaces labels' shift (labels
+        must still be given, as transformers computes a loss only then);
+        num_items_in_batch makes the loss the sum over the labelled tokens divided by it
+        (the labelled tokens of all the accumulated batches) instead of their mean."""
         out = self.transformer(input_ids, cache, attention_mask, token_type_ids, position_ids,
                                inputs_embeds, encoder_hidden_states, encoder_attention_mask,
                                use_cache, output_attentions=output_attentions,
@@ -359,8 +360,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
                                past_key_values=past_key_values)
         hidden = out.last_hidden_state  # (B, T, C)
         loss = logits = None
+        if shift_labels is not None and labels is None:
+            raise ValueError("shift_labels needs labels too: transformers computes the loss only "
+                             "when labels is given (and then reads shift_labels alone)")
         if labels is not None:
-            loss = self._lm_loss(hidden, labels)
+            loss = self._lm_loss(hidden, labels, shift_labels, ignore_index, num_items_in_batch)
         if labels is None or return_logits or not self.training:
             if isinstance(logits_to_keep, Tensor) and logits_to_keep.dim() != 1:
                 raise ValueError("logits_to_keep must be an int or a 1-D tensor of positions")
@@ -370,17 +374,29 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
             **{CACHE: getattr(out, CACHE)}), self.config, return_dict)
 
-    def _lm_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """The mean cross-entropy of position t's prediction of labels[:, t + 1]; hidden (B, T, C)."""
-        if tuple(labels.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"labels must be (batch, seq) = {tuple(hidden.shape[:2])}, got shape "
-                             f"{tuple(labels.shape)}")
-        if not is_plain_linear(self.lm_head):  # an adapter's or a hook's product must run
-            logits = self.lm_head(hidden[:, :-1])
-            return ops.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(),
-                                     ignore_index=IGNORE_INDEX)
-        h, weight = lower(hidden[:, :-1], self.lm_head.weight)
-        return ops.masked_lm_loss(h, weight, None, labels[:, 1:], ignore_index=IGNORE_INDEX)
+    def _lm_loss(self, hidden: Tensor, labels: Tensor, shift_labels: Optional[Tensor],
+                 ignore_index: int, num_items_in_batch: Union[Tensor, int, None]) -> Tensor:
+        """The cross-entropy of position t's prediction of labels[:, t + 1] (or of
+        shift_labels[:, t]); hidden (B, T, C). Its mean over the labelled tokens, or its sum
+        divided by num_items_in_batch."""
+        if shift_labels is None:
+            _check_labels("labels", labels, hidden)
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            _check_labels("shift_labels", shift_labels, hidden)
+            targets = shift_labels.to(hidden.device)
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        if is_plain_linear(self.lm_head):
+            h, weight = lower(hidden, self.lm_head.weight)
+            loss = ops.masked_lm_loss(h, weight, None, targets, ignore_index=ignore_index,
+                                      reduction=reduction)
+        else:  # an adapter's or a hook's product must run
+            loss = ops.cross_entropy(self.lm_head(hidden).flatten(0, 1), targets.flatten(),
+                                     ignore_index=ignore_index, reduction=reduction)
+        if num_items_in_batch is not None:
+            loss = loss / (num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, Tensor)
+                           else num_items_in_batch)
+        return loss
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
                                       batch_size: int, max_cache_length: int) -> None:
@@ -394,6 +410,12 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
                                               batch_size, max_cache_length)
+
+
+def _check_labels(name: str, labels: Tensor, hidden: Tensor) -> None:
+    if tuple(labels.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"{name} must be (batch, seq) = {tuple(hidden.shape[:2])}, got shape "
+                         f"{tuple(labels.shape)}")
 
 
 def _cache_argument(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
