@@ -18,6 +18,7 @@
 #include "bind.h"
 #include "checks.h"
 #include "common.h"
+#include "differentiable_backward.h"
 #include "eager_lane.h"
 #endif
 
@@ -312,8 +313,13 @@ struct BiasGeluNode : torch::autograd::Function<BiasGeluNode> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto bias = saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
-    auto [dx, dbias] = bias_gelu_backward(grads[0], saved[0], bias,
-                                          ctx->saved_data["approximate"].toStringRef());
+    const auto& approximate = ctx->saved_data["approximate"].toStringRef();
+    if (at::GradMode::is_enabled()) {  // create_graph=True
+      const auto taken = differentiable_backward("bias_gelu", 0.0, grads[0], saved[0], bias,
+                                                 approximate);
+      return {taken[0], taken[1], at::Tensor()};
+    }
+    auto [dx, dbias] = bias_gelu_backward(grads[0], saved[0], bias, approximate);
     return {dx, dbias, at::Tensor()};
   }
 };

@@ -39,6 +39,7 @@
 #include "bind.h"
 #include "checks.h"
 #include "common.h"
+#include "differentiable_backward.h"
 #include "eager_lane.h"
 #endif
 
@@ -491,9 +492,17 @@ struct AddLayerNormNode : torch::autograd::Function<AddLayerNormNode> {
     // Only summed was used: nothing flows back through the norm.
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(summed);
     const auto grad_summed = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-    auto [dsummed, dx, dweight, dbias] =
-        add_layer_norm_backward(grad_out, grad_summed, summed, mean, rstd, weight,
-                                ctx->saved_data["has_bias"].toBool(), has_residual, p, seed);
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    at::Tensor dsummed, dx, dweight, dbias;
+    if (at::GradMode::is_enabled()) {  // create_graph=True
+      const auto taken = differentiable_backward("add_layer_norm", p, grad_out, grad_summed,
+                                                 summed, mean, rstd, weight, has_bias,
+                                                 has_residual, p, seed);
+      dsummed = taken[0], dx = taken[1], dweight = taken[2], dbias = taken[3];
+    } else {
+      std::tie(dsummed, dx, dweight, dbias) = add_layer_norm_backward(
+          grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, p, seed);
+    }
     // Without dropout x's gradient is summed's: one tensor serves both inputs.
     return {p > 0 ? dx : dsummed, has_residual ? dsummed : at::Tensor(), dweight, dbias,
             at::Tensor(), at::Tensor(), at::Tensor()};

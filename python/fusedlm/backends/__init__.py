@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch._C import _is_tracing, _len_torch_dispatch_stack
 from torch._C._functorch import peek_interpreter_stack
+from torch.autograd import forward_ad
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
 KERNEL_BACKENDS = BACKEND_NAMES[1:]  # those with kernels of their own (the reference is the yardstick)
@@ -429,8 +430,9 @@ def lane(lanes: dict, backend: Optional[str]) -> Optional[Callable]:
     the backend's answer to them is memoised whole, whatever the call's other features:
     the backend takes every shape, and (chosen automatically) no ``slower`` entry of it
     could match a call in that dtype. Never while torch.compile traces (nothing but the
-    registered op may be seen then)."""
-    if torch.compiler.is_compiling():
+    registered op may be seen then) nor under forward-mode AD (the lane's C++ sees
+    torch.func's transforms itself)."""
+    if torch.compiler.is_compiling() or forward_ad._current_level >= 0:
         return None
     return lanes.get(_FORCING.backend if backend is None else backend)
 
@@ -533,13 +535,24 @@ def explain(op: str, *args, **kwargs) -> str:
 
 
 def unobserved() -> bool:
-    """Nothing but autograd watches the call: no torch.compile, jit tracing, dispatch mode
-    (fake tensors) or torch.func transform. Such calls may take shortcuts (fusedlm.ops._op)
-    and run checks (fusedlm.backends.verify) that traced code must not see."""
+    """Nothing but autograd's reverse mode watches the call: no torch.compile, jit tracing,
+    dispatch mode (fake tensors), torch.func transform or forward-mode AD. Such calls may
+    take shortcuts (fusedlm.ops._op) and run checks (fusedlm.backends.verify) that traced
+    code must not see."""
     # (The C functions behind torch.jit.is_tracing and the dispatch mode stack's: this runs
     # on every eager call, where each Python frame saved is a microsecond.)
     return (not torch.compiler.is_compiling() and not _len_torch_dispatch_stack()
-            and not _is_tracing() and peek_interpreter_stack() is None)
+            and not _is_tracing() and peek_interpreter_stack() is None
+            and forward_ad._current_level < 0)
+
+
+def transformed() -> bool:
+    """A torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap...) or forward-mode AD
+    (torch.autograd.forward_ad) is applied to the call, outside torch.compile's tracing.
+    The kernels have no forward-mode or batching rules: such a call runs the op's
+    plain-PyTorch composition (fusedlm.ops._op), which every transform takes."""
+    return not torch.compiler.is_compiling() and (
+        peek_interpreter_stack() is not None or forward_ad._current_level >= 0)
 
 
 def check_index_data(device: torch.device, *, once_a_step: bool = False) -> bool:

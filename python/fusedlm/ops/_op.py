@@ -13,8 +13,11 @@ Conventions, stated here once:
   empty tensor, as custom ops cannot return None;
 - ``grad`` returns the gradients of the leading inputs only; the rest are None.
 
-The registered op is what torch.compile, dispatch modes (fake tensors) and torch.func
-see. In plain eager code nothing observes the difference, and its Python dispatch is
+The registered op is what torch.compile and dispatch modes (fake tensors) see. Under a
+torch.func transform or forward-mode AD a call runs the reference backend's plain-PyTorch
+forward kernel instead, which every transform differentiates and batches; a gradient that
+is differentiated again (create_graph=True) is the reference backward kernel's, which
+autograd records (differentiable_backward). In plain eager code nothing observes the difference, and its Python dispatch is
 costly (about 100 µs a forward and backward on a CPU, several times the kernels' own time
 at BERT sizes on a GPU): there a call goes straight to the backend's kernel, under a plain
 ``torch.autograd.Function`` with the same setup and gradient where autograd records it, or
@@ -30,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..backends import OpInfo, declare, kernel, unobserved
+from ..backends import OpInfo, declare, kernel, transformed, unobserved
 
 
 def _with_backend(schema: str) -> str:
@@ -57,7 +60,7 @@ def _direct_function(op: "Op", backend: str) -> type:
     once, so that a call passes autograd only the op's own inputs."""
     def forward(ctx, *args):
         outputs = _filled(kernel(backend, op.name).forward(*args), args)
-        ctx.backend, ctx.direct = backend, True
+        ctx.op, ctx.backend, ctx.direct = op.name, backend, True
         op._setup(ctx, args, outputs)
         return outputs
 
@@ -67,6 +70,30 @@ def _direct_function(op: "Op", backend: str) -> type:
 
     return type(f"{op.name}_{backend}", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_DECLARED: dict = {}  # {name: Op}
+
+
+def differentiable_backward(op: str, backend: str, dropout_p: float, *args,
+                            caller: Optional[str] = None) -> tuple:
+    """``op``'s backward kernel for a gradient that is to be differentiated again (taken with
+    create_graph=True): the reference backend's, which recomputes it from the saved inputs
+    in plain PyTorch that autograd records (a kernel's records nothing). ``backend`` and
+    ``dropout_p`` are the forward's; ``caller`` names the op the user called, where it
+    borrows ``op``'s backward. Raises where the reference cannot stand in for the kernel."""
+    why = None
+    if not _DECLARED[op]._twice_differentiable:
+        why = "its forward keeps only the gradient it took, not its inputs"
+    elif backend != "reference" and dropout_p > 0:
+        why = (f"with dropout_p > 0 on the {backend} backend, whose dropout mask the "
+               "reference cannot redraw")
+    if why is not None:
+        raise RuntimeError(
+            f"fusedlm: {caller or op}: double backward (differentiating a gradient taken with "
+            f"create_graph=True) is not supported {why}. torch.func.grad and the other "
+            "torch.func transforms run its plain-PyTorch composition, which supports it.")
+    return _DECLARED[op]._reference_kernels[1](*args)
 
 
 class Op:
@@ -82,6 +109,10 @@ class Op:
         than that backend's default (fusedlm.backends); ``probes``: its
         fusedlm.backends.probes.Probe problems."""
         self.name = name
+        _DECLARED[name] = self
+        # The plain-PyTorch kernels themselves (the reference backend's copy outputs that
+        # alias inputs, which a registered op needs and a transform's wrapped tensors refuse).
+        self._reference_kernels = reference_kernels
         # The module of fusedlm.ops declaring the op (fusedlm.backends.triton finds its
         # kernels in the Triton module of the same name).
         module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
@@ -94,6 +125,7 @@ class Op:
         self._backward: Optional[torch.library.CustomOpDef] = None
         self._setup: Optional[Callable] = None  # set by differentiable()
         self._grad: Optional[Callable] = None
+        self._twice_differentiable = False
         self._direct: dict = {}  # {backend: its _direct_function}
 
     def __call__(self, backend: str, *args):
@@ -109,28 +141,37 @@ class Op:
                 if direct is None:
                     direct = self._direct[backend] = _direct_function(self, backend)
                 return direct.apply(*args)
+        elif transformed():
+            return _filled(self._reference_kernels[0](*args), args)
         return self._forward(*args, backend)
 
     def backward(self, ctx, *args):
-        """The backward kernel, on the backend the forward ran on."""
+        """The backward kernel, on the backend the forward ran on; for a gradient that is to
+        be differentiated again, :func:`differentiable_backward`."""
+        if torch.is_grad_enabled():  # create_graph=True
+            return _filled(differentiable_backward(self.name, ctx.backend,
+                                                   getattr(ctx, "dropout_p", 0.0), *args,
+                                                   caller=ctx.op), args)
         if getattr(ctx, "direct", False):
             return _filled(kernel(ctx.backend, self.name).backward(*args), args)
         return self._backward(*args, ctx.backend)
 
     def differentiable(self, schema: Optional[str], fake: Optional[Callable], setup: Callable,
-                       grad: Callable) -> "Op":
+                       grad: Callable, *, twice: bool = True) -> "Op":
         """Registers the backward kernel (of ``schema``; None where the gradient is another
         op's forward, as unpad's is pad) and the autograd formula.
 
         ``setup(ctx, inputs, outputs)`` saves what ``grad(ctx, *output_grads)`` needs; both see
-        the inputs without the backend (``ctx.backend`` holds it)."""
+        the inputs without the backend (``ctx.backend`` holds it). ``twice``: the reference
+        backward kernel, given what ``setup`` saved, is a differentiable function of the
+        op's inputs, so a double backward can run it (:meth:`backward`)."""
         name = self.name
-        self._setup, self._grad = setup, grad
+        self._setup, self._grad, self._twice_differentiable = setup, grad, twice
         if schema is not None:
             self._backward = self._register(f"{name}_backward", schema, fake,
                                             lambda backend: kernel(backend, name).backward)
         def setup_context(ctx, inputs, output):
-            ctx.backend = inputs[-1]
+            ctx.op, ctx.backend = name, inputs[-1]
             setup(ctx, inputs[:-1], output)
 
         def backward(ctx, *grads):

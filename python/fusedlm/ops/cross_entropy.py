@@ -133,11 +133,13 @@ def _unit_grad(grad: Tensor, reduction: str) -> bool:
     released the saved tensors before the gradients are accumulated, so nothing else holds
     them; with retain_graph, .grad accumulation copies them, and an in-place change of a
     returned gradient bumps its version, so a second backward raises instead of using it.
+    Never where the gradient is to be differentiated again (create_graph=True): the saved
+    gradients carry no graph.
     """
     # A traced gradient (a fake or functional tensor, which torch 2.11 traces the backward
     # with outside is_compiling()) has no value to read: only a plain tensor is looked at.
     return (reduction != "none" and not torch.compiler.is_compiling() and type(grad) is Tensor
-            and grad.device.type == "cpu" and grad.item() == 1.0)
+            and grad.device.type == "cpu" and not torch.is_grad_enabled() and grad.item() == 1.0)
 
 
 def _cross_entropy_grad(ctx, grad, _grad_of_grad):
@@ -200,7 +202,7 @@ CROSS_ENTROPY = Op(
 ).differentiable(
     "(Tensor grad, Tensor saved_grad, str reduction) -> Tensor",
     lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape),
-    _saved_grad_setup, _cross_entropy_grad)
+    _saved_grad_setup, _cross_entropy_grad, twice=False)
 
 
 # --- distillation_loss ---------------------------------------------------------------------------
@@ -290,7 +292,7 @@ DISTILLATION_LOSS = Op(
     reference_kernels=(_distillation_reference_forward, None),
     probes=(Probe("1000 classes", _distillation_probe(40, 1000), constant=(1,)),
             Probe.real("BERT-base, 1024 x 30522", _distillation_probe(1024, 30522), constant=(1,))),
-).differentiable(None, None, _saved_grad_setup, _cross_entropy_grad)
+).differentiable(None, None, _saved_grad_setup, _cross_entropy_grad, twice=False)
 
 
 # --- masked_lm_loss ------------------------------------------------------------------------------
@@ -397,9 +399,8 @@ def _masked_lm_loss_reference_forward(hidden, weight, bias, labels, ignore_index
 def _masked_lm_loss_reference_backward(grad, hidden, weight, bias, labels, dhidden, dweight,
                                        dbias, ignore_index, label_smoothing, reduction,
                                        chunk_rows, *needs):
-    if reduction != "none":
-        return tuple(_scaled(grad, saved, "sum") if need else None
-                     for saved, need in zip((dhidden, dweight, dbias), needs))
+    """Recomputed from the inputs, not scaled from the saved gradients: a differentiable
+    function of the inputs, which a double backward takes."""
     loss_of = _masked_lm_loss_of(labels, ignore_index, label_smoothing, reduction)
     return vjp(loss_of, (hidden, weight, bias), (grad,), needs)
 
