@@ -442,6 +442,53 @@ def assert_no_logits_in_training_unless_asked(model, batch: dict, shape: tuple) 
     assert call(model.eval(), batch).logits is not None
 
 
+def count_attention_runs(model) -> list:
+    """A list that gets an entry each time one of the model's layers (transformers'
+    GradientCheckpointingLayer) runs its attention."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    runs = []
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.attention.register_forward_hook(lambda *_: runs.append(1))
+    return runs
+
+
+def graph_nodes(t: torch.Tensor) -> set:
+    """The names of the autograd nodes t's backward runs through."""
+    names, seen, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def assert_checkpointing_matches_transformers(cls, config, batch: dict, calls: int, use_reentrant: bool) -> None:
+    """``cls`` (a masked-LM head) with gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+    {"use_reentrant": ...}) recomputes each of its ``calls`` layer calls in the backward, with
+    torch's reentrant checkpoint or not as asked, and gives the loss and gradients of
+    transformers' model of the same weights (checkpointed the same way where it can be)."""
+    ours, theirs = same_weights(cls, config)
+    options = {"use_reentrant": use_reentrant}
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    if theirs.supports_gradient_checkpointing:
+        theirs.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    expected = call(theirs.train(), batch).loss
+    expected.backward()
+    runs = count_attention_runs(ours)
+    loss = call(ours.train(), batch).loss
+    assert len(runs) == calls
+    assert ("CheckpointFunctionBackward" in graph_nodes(loss)) == use_reentrant
+    loss.backward()
+    assert len(runs) == 2 * calls  # every layer call ran again in the backward
+    assert_rel(loss, expected, "loss")
+    assert_same_grads(ours, theirs)
+
+
 def tiny_batch() -> dict:
     """The padded batch the model families' tests share: VOCAB tokens, rows of LENGTHS."""
     return parity_batch(VOCAB, LENGTHS)
@@ -457,6 +504,7 @@ def encoder_family_tests(cases: dict, make_config, tiny: dict, *, checkpoints: l
     - the masked-LM head on a batch without padding (the unpacked path); untied from the
       input embeddings (``output_embeddings(model)``: the module holding its weight); and
       in training, building no logits unless asked;
+    - gradient checkpointing with use_reentrant True and False (the masked-LM head);
     - checkpoints base <-> task both ways (``checkpoints``: (transformers' class name saved,
       our class loading)), each with every one of the ``encoder_weights`` tensors under the
       ``encoder`` key prefixes."""
@@ -482,6 +530,10 @@ def encoder_family_tests(cases: dict, make_config, tiny: dict, *, checkpoints: l
     def test_masked_lm_in_training_builds_no_logits_unless_asked():
         assert_no_logits_in_training_unless_asked(masked_lm(make_config()), make_batch(),
                                                   (len(LENGTHS), max(LENGTHS), VOCAB))
+
+    @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+    def test_gradient_checkpointing_kwargs_are_honoured_with_transformers_gradients(use_reentrant):
+        assert_checkpointing_matches_transformers(masked_lm, make_config(), make_batch(), layers, use_reentrant)
 
     tests = {name: test for name, test in locals().items() if name.startswith("test_")}
     parity = parity_test(cases, make_batch, make_config, {**tiny, "num_hidden_layers": layers})

@@ -8,9 +8,9 @@ import torch
 
 from models_helpers import (VOCAB, Corpus, MASK, PAD, REFUSED_SETTINGS, SPECIALS,
                             assert_attentions_and_outputs_match, assert_embeds_and_positions_match,
-                            assert_rel, assert_trains, call, encoder_family_tests, file_tensors,
-                            head_cases, masked, perturb, qa_reference_loss, same_weights, tiny_batch,
-                            tiny_config)
+                            assert_rel, assert_trains, call, count_attention_runs, encoder_family_tests,
+                            file_tensors, head_cases, masked, perturb, qa_reference_loss, same_weights,
+                            tiny_batch, tiny_config)
 from fusedlm.models import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                             BertForSequenceClassification, BertForTokenClassification, BertModel,
                             mask_tokens)
@@ -236,21 +236,20 @@ def test_masking_follows_the_bert_recipe_and_never_touches_special_tokens_or_pad
 
 # --- gradient checkpointing, autocast ----------------------------------------------------------
 
-def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_gradient_checkpointing_gives_the_same_gradients_with_dropout(use_reentrant):
     config = transformers.BertConfig(**TINY)  # dropout 0.1 everywhere
     plain = BertForMaskedLM(config).train()
     checkpointed = copy.deepcopy(plain)
-    checkpointed.gradient_checkpointing_enable()
-    calls = []
-    for layer in checkpointed.bert.encoder.layer:
-        layer.forward = _counted(layer.forward, calls)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    runs = count_attention_runs(checkpointed)
     batch = tiny_batch()
     grads = []
     for model in (plain, checkpointed):
         torch.manual_seed(7)
         call(model, batch).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    assert len(calls) == 2 * TINY["num_hidden_layers"]  # each layer ran again in the backward
+    assert len(runs) == 2 * TINY["num_hidden_layers"]  # each layer ran again in the backward
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -259,13 +258,6 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_dropout():
     call(plain, batch).loss.backward()
     assert not torch.allclose(plain.bert.embeddings.word_embeddings.weight.grad,
                               grads[0]["bert.embeddings.word_embeddings.weight"])
-
-
-def _counted(forward, calls):
-    def run(*args):
-        calls.append(1)
-        return forward(*args)
-    return run
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models_helpers import (LENGTHS, VOCAB, Corpus, REFUSED_SETTINGS, assert_attentions_and_outputs_match,
-                            assert_embeds_and_positions_match, assert_encoder_weights_load,
+                            assert_checkpointing_matches_transformers, assert_embeds_and_positions_match, assert_encoder_weights_load,
                             assert_no_logits_in_training_unless_asked, assert_rel, assert_trains,
                             assert_unpadded_masked_lm_matches, assert_untied_head_loads_both_ways,
                             call, file_tensors, head_cases, masked, parity_test,
@@ -78,6 +78,12 @@ def test_inputs_embeds_position_ids_and_token_types_match_transformers():
 def test_output_attentions_and_hidden_states_match_transformers_and_index_like_theirs():
     assert_attentions_and_outputs_match(*same_weights(ElectraForPreTraining, _config()), _batch(),
                                         TINY["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_gradient_checkpointing_kwargs_are_honoured_with_transformers_gradients(use_reentrant):
+    assert_checkpointing_matches_transformers(ElectraForMaskedLM, _config(), _batch(), TINY["num_hidden_layers"],
+                                              use_reentrant)
 
 
 # --- checkpoints -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 from transformers import AlbertConfig
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.albert.modeling_albert import AlbertForPreTrainingOutput
 
@@ -52,9 +53,10 @@ class AlbertAttention(nn.Module):
         return out
 
 
-class AlbertLayer(nn.Module):
+class AlbertLayer(GradientCheckpointingLayer):
     """attention, then LayerNorm(ffn_output(GELU(ffn(a))) + a): the products one fused op,
-    the add and norm another (ALBERT drops nothing there)."""
+    the add and norm another (ALBERT drops nothing there). Each call is checkpointed as
+    transformers' layers are, when checkpointing is on."""
 
     def __init__(self, config):
         super().__init__()
@@ -87,7 +89,6 @@ class AlbertTransformer(nn.Module):
         self.embedding_hidden_mapping_in = nn.Linear(config.embedding_size, config.hidden_size)
         self.albert_layer_groups = nn.ModuleList(AlbertLayerGroup(config)
                                                  for _ in range(config.num_hidden_groups))
-        self.gradient_checkpointing = False  # transformers' gradient_checkpointing_enable sets it
 
     def calls(self) -> list:
         """The layers in the order they run: layer i runs group i * groups // layers."""
@@ -98,7 +99,7 @@ class AlbertTransformer(nn.Module):
     def forward(self, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
                 output_attentions: bool) -> tuple:
         return run_encoder(self.calls(), self.embedding_hidden_mapping_in(x), attention_mask,
-                           output_hidden_states, output_attentions, self.gradient_checkpointing)
+                           output_hidden_states, output_attentions)
 
 
 class AlbertPreTrainedModel(BertPreTrainedModel):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import BertConfig, PreTrainedModel
 from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAttentions,
                                            MaskedLMOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput, TokenClassifierOutput)
@@ -166,9 +167,10 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
 
 
-class BertLayer(nn.Module):
+class BertLayer(GradientCheckpointingLayer):
     """x -> LN(x + drop(attn(x))) -> LN(. + drop(ffn(.))): post-LN, each add fused into its norm,
-    the FFN (dense -> GELU -> dense) one fused op."""
+    the FFN (dense -> GELU -> dense) one fused op. Checkpointed as transformers' layers are
+    (``gradient_checkpointing_enable``'s function, with its arguments)."""
 
     def __init__(self, config):
         super().__init__()
@@ -192,21 +194,19 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList((layer_class or BertLayer)(config)
                                    for _ in range(config.num_hidden_layers))
-        self.gradient_checkpointing = False  # transformers' gradient_checkpointing_enable sets it
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
                 output_attentions: bool) -> tuple:
-        return run_encoder(self.layer, x, attention_mask, output_hidden_states, output_attentions,
-                           self.gradient_checkpointing)
+        return run_encoder(self.layer, x, attention_mask, output_hidden_states, output_attentions)
 
 
 def run_encoder(layers, x: Tensor, attention_mask: Optional[Tensor], output_hidden_states: bool,
-                output_attentions: bool, checkpointing: bool) -> tuple:
-    """x [B, T, H] through ``layers`` (each called as layer(h, packing, padding, attentions)),
-    packed once when the batch has padding -> (last hidden state, hidden states or None,
-    attentions or None)."""
+                output_attentions: bool) -> tuple:
+    """x [B, T, H] through ``layers`` (each called as layer(h, packing, padding, attentions),
+    positionally, as a reentrant checkpoint needs), packed once when the batch has padding
+    -> (last hidden state, hidden states or None, attentions or None)."""
     if not output_attentions:
-        hidden, states = run_stack(layers, x, padding_of(attention_mask), checkpointing=checkpointing,
+        hidden, states = run_stack(layers, x, padding_of(attention_mask),
                                    output_hidden_states=output_hidden_states)
         return hidden, states, None
     # The weights exist only on the reference attention, over the padded batch.

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DistilBertConfig, PreTrainedModel
 from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput, TokenClassifierOutput)
 
@@ -91,8 +92,9 @@ class FFN(nn.Module):
         return linear_gelu_linear(x, self.lin1, self.lin2, approximate=self.approximate)
 
 
-class TransformerBlock(nn.Module):
-    """x -> LN(x + attn(x)) -> LN(. + drop(ffn(.))), each add fused into its norm."""
+class TransformerBlock(GradientCheckpointingLayer):
+    """x -> LN(x + attn(x)) -> LN(. + drop(ffn(.))), each add fused into its norm;
+    checkpointed as transformers' layers are."""
 
     def __init__(self, config):
         super().__init__()
