@@ -26,6 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (BaseModelOutputWithPoolingAndCrossAttentions,
                                            MaskedLMOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput, TokenClassifierOutput)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
 from .. import ops
@@ -53,6 +54,38 @@ def check_config(config) -> None:
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size ({config.hidden_size}) must be a multiple of "
                          f"num_attention_heads ({config.num_attention_heads})")
+
+
+def check_attn_implementation(name: Optional[str]) -> None:
+    """Refuses what transformers refuses: a name of none of its attention functions (nor of
+    a kernel repository on the Hub, "org/name")."""
+    known = ("eager", *ALL_ATTENTION_FUNCTIONS.valid_keys())
+    if name is None or name in known or name.removeprefix("paged|") in known or "/" in name:
+        return
+    raise ValueError(f"attn_implementation={name!r} is none of transformers' attention functions "
+                     f"{known}, nor a kernel repository on the Hub ('org/name')")
+
+
+class AnyAttnImplementation:
+    """What a fusedlm model (a transformers PreTrainedModel) does with transformers'
+    ``attn_implementation``: every name transformers takes ("eager", "sdpa",
+    "flash_attention_2", ...) asks for the same attention, and fusedlm's is one whatever
+    the name: the fused kernels, or plain PyTorch where a call asks for the weights
+    (output_attentions=True). So each is accepted as it is, and the config object keeps
+    what its caller set (None included): a transformers model built from it later chooses
+    as it would have. A function registered with transformers' AttentionInterface is
+    accepted by name but not called."""
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: Optional[str], *args, **kwargs):
+        check_attn_implementation(attn_implementation)
+        return attn_implementation
+
+    def _check_and_adjust_experts_implementation(self, experts_implementation: Optional[str]):
+        return experts_implementation  # no mixture of experts here to implement
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True  # set_attn_implementation only checks and records the name
 
 
 def dropout_p(module: nn.Module, p: float) -> float:
@@ -324,7 +357,7 @@ def finish(output, config, return_dict: Optional[bool]):
     return output if config_flag(config, "return_dict", return_dict, True) else output.to_tuple()
 
 
-class BertPreTrainedModel(PreTrainedModel):
+class BertPreTrainedModel(AnyAttnImplementation, PreTrainedModel):
     """transformers' base for BERT: its config class, checkpoint prefix and weight init."""
 
     config_class = BertConfig

@@ -26,9 +26,9 @@ from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput, Ques
                                            SequenceClassifierOutput, TokenClassifierOutput)
 
 from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear
-from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, BertEncoder, InputEmbeddings, OutputEmbeddings,
-                   check_inputs, classification_loss, config_flag, dense_gelu, dropout_p, finish,
-                   masked_lm, self_attention, span_logits, span_loss, token_loss)
+from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, AnyAttnImplementation, BertEncoder, InputEmbeddings,
+                   OutputEmbeddings, check_inputs, classification_loss, config_flag, dense_gelu, dropout_p,
+                   finish, masked_lm, self_attention, span_logits, span_loss, token_loss)
 
 
 def check_config(config) -> None:
@@ -110,7 +110,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         return out
 
 
-class DistilBertPreTrainedModel(PreTrainedModel):
+class DistilBertPreTrainedModel(AnyAttnImplementation, PreTrainedModel):
     """transformers' base for DistilBERT: its config class, checkpoint prefix and init."""
 
     config_class = DistilBertConfig
