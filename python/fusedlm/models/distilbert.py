@@ -39,8 +39,18 @@ def check_config(config) -> None:
         raise ValueError(f"dim ({config.dim}) must be a multiple of n_heads ({config.n_heads})")
 
 
+def sinusoidal_positions(count: int, width: int) -> Tensor:
+    """The Transformer's fixed position table (Vaswani et al.), [count, width] float32:
+    position p's columns 2i and 2i + 1 hold sin and cos of p / 10000^(2i / width)."""
+    angles = torch.arange(count, dtype=torch.float64)[:, None] / 10000 ** (
+        torch.arange(width, dtype=torch.float64) // 2 * 2 / width)
+    return torch.where(torch.arange(width) % 2 == 0, angles.sin(), angles.cos()).float()
+
+
 class Embeddings(nn.Module):
-    """word + position embeddings -> LayerNorm -> dropout: [B, T, H]."""
+    """word + position embeddings -> LayerNorm -> dropout: [B, T, H]. With
+    sinusoidal_pos_embds the position table starts as sines and cosines (and stays trainable,
+    as transformers')."""
 
     def __init__(self, config):
         super().__init__()
@@ -59,6 +69,20 @@ class Embeddings(nn.Module):
             position_ids = self.position_ids[:, :inputs_embeds.shape[1]]
         x = inputs_embeds + self.position_embeddings(position_ids)
         return F.dropout(self.LayerNorm(x), dropout_p(self, self.dropout))
+
+    def resize_positions(self, count: int, sinusoidal: bool) -> None:
+        """A position table of ``count`` rows: sines and cosines, or the learned rows kept
+        and any new ones drawn as a new nn.Embedding's (transformers' rule)."""
+        old = self.position_embeddings.weight
+        table = nn.Embedding(count, old.shape[1], device=old.device, dtype=old.dtype)
+        with torch.no_grad():
+            if sinusoidal:
+                table.weight.copy_(sinusoidal_positions(count, old.shape[1]))
+            else:
+                kept = min(count, old.shape[0])
+                table.weight[:kept] = old[:kept]
+        self.position_embeddings = table
+        self.position_ids = torch.arange(count, device=self.position_ids.device)[None]
 
 
 class DistilBertSelfAttention(nn.Module):
@@ -111,7 +135,8 @@ class TransformerBlock(GradientCheckpointingLayer):
 
 
 class DistilBertPreTrainedModel(AnyAttnImplementation, PreTrainedModel):
-    """transformers' base for DistilBERT: its config class, checkpoint prefix and init."""
+    """transformers' base for DistilBERT: its config class, checkpoint prefix and init, and
+    the position table's access and resizing."""
 
     config_class = DistilBertConfig
     base_model_prefix = "distilbert"
@@ -125,7 +150,23 @@ class DistilBertPreTrainedModel(AnyAttnImplementation, PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, Embeddings):  # buffers too: a load builds the model empty
+            if self.config.sinusoidal_pos_embds:  # (a loaded table is kept: init skips it)
+                init.copy_(module.position_embeddings.weight,
+                           sinusoidal_positions(*module.position_embeddings.weight.shape))
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1])[None])
+
+    def get_position_embeddings(self) -> nn.Embedding:
+        return self.base_model.embeddings.position_embeddings
+
+    def resize_position_embeddings(self, new_num_position_embeddings: int) -> None:
+        """transformers' resize: the table gets ``new_num_position_embeddings`` rows (see
+        Embeddings.resize_positions) and config.max_position_embeddings says so."""
+        count = new_num_position_embeddings
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"new_num_position_embeddings must be a positive int, got {count!r}")
+        if count != self.config.max_position_embeddings:
+            self.base_model.embeddings.resize_positions(count, self.config.sinusoidal_pos_embds)
+            self.config.max_position_embeddings = count
 
 
 class DistilBertModel(InputEmbeddings, DistilBertPreTrainedModel):
