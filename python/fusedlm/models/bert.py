@@ -36,24 +36,36 @@ from ..nn._autocast import lower
 from ..nn.attention import attention_with_weights
 
 IGNORE_INDEX = -100
-# transformers' hidden_act names -> fusedlm's GELU ``approximate``
-GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+# transformers' hidden_act names of GELU -> fusedlm's GELU ``approximate`` (the tanh forms
+# differ only in how their constants are rounded)
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+                       "gelu_python_tanh": "tanh", "gelu_fast": "tanh", "gelu_accurate": "tanh"}
 
 
 def check_config(config) -> None:
-    """Settings the fused path cannot honour are refused, never ignored."""
-    if config.hidden_act not in GELU_APPROXIMATIONS:
-        raise ValueError(f"hidden_act must be one of {tuple(GELU_APPROXIMATIONS)}, got {config.hidden_act!r}")
+    """Settings the fused path cannot honour are refused, never ignored (BERT's, RoBERTa's,
+    ALBERT's and ELECTRA's)."""
+    check_activation("hidden_act", config.hidden_act)
+    check_unchunked(config)
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError("is_decoder / add_cross_attention: fusedlm's BERT and ELECTRA are encoders; "
                          "use transformers' BertLMHeadModel or ElectraForCausalLM for a decoder")
     if getattr(config, "position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"position_embedding_type must be 'absolute', got {config.position_embedding_type!r}")
-    if getattr(config, "chunk_size_feed_forward", 0):
-        raise ValueError("chunk_size_feed_forward must be 0: the fused FFN runs in one piece")
     if config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size ({config.hidden_size}) must be a multiple of "
                          f"num_attention_heads ({config.num_attention_heads})")
+
+
+def check_activation(setting: str, name) -> None:
+    """The config's activation ``setting`` must name a GELU: the fused FFN computes no other."""
+    if name not in GELU_APPROXIMATIONS:
+        raise ValueError(f"{setting} must be one of {tuple(GELU_APPROXIMATIONS)}, got {name!r}")
+
+
+def check_unchunked(config) -> None:
+    if config.chunk_size_feed_forward:
+        raise ValueError("chunk_size_feed_forward must be 0: the fused FFN runs in one piece")
 
 
 def check_attn_implementation(name: Optional[str]) -> None:

@@ -27,14 +27,15 @@ from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput, Ques
 
 from ..nn import LayerNorm, LinearCrossEntropyLoss, linear_gelu_linear
 from .bert import (GELU_APPROXIMATIONS, IGNORE_INDEX, AnyAttnImplementation, BertEncoder, InputEmbeddings,
-                   OutputEmbeddings, check_inputs, classification_loss, config_flag, dense_gelu, dropout_p,
-                   finish, masked_lm, self_attention, span_logits, span_loss, token_loss)
+                   OutputEmbeddings, check_activation, check_inputs, check_unchunked, classification_loss,
+                   config_flag, dense_gelu, dropout_p, finish, masked_lm, self_attention, span_logits, span_loss,
+                   token_loss)
 
 
 def check_config(config) -> None:
     """Settings the fused path cannot honour are refused, never ignored."""
-    if config.activation not in GELU_APPROXIMATIONS:
-        raise ValueError(f"activation must be one of {tuple(GELU_APPROXIMATIONS)}, got {config.activation!r}")
+    check_activation("activation", config.activation)
+    check_unchunked(config)
     if config.dim % config.n_heads:
         raise ValueError(f"dim ({config.dim}) must be a multiple of n_heads ({config.n_heads})")
 
