@@ -2,6 +2,7 @@
 and gradients on left- and right-padded batches, every forward argument, checkpoints both
 ways, generation through transformers' GenerationMixin over the fused KV cache, and each
 deliberate difference."""
+import copy
 import warnings
 
 import pytest
@@ -178,6 +179,29 @@ def test_the_trainer_passes_num_items_in_batch_as_to_transformers_models(tmp_pat
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     ours, theirs = (transformers.Trainer(model=m, args=args) for m in _pair())
     assert ours.model_accepts_loss_kwargs is theirs.model_accepts_loss_kwargs is True
+
+
+@pytest.mark.parametrize("implementation", [None, "eager", "sdpa", "flash_attention_2"])
+def test_every_attention_implementation_of_transformers_gpt2_runs_the_fused_path(implementation):
+    """None, "eager", "sdpa" and "flash_attention_2" all give transformers' eager outputs
+    and tokens (flash-attn need not be installed), and the attention weights when asked;
+    the caller's config is left as it was."""
+    _, theirs = _pair(dtype=torch.float64)
+    config = transformers.GPT2Config(**TINY, attn_implementation=implementation)
+    before = copy.deepcopy(vars(config))
+    ours = GPT2LMHeadModel(config)
+    assert vars(config) == before
+    ours.load_state_dict(theirs.state_dict())
+    ours = ours.to(torch.float64).eval()
+    batch = _padded("left")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        out, expected = ours(**batch, output_attentions=True), theirs(**batch, output_attentions=True)
+        assert_rel(ours(**batch).logits[real], expected.logits[real], "logits")
+    for i, (a, b) in enumerate(zip(out.attentions, expected.attentions)):
+        assert_rel(a.transpose(1, 2)[real], b.transpose(1, 2)[real], f"attentions[{i}]")
+    found = [m.generate(**batch, max_new_tokens=6, do_sample=False) for m in (ours, theirs)]
+    assert torch.equal(found[0], found[1])
 
 
 # --- every forward argument ----------------------------------------------------------------------

@@ -21,7 +21,9 @@ Where the results differ from transformers' GPT-2, on purpose:
   computed from padding; every output at a real token matches.
 - In training with labels, logits are None unless forward gets return_logits=True.
 - output_attentions=True runs attention in plain PyTorch (the fused kernels never
-  build the weights), as slow as transformers' eager attention.
+  build the weights), as slow as transformers' eager attention. Every attn_implementation
+  transformers takes runs this same attention, and the config keeps the name it was
+  given (bert.AnyAttnImplementation).
 - attention_mask is 2-D (1 = token, 0 = padding): the kernels take key padding, not
   4-D masks.
 - Gradient checkpointing (with transformers' options) refuses a cache in the forwards
@@ -49,7 +51,7 @@ from .. import ops
 from ..nn import LayerNorm, is_plain_linear, padding_of, run_layers
 from ..nn._autocast import lower
 from ..nn.attention import attention_with_weights
-from .bert import finish
+from .bert import AnyAttnImplementation, finish
 from .kv_cache import FusedKVCache
 
 IGNORE_INDEX = -100
@@ -210,7 +212,7 @@ def _run_block(block: Block, h: tuple, args: BlockArgs) -> tuple:
     return block(x, residual, args)
 
 
-class GPT2PreTrainedModel(PreTrainedModel):
+class GPT2PreTrainedModel(AnyAttnImplementation, PreTrainedModel):
     config_class = GPT2Config
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
