@@ -2,6 +2,7 @@
 and gradients on padded batches, every forward argument, checkpoints of every layout
 both ways, the deliberate differences, training, masking and errors."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -258,6 +259,21 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_dropout(use_reentr
     call(plain, batch).loss.backward()
     assert not torch.allclose(plain.bert.embeddings.word_embeddings.weight.grad,
                               grads[0]["bert.embeddings.word_embeddings.weight"])
+
+
+def test_gradient_checkpointing_every_n_layers_recomputes_those_layers_only():
+    plain = BertForMaskedLM(_config(num_hidden_layers=4)).train()
+    if "every_n_layers" not in inspect.signature(plain._set_gradient_checkpointing).parameters:
+        pytest.skip("this transformers checkpoints every layer or none")
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable(every_n_layers=2)
+    runs = count_attention_runs(checkpointed)
+    batch = tiny_batch()
+    for model in (plain, checkpointed):
+        call(model, batch).loss.backward()
+    assert len(runs) == 4 + 2  # layers 0 and 2 ran again in the backward
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
