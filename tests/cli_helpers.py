@@ -1,6 +1,9 @@
 """Shared pieces of the command line's tests: a small corpus, tiny training settings,
-and running the command in this process."""
+and running the command in this process or in a process of its own."""
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from fusedlm.cli import main
@@ -24,6 +27,21 @@ def run_cli(capsys, *argv) -> tuple:
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def start_cli(*argv) -> subprocess.Popen:
+    """``python -m fusedlm argv`` in a process of its own (its own hash seeds and
+    generators), on one thread as the tests run; its output is captured."""
+    return subprocess.Popen([sys.executable, "-m", "fusedlm", *map(str, argv)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_cli_process(*argv, timeout: float = 300) -> tuple:
+    """(exit status, stdout, stderr) of ``fusedlm argv`` run as start_cli runs it."""
+    process = start_cli(*argv)
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
 
 
 def snapshot(directory: Path) -> dict:

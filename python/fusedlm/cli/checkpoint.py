@@ -52,6 +52,7 @@ def save(out, step: int, model, export, tokenizer, state: dict, keep: int = 1) -
     tokenizer to ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
     final = out / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{final.name}."))
     try:
@@ -83,6 +84,16 @@ def _export(out: Path, model) -> None:
             os.replace(file, out / file.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Deletes the temporaries of a save that was killed (as large as a checkpoint)."""
+    for left in out.iterdir():
+        if left.name.startswith((".checkpoint-", ".export.", f".{tok.FILE_NAME}.")):
+            if left.is_dir():
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink(missing_ok=True)
 
 
 def load_state(directory) -> dict:

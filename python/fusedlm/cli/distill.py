@@ -16,7 +16,8 @@ from .errors import UsageError
 # Settings a resumed run takes from its checkpoint; None: no default.
 FIXED = {"teacher": None, "layers": None, "corpus": None, "seq_len": 128, "grad_accum": 1,
          "lr": None, "warmup": None, "clip": 1.0, "dtype": "fp32", "seed": 0,
-         "temperature": 2.0, "alpha_ce": 5.0, "alpha_mlm": 2.0, "alpha_cos": 1.0}
+         "temperature": 2.0, "alpha_ce": 5.0, "alpha_mlm": 2.0, "alpha_cos": 1.0,
+         "deterministic": False}
 LR = 5e-4  # DistilBERT's peak learning rate
 
 HELP = "train a smaller student from a pretrained BERT or RoBERTa (DistilBERT's recipe)"

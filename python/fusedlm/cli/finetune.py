@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, rng
 from . import tokenizer as tok
 from .common import (DTYPES, add_device_argument, atomic_write, load_model, positive_int,
                      resolve_device)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if unseen:
         raise UsageError(f"--eval has labels --train lacks: {', '.join(unseen[:5])}")
     device = resolve_device(args.device)
-    torch.manual_seed(args.seed)
+    rng.seed(args.seed)
     # The task head starts new; every other weight comes from the folder.
     spec, model, tokenizer = load_model(args.model, args.task, device, num_labels=len(names),
                                         id2label=dict(enumerate(names)),

@@ -5,6 +5,7 @@ import argparse
 
 import torch
 
+from . import rng
 from .common import add_device_argument, load_model, positive_int, resolve_device
 from .errors import UsageError
 from .loading import quiet
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                    top_p=args.top_p or 1.0) if sample else dict(do_sample=False)
     eos = model.config.eos_token_id
     prompt = torch.tensor([ids], device=device)
-    torch.manual_seed(args.seed)  # transformers' sampling draws from torch's generators
+    rng.seed(args.seed)  # transformers' sampling draws from torch's generators
     with quiet():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
                              max_new_tokens=args.max_new_tokens, eos_token_id=eos,

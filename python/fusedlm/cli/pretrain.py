@@ -3,14 +3,16 @@ of Python's standard library), with checkpoints that --resume continues exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, registry
+from . import checkpoint, registry, rng
 from . import tokenizer as tok
 from .common import DTYPES, add_device_argument, positive_int, resolve_device
 from .corpus import default_corpus, read_corpus
@@ -23,7 +25,8 @@ from .train import MetricsLog, Progress, Trainer, inputs_to, plot_losses, rows
 # as it would change the losses); None here: no default, derived at the start.
 FIXED = {"model": None, "size": "tiny", "corpus": None, "tokenizer": None, "vocab_size": None,
          "seq_len": 128, "grad_accum": 1, "lr": None, "warmup": None, "clip": 1.0,
-         "dropout": None, "dtype": "fp32", "seed": 0, "fsdp": False, "embedding_size": None}
+         "dropout": None, "dtype": "fp32", "seed": 0, "fsdp": False, "embedding_size": None,
+         "deterministic": False}
 
 
 HELP = "train a model from scratch on a corpus"
@@ -68,6 +71,9 @@ def add_training_arguments(p, lr_default: str = "by --size",
     p.add_argument("--dtype", choices=list(DTYPES), help="autocast dtype (default fp32)")
     add_device_argument(p)
     p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="torch.use_deterministic_algorithms(True): on a GPU, the same losses on "
+                        "every run, at some cost in speed (on the CPU they are without it)")
     p.add_argument("--out", help=out_help)
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, with its settings")
@@ -109,6 +115,7 @@ def resumed_settings(args, processes: Processes, fixed: dict) -> tuple:
     settings = dict(state["settings"])
     settings.setdefault("fsdp", False)  # written before --fsdp existed
     settings.setdefault("embedding_size", None)  # and --embedding-size
+    settings.setdefault("deterministic", False)  # and --deterministic
     for name, value in _given(args, fixed).items():
         if value is not None and value != settings[name]:
             flag = "--" + name.replace("_", "-")
@@ -177,6 +184,22 @@ def _settings(args, processes: Processes) -> tuple:
     return None, settings, None
 
 
+@contextlib.contextmanager
+def algorithms(deterministic: bool):
+    """torch.use_deterministic_algorithms(True) inside, when ``deterministic``, with the
+    cuBLAS workspace setting that torch's CUDA matrix products then need (read when cuBLAS
+    starts); the mode before is put back on the way out."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def _tokenizer(spec, settings, resumed, corpus, processes: Processes):
     if resumed is not None:
         return tok.load(resumed)
@@ -198,7 +221,9 @@ def train(args, processes, device, resumed, settings, state, spec, size) -> int:
               "the corpus were replaced by U+FFFD", file=sys.stderr)
     processes.start(device)
     try:
-        status = _train(args, processes, device, resumed, settings, state, spec, size, out, corpus)
+        with algorithms(deterministic=settings["deterministic"]):
+            status = _train(args, processes, device, resumed, settings, state, spec, size, out,
+                            corpus)
     except BaseException:
         processes.stop()
         raise
@@ -208,7 +233,7 @@ def train(args, processes, device, resumed, settings, state, spec, size) -> int:
 
 def _train(args, processes, device, resumed, settings, state, spec, size, out, corpus) -> int:
     tokenizer = _tokenizer(spec, settings, resumed, corpus, processes)
-    torch.manual_seed(settings["seed"])
+    rng.seed(settings["seed"])
     if resumed is None:
         model = spec.build(size, tokenizer, settings["dropout"], settings["embedding_size"])
     else:
@@ -233,20 +258,21 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     trainer = Trainer(trained, lr=settings["lr"], warmup=settings["warmup"],
                       steps=settings["steps"], clip=settings["clip"],
                       dtype=dtype, device=device, processes=processes)
-    start = 0
+    start, unlogged = 0, []
     if resumed is not None:
         trainer.load_state_dict(state["trainer"])
         # Resumed by more processes than saved it, the extra ones take rank 0's streams.
         saved = state["rng"]
-        _set_rng(saved[processes.rank] if processes.rank < len(saved) else saved[0], device)
-        start = state["step"]
+        rng.restore(saved[processes.rank] if processes.rank < len(saved) else saved[0], device)
+        start, unlogged = state["step"], state.get("unlogged", [])
     order = BlockOrder(blocks, settings["seed"])
     metrics = MetricsLog(out, keep_until=start) if processes.main else None
     global_batch, accum = settings["global_batch"], settings["grad_accum"]
     tokens_per_step = global_batch * accum * settings["seq_len"]
     progress = Progress(settings["steps"], start, args.log_every, enabled=processes.main)
     save_every = args.save_every or 500
-    began, since_log = time.perf_counter(), []
+    # The steps since the last metrics record, which the next one averages over.
+    began, since_log = time.perf_counter(), unlogged
     for step in range(start, settings["steps"]):
         tick = time.perf_counter()
         micro = []
@@ -273,9 +299,9 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
                            "elapsed_s": round(time.perf_counter() - began, 3)})
             since_log = []
         if done % save_every == 0 or done == settings["steps"]:
-            _save(out, done, spec, model, tokenizer, trainer, settings, blocks, device, processes,
-                  fresh=functools.partial(spec.build, size, tokenizer, settings["dropout"],
-                                          settings["embedding_size"]))
+            _save(out, done, spec, model, tokenizer, trainer, settings, blocks, since_log, device,
+                  processes, fresh=functools.partial(spec.build, size, tokenizer,
+                                                     settings["dropout"], settings["embedding_size"]))
     progress.close()
     if processes.main:
         plot_losses(out)
@@ -285,29 +311,19 @@ def _train(args, processes, device, resumed, settings, state, spec, size, out, c
     return 0
 
 
-def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, device, processes,
-          fresh) -> None:
-    """``fresh()``: a new model like the one trained, for a sharded one to be saved from."""
-    rng = processes.gather(_rng(device))  # every process's, so each resumes its own stream
+def _save(out, step, spec, model, tokenizer, trainer, settings, blocks, unlogged, device,
+          processes, fresh) -> None:
+    """``fresh()``: a new model like the one trained, for a sharded one to be saved from;
+    ``unlogged``: the steps' records since the last metrics record."""
+    streams = processes.gather(rng.state(device))  # every process's, so each resumes its own
     # Gathered by every process under FSDP; the whole state is rank 0's.
     weights, trainer_state = processes.model_state(model), trainer.state_dict()
     if processes.main:
         # Saving may draw random numbers (a model built for export): not from the run's.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with rng.untouched(device):
             if processes.fsdp:  # the sharded model cannot save itself: a whole copy does
                 model = fresh()
                 model.load_state_dict(weights)
             checkpoint.save(out, step, model, spec.export(model), tokenizer, {
-                "step": step, "settings": settings, "trainer": trainer_state, "rng": rng,
-                "data": fingerprint(blocks)})
-
-
-def _rng(device: torch.device) -> dict:
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def _set_rng(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
+                "step": step, "settings": settings, "trainer": trainer_state, "rng": streams,
+                "data": fingerprint(blocks), "unlogged": unlogged})
