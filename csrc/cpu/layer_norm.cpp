@@ -23,11 +23,15 @@
 // GCC vectorises no float reduction without -ffast-math, so row sums keep a
 // fixed number of independent partial sums (lanes): the loop over the lanes
 // becomes vector adds on every instruction set, and the order of the additions
-// stays fixed (results never depend on the thread count).
+// stays fixed (results never depend on the thread count). Rows longer than a
+// block (kBlock elements) are summed a block at a time, the blocks' sums
+// pairwise, so the statistics keep the accumulation type's precision at any
+// width (see row_sums).
 #include "kernel.h"
 
 #ifdef FUSEDLM_ISA
 #include <algorithm>
+#include <array>
 #include <memory>
 
 #include "math.h"
@@ -95,21 +99,64 @@ inline A fold(A* lanes) {
   return lanes[0];
 }
 
+// The elements of a block of a row sum: each lane adds kBlock / kLanes of them in turn.
+constexpr int64_t kBlock = 4096;
+
+// A sum of block sums added pairwise as they come, like a binary counter: when bit k
+// of count is set, partial[k] holds the sum of 2^k blocks.
+template <typename A>
+struct PairwiseSum {
+  A partial[64];
+  uint64_t count = 0;
+
+  void add(A v) {
+    int k = 0;
+    for (uint64_t c = count++; c & 1; c >>= 1, ++k) v += partial[k];
+    partial[k] = v;
+  }
+
+  A total() const {
+    A sum = 0;
+    for (int k = 0; count >> k; ++k)
+      if (count >> k & 1) sum += partial[k];
+    return sum;
+  }
+};
+
+// The N sums over c = 0 .. n-1 of terms(c), a std::array<A, N>; terms is called once for
+// each c, in order, so it may also write the row. In one accumulator a sum of n terms
+// errs by up to about n ulps of the sum of their magnitudes; here lanes add at most
+// kBlock / kLanes terms each, and a row's blocks are added pairwise, so the error grows
+// with log2(n / kBlock) instead: LayerNorm over millions of elements keeps float's
+// precision. A row of at most kBlock elements is one block: lanes and fold, nothing more.
+template <typename A, int N, typename Terms>
+inline std::array<A, N> row_sums(int64_t n, Terms&& terms) {
+  constexpr int L = kLanes<A>;
+  PairwiseSum<A> sums[N];
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    A lanes[N][L] = {};
+    over_lanes<A>(std::min(kBlock, n - begin), [&](int64_t c, int l) {
+      const std::array<A, N> t = terms(begin + c);
+      for (int k = 0; k < N; ++k) lanes[k][l] += t[k];
+    });
+    for (int k = 0; k < N; ++k) sums[k].add(fold(lanes[k]));
+  }
+  std::array<A, N> totals;
+  for (int k = 0; k < N; ++k) totals[k] = sums[k].total();
+  return totals;
+}
+
 // The mean and 1 / sqrt(variance + eps) of the row value(0), ..., value(n-1),
 // given its sum: a second pass sums (v - m) and (v - m)^2, and the first pass's
 // rounding error in the mean, sum(v - m), is removed from both the mean and the
 // sum of squares (Chan, Golub and LeVeque's corrected two-pass algorithm).
 template <typename A, typename Value>
 inline void row_stats(Value&& value, int64_t n, A sum, A eps, A& mean, A& rstd) {
-  constexpr int L = kLanes<A>;
   const A inv_n = A(1) / A(n), m = sum * inv_n;
-  A s1[L] = {}, s2[L] = {};
-  over_lanes<A>(n, [&](int64_t c, int l) {
-    A d = value(c) - m;
-    s1[l] += d;
-    s2[l] += d * d;
+  const auto [d1, d2] = row_sums<A, 2>(n, [&](int64_t c) {
+    const A d = value(c) - m;
+    return std::array<A, 2>{d, d * d};
   });
-  const A d1 = fold(s1), d2 = fold(s2);
   const A var = std::max((d2 - d1 * d1 * inv_n) * inv_n, A(0));
   mean = m + d1 * inv_n;
   rstd = A(1) / std::sqrt(var + eps);
@@ -139,7 +186,6 @@ void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
                   const uint8_t* __restrict__ keep, acc_t<T> scale,
                   acc_t<T>* __restrict__ exact) {
   using A = acc_t<T>;
-  constexpr int L = kLanes<A>;
   if constexpr (std::is_same_v<T, f16>) {
     float *xf = exact, *rf = xf + cols, *sf = rf + cols, *of = sf + cols;
     for (int64_t r = 0; r < rows; ++r) {
@@ -152,9 +198,10 @@ void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
       narrow_row(of, out + at, cols);
       narrow_row(sf, summed + at, cols);
       widen_row(summed + at, sf, cols);
-      float sum[L] = {};
-      over_lanes<float>(cols, [&](int64_t c, int l) { sum[l] += sf[c]; });
-      row_stats([&](int64_t c) { return sf[c]; }, cols, fold(sum), eps, mean[r], rstd[r]);
+      const auto [sum] = row_sums<float, 1>(cols, [&](int64_t c) {
+        return std::array<float, 1>{sf[c]};
+      });
+      row_stats([&](int64_t c) { return sf[c]; }, cols, sum, eps, mean[r], rstd[r]);
     }
     return;
   }
@@ -165,28 +212,30 @@ void forward_rows(const T* __restrict__ x, const T* __restrict__ res,
     const uint8_t* kr = keep + (dropout ? r * cols : 0);
     T* sr = summed + r * cols;
     T* outr = out + r * cols;
-    A sum[L] = {}, sum_stored[L] = {};
-    over_lanes<A>(cols, [&](int64_t c, int l) {
+    // The row's sum, and when it rounds the sum of the row as stored.
+    constexpr int sums = rounds ? 2 : 1;
+    const std::array<A, sums> sum = row_sums<A, sums>(cols, [&](int64_t c) {
       A s = load(xr[c]);
       if (dropout) s *= A(kr[c]) * scale;  // keep is 0 or 1: a multiply, not a branch
       if (residual) s += load(rr[c]);
-      sum[l] += s;
       T t;
       store(t, s);
       sr[c] = t;
-      if (rounds) {
+      if constexpr (rounds) {
         exact[c] = s;
-        sum_stored[l] += load(t);
+        return std::array<A, sums>{s, load(t)};
+      } else {
+        return std::array<A, sums>{s};
       }
     });
     auto stored = [&](int64_t c) { return load(sr[c]); };
     A m, rs;
     if constexpr (rounds) {
-      row_stats([&](int64_t c) { return exact[c]; }, cols, fold(sum), eps, m, rs);
+      row_stats([&](int64_t c) { return exact[c]; }, cols, sum[0], eps, m, rs);
       for (int64_t c = 0; c < cols; ++c) store(outr[c], (exact[c] - m) * rs * weight[c] + bias[c]);
-      row_stats(stored, cols, fold(sum_stored), eps, m, rs);
+      row_stats(stored, cols, sum[1], eps, m, rs);
     } else {
-      row_stats(stored, cols, fold(sum), eps, m, rs);
+      row_stats(stored, cols, sum[0], eps, m, rs);
       for (int64_t c = 0; c < cols; ++c) store(outr[c], (sr[c] - m) * rs * weight[c] + bias[c]);
     }
     mean[r] = m;
@@ -203,7 +252,6 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ gs,
                    acc_t<T>* __restrict__ dbias, int64_t rows, int64_t cols,
                    const uint8_t* __restrict__ keep, acc_t<T> scale) {
   using A = acc_t<T>;
-  constexpr int L = kLanes<A>;
   if constexpr (std::is_same_v<T, f16>) {  // through float rows, as forward_rows
     std::unique_ptr<float[]> scratch(new float[5 * cols]);
     float *dyf = scratch.get(), *gsf = dyf + cols, *sf = gsf + cols, *dsf = sf + cols,
@@ -227,15 +275,13 @@ void backward_rows(const T* __restrict__ dy, const T* __restrict__ gs,
     const T* gsr = gs + (grad_summed ? r * cols : 0);
     const T* sr = summed + r * cols;
     const A m = mean[r], rs = rstd[r];
-    A sg[L] = {}, sgx[L] = {};
-    over_lanes<A>(cols, [&](int64_t c, int l) {
+    const auto [sum_g, sum_gx] = row_sums<A, 2>(cols, [&](int64_t c) {
       A d = load(dyr[c]), xh = (load(sr[c]) - m) * rs, g = d * weight[c];
-      sg[l] += g;
-      sgx[l] += g * xh;
       dweight[c] += d * xh;
       dbias[c] += d;
+      return std::array<A, 2>{g, g * xh};
     });
-    const A a = fold(sg) * inv_n, b = fold(sgx) * inv_n;
+    const A a = sum_g * inv_n, b = sum_gx * inv_n;
     // The row's dy and summed are in L1 now: read again rather than buffered.
     auto dsummed = [&](int64_t c) {
       A xh = (load(sr[c]) - m) * rs;
