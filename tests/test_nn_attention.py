@@ -120,16 +120,84 @@ def test_dropout_only_in_training():
     assert_close(mha(x, x, x, need_weights=False)[0], ref(x, x, x, need_weights=False)[0])
 
 
-def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="add_bias_kv"):
-        fusedlm.nn.MultiheadAttention(EMBED, HEADS, add_bias_kv=True)
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("options", [{"add_bias_kv": True}, {"add_zero_attn": True},
+                                     {"add_bias_kv": True, "add_zero_attn": True, "kdim": KDIM,
+                                      "vdim": KDIM}], ids=["bias_kv", "zero_attn", "both-kdim"])
+def test_add_bias_kv_and_add_zero_attn_run_torchs_path(options, batch_first, need_weights):
+    ref, mha = _pair(batch_first=batch_first, **options)
+    assert list(mha.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in mha.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    inputs = _inputs(False, batch_first, options.get("kdim"))
+    key_padding_mask = _padding(BATCH, SEQ_K)
+    kwargs = dict(key_padding_mask=key_padding_mask, need_weights=need_weights)
+    out, weights = mha(*inputs, **kwargs)
+    expected, expected_weights = ref(*inputs, **kwargs)
+    assert_close(out, expected)
+    if need_weights:
+        assert_close(weights, expected_weights, name="weights")
+    else:
+        assert weights is None and expected_weights is None
+    upstream = torch.randn_like(expected)
+    for got, want in zip(_grads(mha, (out * upstream).sum(), inputs),
+                         _grads(ref, (expected * upstream).sum(), inputs)):
+        assert_close(got, want, name="gradient")
+
+
+# Calls torch rejects, and the error each must raise, naming the argument as passed.
+BAD_CALLS = [
+    # batch_first, shapes of query, key and value, masks ("dtype shape") or is_causal, error
+    (False, (4, 2, EMBED), (4, EMBED), (4, 2, EMBED), {},
+     r"key must have shape \(seq_k, batch=2, kdim=32\) for a batched query, got \(4, 32\)"),
+    (True, (2, 4, EMBED), (1, 4, 4, 4, 1), (2, 4, EMBED), {},
+     r"key must have shape \(batch=2, seq_k, kdim=32\) for a batched query, got \(1, 4, 4, 4, 1\)"),
+    (True, (2, 4, EMBED), (2, 4, EMBED), (3, 4, EMBED), {},
+     r"value must have shape \(batch=2, seq_k=4, vdim=32\) for a batched query, got \(3, 4, 32\)"),
+    (True, (2, 4, EMBED), (2, 4, EMBED), (2, 5, EMBED), {},
+     r"value must have shape \(batch=2, seq_k=4, vdim=32\) for a batched query, got \(2, 5, 32\)"),
+    (False, (4, EMBED), (4, 2, EMBED), (4, EMBED), {},
+     r"key must have shape \(seq_k, kdim=32\) for an unbatched query, got \(4, 2, 32\)"),
+    (True, (1, 2, 4, EMBED), (2, 4, EMBED), (2, 4, EMBED), {},
+     r"query must have shape \(batch, seq_q, embed_dim=32\) or, unbatched, \(seq_q, embed_dim=32\), "
+     r"got \(1, 2, 4, 32\)"),
+    (False, (4, 16), (4, EMBED), (4, EMBED), {},
+     r"query must have shape \(seq_q, embed_dim=32\), got \(4, 16\)"),
+    (True, (2, 4, EMBED), (2, 6, EMBED), (2, 6, EMBED), {"key_padding_mask": "bool 2 4"},
+     r"key_padding_mask must have shape \(batch, seq_k\) = \(2, 6\), got \(2, 4\)"),
+    (False, (4, EMBED), (6, EMBED), (6, EMBED), {"key_padding_mask": "bool 1 6"},
+     r"key_padding_mask must have shape \(seq_k,\) = \(6,\), got \(1, 6\)"),
+    (True, (2, 4, EMBED), (2, 4, EMBED), (2, 4, EMBED), {"attn_mask": "bool 4 6"},
+     r"attn_mask must have shape \(seq_q, seq_k\) = \(4, 4\) or \(batch \* num_heads, seq_q, seq_k\) "
+     r"= \(8, 4, 4\), got \(4, 6\)"),
+    (False, (4, EMBED), (6, EMBED), (6, EMBED), {"attn_mask": "float 8 4 6"},
+     r"attn_mask must have shape \(seq_q, seq_k\) = \(4, 6\) or \(num_heads, seq_q, seq_k\) = "
+     r"\(4, 4, 6\), got \(8, 4, 6\)"),
+    (True, (2, 4, EMBED), (2, 6, EMBED), (2, 6, EMBED), {"is_causal": True},
+     r"is_causal needs as many queries as keys, got 4 and 6"),
+]
+
+
+def _mask(spec: str) -> torch.Tensor:
+    dtype, *shape = spec.split()
+    return torch.zeros([int(n) for n in shape], dtype={"bool": torch.bool, "int": torch.long,
+                                                        "float": torch.float32}[dtype])
+
+
+@pytest.mark.parametrize("batch_first,query,key,value,options,error", BAD_CALLS)
+def test_bad_inputs_are_named_as_passed(batch_first, query, key, value, options, error):
+    mha = fusedlm.nn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first)
+    options = {name: _mask(v) if isinstance(v, str) else v for name, v in options.items()}
+    with pytest.raises(ValueError, match=error):
+        mha(torch.randn(query), torch.randn(key), torch.randn(value), need_weights=False, **options)
+
+
+def test_arguments_of_other_types_are_errors():
+    # torch takes bool and floating-point masks only: an integer mask is never added as a float one.
     mha = fusedlm.nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
-    q, kv = torch.randn(2, 5, EMBED), torch.randn(2, 7, EMBED)
-    with pytest.raises(ValueError, match="attn_mask"):
-        mha(q, kv, kv, attn_mask=torch.zeros(5, 5, dtype=torch.bool), need_weights=False)
-    with pytest.raises(ValueError, match="is_causal"):
-        mha(q, kv, kv, is_causal=True, need_weights=False)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        mha(q, kv, kv, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool), need_weights=False)
-    with pytest.raises(ValueError, match="query"):
-        mha(q[None], kv, kv, need_weights=False)
+    x = torch.randn(2, 4, EMBED)
+    for name, mask in (("key_padding_mask", _mask("int 2 4")), ("attn_mask", _mask("int 4 4"))):
+        with pytest.raises(TypeError, match=f"{name} must be bool or floating point, got torch.int64"):
+            mha(x, x, x, need_weights=False, **{name: mask})
+    with pytest.raises(TypeError, match="value must be a torch.Tensor, got list"):
+        mha(x, x, [1.0], need_weights=False)

@@ -1,5 +1,5 @@
 """A patched model works with the rest of PyTorch: autocast, torch.compile, DDP,
-state_dict round trips, no_grad and inference_mode."""
+state_dict round trips, no_grad and inference_mode; TorchScript is refused, saying so."""
 import copy
 import io
 import os
@@ -72,6 +72,24 @@ def test_compile_fullgraph_forward_and_backward():
     torch.testing.assert_close(loss, expected)
     for (name, p), q in zip(patched.named_parameters(), model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+SCRIPTED = {
+    "MultiheadAttention": lambda: fusedlm.nn.MultiheadAttention(D_MODEL, HEADS),
+    "LayerNorm": lambda: fusedlm.nn.LayerNorm(D_MODEL),
+    "TransformerEncoderLayer": lambda: fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, D_FF),
+    "TransformerEncoder": lambda: fusedlm.nn.TransformerEncoder(
+        fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, D_FF), 2),
+    "patched model": lambda: fusedlm.patch(_model()),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("module", list(SCRIPTED))
+def test_torchscript_is_refused_with_an_error_saying_so(module):
+    with pytest.raises(TypeError, match=r"fusedlm\.nn\.\w+ cannot be scripted: fusedlm's modules run "
+                                        r"eagerly or under torch\.compile, not as TorchScript"):
+        torch.jit.script(SCRIPTED[module]())
 
 
 def test_state_dict_round_trip_and_no_grad():

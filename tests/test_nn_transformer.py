@@ -2,6 +2,7 @@
 outputs at real tokens and the gradients of every parameter and of the input."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fusedlm
@@ -158,10 +159,50 @@ def test_dropout_only_in_training():
     assert_close(clean, ref(x, src_key_padding_mask=padding)[~padding])
 
 
+# Each spelling of an activation, and whether the layer runs it in one fused gelu_ffn.
+ACTIVATIONS = {
+    "'relu'": ("relu", False), "F.relu": (F.relu, False), "nn.ReLU()": (nn.ReLU(), False),
+    "'gelu'": ("gelu", True), "F.gelu": (F.gelu, True), "nn.GELU()": (nn.GELU(), True),
+    "nn.GELU('tanh')": (nn.GELU(approximate="tanh"), True), "nn.SiLU()": (nn.SiLU(), False),
+    "torch.tanh": (torch.tanh, False), "lambda": (lambda x: x * torch.sigmoid(1.5 * x), False),
+    "nn.PReLU()": (nn.PReLU(dtype=torch.float64), False),  # a parameter: activation.weight
+}
+
+
+@pytest.mark.parametrize("masks", ["none", "padding"])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_any_activation_matches_torch(activation, masks, monkeypatch):
+    activation, fused = ACTIVATIONS[activation]
+    ref, layer = _layers(dropout=0.0, activation=activation, batch_first=True)
+    assert layer.activation is ref.activation  # as torch keeps it: a module is a submodule
+    calls = []
+    gelu_ffn = fusedlm.ops.gelu_ffn
+    monkeypatch.setattr(fusedlm.ops, "gelu_ffn", lambda *a, **k: calls.append(k) or gelu_ffn(*a, **k))
+    padding = None if masks == "none" else _padding()
+    real = torch.ones(BATCH, SEQ, dtype=torch.bool) if padding is None else ~padding
+    _compare(ref, layer, _input(True), real, True, src_key_padding_mask=padding)
+    assert bool(calls) == fused
+    if fused:
+        assert calls[0]["approximate"] == getattr(layer.activation, "approximate", "none")
+
+
+def test_a_gelu_with_a_hook_or_a_subclass_runs_unfused(monkeypatch):
+    # What a hook or a subclass adds is never skipped by the fusion.
+    class ScaledGELU(nn.GELU):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    hooked = nn.GELU()
+    hooked.register_forward_hook(lambda module, args, out: out * 0.5)
+    monkeypatch.setattr(fusedlm.ops, "gelu_ffn", None)  # any fused call fails
+    for activation in (ScaledGELU(), hooked):
+        ref, layer = _layers(dropout=0.0, activation=activation, batch_first=True)
+        _compare(ref, layer, _input(True), torch.ones(BATCH, SEQ, dtype=torch.bool), True)
+
+
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(ValueError, match="activation must be 'relu', 'gelu' or a callable, got 'swish'"):
         fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, activation="swish")
-    with pytest.raises(ValueError, match="activation"):
-        fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, activation=torch.tanh)
+    with pytest.raises(TypeError, match="activation must be 'relu', 'gelu' or a callable, got 3"):
+        fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, activation=3)
     with pytest.raises(TypeError, match="encoder_layer"):
         fusedlm.nn.TransformerEncoder(nn.TransformerEncoderLayer(D_MODEL, HEADS), 2)

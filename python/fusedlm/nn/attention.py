@@ -6,47 +6,37 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ._eager import EagerModule
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(EagerModule, nn.MultiheadAttention):
     """torch.nn.MultiheadAttention (same arguments, parameters, state_dict and forward),
     with the attention itself fused: the [batch, heads, seq_q, seq_k] scores are never
     stored.
 
     ``need_weights=True`` (torch's default) has to return those weights, so that call
     runs torch's own implementation and pays for them: O(batch * heads * seq_q * seq_k)
-    memory and no fusion. Pass ``need_weights=False`` to get the fused path.
+    memory and no fusion. Pass ``need_weights=False`` to get the fused path. A module
+    built with ``add_bias_kv`` or ``add_zero_attn`` (the extra key and value positions
+    they append) runs torch's implementation on every call.
 
     Masks keep torch's meaning: ``key_padding_mask`` bool (True = ignore) or float
     (added); ``attn_mask`` [seq_q, seq_k] or [batch * heads, seq_q, seq_k], bool
     (True = not allowed) or float (added), becomes the op's ``attn_bias``.
     ``is_causal=True`` is taken as torch documents it, a promise that ``attn_mask`` is
     the causal mask: the mask is then not read (and may be None). Rows whose keys are
-    all masked give zeros where torch gives NaN. ``add_bias_kv`` and ``add_zero_attn``
-    are not supported.
+    all masked give zeros where torch gives NaN.
     """
-
-
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
-                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
-                 dtype=None):
-        if add_bias_kv or add_zero_attn:
-            raise ValueError("fusedlm.nn.MultiheadAttention does not support add_bias_kv or "
-                             "add_zero_attn: use torch.nn.MultiheadAttention")
-        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
-                         batch_first=batch_first, device=device, dtype=dtype)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple:
-        if need_weights:
+        if need_weights or self.bias_k is not None or self.add_zero_attn:
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
-                                   need_weights=True, attn_mask=attn_mask,
+                                   need_weights=need_weights, attn_mask=attn_mask,
                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
-        if query.dim() not in (2, 3):
-            raise ValueError(f"query must be [seq, embed_dim] or batched (3 dimensions), got shape "
-                             f"{tuple(query.shape)}")
+        self._check_inputs(query, key, value, key_padding_mask, attn_mask, is_causal)
         batched = query.dim() == 3
         if not batched:  # an unbatched call is a batch of one
             batch_dim = 0 if self.batch_first else 1
@@ -56,12 +46,44 @@ class MultiheadAttention(nn.MultiheadAttention):
         out = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal)
         return (out if batched else out.squeeze(0 if self.batch_first else 1)), None
 
+    def _check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal):
+        """The shapes torch accepts, checked as the caller passed them, so that an error
+        names query, key, value or a mask, never a tensor built from them."""
+        width = ("embed_dim", self.embed_dim)
+        batched = not (isinstance(query, Tensor) and query.dim() == 2)
+        _check("query", query, self._layout(batched, None, "seq_q", width),
+               f" or, unbatched, (seq_q, embed_dim={self.embed_dim})" if batched else "")
+        batch = query.shape[0 if self.batch_first else 1] if batched else None
+        whose = " for a batched query" if batched else " for an unbatched query"
+        _check("key", key, self._layout(batched, batch, "seq_k", ("kdim", self.kdim)), whose)
+        seq_dim = 1 if batched and self.batch_first else 0
+        seq_q, seq_k = query.shape[seq_dim], key.shape[seq_dim]
+        _check("value", value, self._layout(batched, batch, ("seq_k", seq_k), ("vdim", self.vdim)),
+               whose)
+        if is_causal and seq_q != seq_k:
+            raise ValueError(f"is_causal needs as many queries as keys, got {seq_q} and {seq_k}")
+        if key_padding_mask is not None:
+            _check_mask("key_padding_mask", key_padding_mask,
+                        {(batch, seq_k): "(batch, seq_k)"} if batched else {(seq_k,): "(seq_k,)"})
+        if attn_mask is not None:
+            heads = (batch if batched else 1) * self.num_heads
+            _check_mask("attn_mask", attn_mask, {
+                (seq_q, seq_k): "(seq_q, seq_k)",
+                (heads, seq_q, seq_k): ("(batch * num_heads, seq_q, seq_k)" if batched
+                                        else "(num_heads, seq_q, seq_k)")})
+
+    def _layout(self, batched: bool, batch, seq, width) -> list:
+        """The dimensions of a query, key or value: (seq, width), and batched the batch
+        first (batch_first) or second. Each is a name, or (name, the size it must have)."""
+        dims = [seq, width]
+        if batched:
+            dims.insert(0 if self.batch_first else 1, "batch" if batch is None else ("batch", batch))
+        return dims
+
     def _attend(self, query, key, value, key_padding_mask, attn_mask, is_causal):
         q, k, v = self._project(query, key, value)  # each [batch, heads, seq, head_dim]
         batch, heads, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
-        if is_causal and seq_q != seq_k:
-            raise ValueError(f"is_causal needs as many queries as keys, got {seq_q} and {seq_k}")
         bias, key_padding_mask = self._bias(attn_mask, key_padding_mask, is_causal, q.dtype,
                                             (batch, heads, seq_q, seq_k))
         out = ops.attention(q, k, v, causal=is_causal, key_padding_mask=key_padding_mask,
@@ -97,27 +119,41 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     @staticmethod
     def _bias(attn_mask, key_padding_mask, is_causal, dtype, full):
-        """(attn_bias, bool key_padding_mask) for the op from torch's two masks."""
+        """(attn_bias, bool key_padding_mask) for the op from torch's two masks, whose
+        shapes _check_inputs has checked."""
         batch, heads, seq_q, seq_k = full
         bias = None
         if attn_mask is not None and not is_causal:
             if attn_mask.dim() == 3:
-                if tuple(attn_mask.shape) != (batch * heads, seq_q, seq_k):
-                    raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or "
-                                     f"{(batch * heads, seq_q, seq_k)}, got {tuple(attn_mask.shape)}")
                 attn_mask = attn_mask.view(batch, heads, seq_q, seq_k)
-            elif tuple(attn_mask.shape) != (seq_q, seq_k):
-                raise ValueError(f"attn_mask must have shape {(seq_q, seq_k)} or "
-                                 f"{(batch * heads, seq_q, seq_k)}, got {tuple(attn_mask.shape)}")
             bias = _additive(attn_mask, dtype)
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
-            if tuple(key_padding_mask.shape) != (batch, seq_k):
-                raise ValueError(f"key_padding_mask must have shape {(batch, seq_k)}, got "
-                                 f"{tuple(key_padding_mask.shape)}")
             padding = key_padding_mask.to(dtype).view(batch, 1, 1, seq_k)
             bias = padding if bias is None else bias + padding
             key_padding_mask = None
         return bias, key_padding_mask
+
+
+def _check(name: str, t, dims: list, alternative: str = "") -> None:
+    """That t is a tensor with the given dimensions: each a name (any size) or (name, size)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    sizes = [None if isinstance(d, str) else d[1] for d in dims]
+    if t.dim() == len(dims) and all(n is None or n == m for n, m in zip(sizes, t.shape)):
+        return
+    shape = ", ".join(d if isinstance(d, str) else f"{d[0]}={d[1]}" for d in dims)
+    raise ValueError(f"{name} must have shape ({shape}){alternative}, got {tuple(t.shape)}")
+
+
+def _check_mask(name: str, mask, shapes: dict) -> None:
+    """That mask is a bool or float tensor of one of ``shapes`` ({shape: its meaning})."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be bool or floating point, got {mask.dtype}")
+    if tuple(mask.shape) not in shapes:
+        allowed = " or ".join(f"{meaning} = {shape}" for shape, meaning in shapes.items())
+        raise ValueError(f"{name} must have shape {allowed}, got {tuple(mask.shape)}")
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

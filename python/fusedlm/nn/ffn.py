@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ._autocast import lower
+from ._eager import EagerModule
 
 
 def is_plain_linear(module: nn.Module) -> bool:
@@ -34,7 +35,7 @@ def linear_gelu_linear(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, *, approximate
     return ops.gelu_ffn(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p)
 
 
-class GeluFFN(nn.Module):
+class GeluFFN(EagerModule, nn.Module):
     """The transformer feed-forward block with bias+GELU fused into one op.
 
     Parameters are two ``nn.Linear`` (``fc1``: d_model -> d_ff, ``fc2``: d_ff -> d_out),

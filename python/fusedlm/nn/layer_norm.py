@@ -5,10 +5,11 @@ from typing import Optional, Union
 from torch import Tensor, nn
 
 from .. import ops
-from ._autocast import widen
+from ._autocast import norm_operands
+from ._eager import EagerModule
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(EagerModule, nn.LayerNorm):
     """torch.nn.LayerNorm (same arguments, parameters and state_dict), on fusedlm's add_layer_norm.
 
     ``forward(x)`` returns the normalised x, as torch's does. ``forward(x, residual)``, with
@@ -16,7 +17,9 @@ class LayerNorm(nn.LayerNorm):
     x + residual)`` in one pass over memory: the sum is what a pre-LN stack carries on as
     its residual stream. ``dropout_p`` drops elements of x before the add (a transformer
     layer's dropout on its branch).
-    Under autocast the norm runs in the widest dtype of its inputs and parameters.
+    A bfloat16 or float16 x with float32 parameters is normalised in float32 and returned
+    in x's dtype, as torch does (x is converted to float32 for the op). Under autocast
+    the norm runs in, and returns, the widest dtype of its inputs and parameters.
     """
 
 
@@ -36,9 +39,10 @@ class LayerNorm(nn.LayerNorm):
             flat_residual = None if residual is None else residual.reshape(flat.shape)
             weight = None if weight is None else weight.reshape(width)
             bias = None if bias is None else bias.reshape(width)
-        flat, flat_residual, weight, bias = widen(flat, flat_residual, weight, bias)
+        (flat, flat_residual, weight, bias), dtype = norm_operands(flat, flat_residual, weight, bias)
         out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps,
                                          dropout_p=dropout_p)
+        out, summed = out.to(dtype), summed.to(dtype)
         if out.shape != shape:
             # Only then: the op's outputs are not views, and FSDP2 cannot follow in-place
             # changes to a view that a module returns.

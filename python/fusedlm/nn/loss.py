@@ -7,9 +7,10 @@ from torch import Tensor, nn
 
 from .. import ops
 from ._autocast import lower
+from ._eager import EagerModule
 
 
-class CrossEntropyLoss(nn.CrossEntropyLoss):
+class CrossEntropyLoss(EagerModule, nn.CrossEntropyLoss):
     """torch.nn.CrossEntropyLoss (same arguments) on fusedlm.ops.cross_entropy.
 
     Logits are ``[N, C]`` or ``[..., C]`` with class-index targets. A class ``weight``
@@ -28,7 +29,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
                                  label_smoothing=self.label_smoothing, reduction=self.reduction)
 
 
-class LinearCrossEntropyLoss(nn.Module):
+class LinearCrossEntropyLoss(EagerModule, nn.Module):
     """The projection and loss of a language-model head, fused: ``forward(hidden, weight,
     labels, bias=None)`` equals ``F.cross_entropy(hidden @ weight.T + bias, labels)`` but
     projects only the labelled rows, a chunk at a time, and never builds the full logits.

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._eager import EagerModule
 from .attention import MultiheadAttention
 from .ffn import linear_gelu_linear
 from .layer_norm import LayerNorm
@@ -26,15 +27,19 @@ from .stack import run_stack
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
 
-class TransformerEncoderLayer(nn.Module):
+class TransformerEncoderLayer(EagerModule, nn.Module):
     """torch.nn.TransformerEncoderLayer: same arguments, submodule and parameter names
     (``self_attn.in_proj_weight``, ``linear1``, ``linear2``, ``norm1``, ``norm2``, ...),
     so state_dicts load both ways, and the same ``forward(src, src_mask,
     src_key_padding_mask, is_causal)``.
 
-    ``activation`` is "relu" or "gelu" (or F.relu / F.gelu); GELU runs fused, ReLU as
-    torch's Linear-ReLU-Linear. ``is_causal=True`` is trusted, as torch documents, to
-    mean that ``src_mask`` is the causal mask; it may then be None.
+    ``activation`` is "relu", "gelu" or any callable, kept as torch keeps it (a module
+    such as ``nn.GELU()`` is a submodule). A GELU (F.gelu, or an ``nn.GELU`` of either
+    ``approximate``) runs fused with the two products in one gelu_ffn; anything else
+    runs as torch's Linear-activation-Linear. With a bool ``src_key_padding_mask`` the
+    activation sees the packed tokens, [tokens, dim_feedforward]. ``is_causal=True`` is
+    trusted, as torch documents, to mean that ``src_mask`` is the causal mask; it may
+    then be None.
     """
 
 
@@ -44,7 +49,6 @@ class TransformerEncoderLayer(nn.Module):
                  bias: bool = True, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.activation = _activation(activation)
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
                                             batch_first=batch_first, **factory)
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
@@ -55,6 +59,7 @@ class TransformerEncoderLayer(nn.Module):
         self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
+        self.activation = _activation(activation)  # last, as torch registers it
 
     def forward(self, src: Tensor, src_mask: Optional[Tensor] = None,
                 src_key_padding_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
@@ -82,15 +87,17 @@ class TransformerEncoderLayer(nn.Module):
         return out
 
     def _ffn(self, x: Tensor) -> Tensor:
-        if self.activation is F.gelu:
-            return linear_gelu_linear(x, self.linear1, self.linear2, dropout_p=self._p(self.dropout))
-        return self.linear2(self.dropout(F.relu(self.linear1(x))))
+        approximate = _fused_gelu(self.activation)
+        if approximate is not None:
+            return linear_gelu_linear(x, self.linear1, self.linear2, approximate=approximate,
+                                      dropout_p=self._p(self.dropout))
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
     def _p(self, dropout: nn.Dropout) -> float:
         return dropout.p if self.training else 0.0
 
 
-class TransformerEncoder(nn.Module):
+class TransformerEncoder(EagerModule, nn.Module):
     """torch.nn.TransformerEncoder over fusedlm.nn.TransformerEncoderLayer: same arguments,
     ``layers.<i>.`` and ``norm.`` parameter names and forward. With a bool
     ``src_key_padding_mask`` the stack packs the tokens once and unpacks them after
@@ -127,14 +134,26 @@ class TransformerEncoder(nn.Module):
         return out if self.norm is None else self.norm(out)
 
 
-def _activation(activation) -> Callable[[Tensor], Tensor]:
+def _activation(activation):
+    """The activation as torch's layer keeps it: a name becomes F.relu or F.gelu."""
     if isinstance(activation, str):
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+            raise ValueError(f"activation must be 'relu', 'gelu' or a callable, got {activation!r}")
         return ACTIVATIONS[activation]
-    if activation not in ACTIVATIONS.values():
-        raise ValueError(f"activation must be 'relu', 'gelu', F.relu or F.gelu, got {activation!r}")
+    if not callable(activation):
+        raise TypeError(f"activation must be 'relu', 'gelu' or a callable, got {activation!r}")
     return activation
+
+
+def _fused_gelu(activation) -> Optional[str]:
+    """gelu_ffn's ``approximate`` for an activation that is exactly a GELU it computes, or
+    None: an nn.GELU counts when it is not a subclass and no hook watches it."""
+    if activation is F.gelu:
+        return "none"
+    if (type(activation) is nn.GELU and activation.approximate in ("none", "tanh")
+            and not activation._forward_hooks and not activation._forward_pre_hooks):
+        return activation.approximate
+    return None
 
 
 def _packable(attn_mask, key_padding_mask, is_causal) -> bool:
