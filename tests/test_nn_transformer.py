@@ -199,6 +199,48 @@ def test_a_gelu_with_a_hook_or_a_subclass_runs_unfused(monkeypatch):
         _compare(ref, layer, _input(True), torch.ones(BATCH, SEQ, dtype=torch.bool), True)
 
 
+@pytest.mark.parametrize("module", ["layer", "encoder"])
+def test_bad_inputs_are_named_as_passed(module):
+    layer = fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, D_FF, batch_first=True)
+    encoder = fusedlm.nn.TransformerEncoder(layer, 2)
+    call, mask_name = (layer, "src_mask") if module == "layer" else (encoder, "mask")
+    x = torch.randn(2, 5, D_MODEL)
+    cases = [
+        ({"src": torch.randn(2, 5, 6)}, r"src must have shape \(batch, seq, d_model=32\) or, "
+                                        r"unbatched, \(seq, d_model=32\), got \(2, 5, 6\)"),
+        ({"src": x, "src_key_padding_mask": torch.zeros(2, 4, dtype=torch.bool)},
+         r"src_key_padding_mask must have shape \(batch, seq\) = \(2, 5\), got \(2, 4\)"),
+        ({"src": x[0], "src_key_padding_mask": torch.zeros(2, 5, dtype=torch.bool)},
+         r"src_key_padding_mask must have shape \(seq,\) = \(5,\), got \(2, 5\)"),
+        ({"src": x, mask_name: torch.zeros(4, 4)},
+         rf"{mask_name} must have shape \(seq, seq\) = \(5, 5\) or \(batch \* nhead, seq, seq\) = "
+         r"\(8, 5, 5\), got \(4, 4\)"),
+    ]
+    for kwargs, error in cases:
+        with pytest.raises(ValueError, match=error):
+            call(**kwargs)
+    with pytest.raises(TypeError, match=f"{mask_name} must be bool or floating point"):
+        call(x, **{mask_name: torch.zeros(5, 5, dtype=torch.long)})
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_tensors():
+    # torch's inference fast path takes a NestedTensor; fusedlm's attention hands it to
+    # torch, and its layers, which pack padded inputs themselves, say so.
+    nested = torch.nested.nested_tensor([torch.randn(3, D_MODEL), torch.randn(5, D_MODEL)])
+    ref = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
+    mha = fusedlm.nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
+    mha.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        out, _ = mha(nested, nested, nested, need_weights=False)
+        expected, _ = ref(nested, nested, nested, need_weights=False)
+    for got, want in zip(out.unbind(), expected.unbind()):
+        torch.testing.assert_close(got, want)
+    layer = fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, D_FF, batch_first=True).eval()
+    with pytest.raises(TypeError, match="src must be a padded tensor, not a NestedTensor"):
+        layer(nested)
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="activation must be 'relu', 'gelu' or a callable, got 'swish'"):
         fusedlm.nn.TransformerEncoderLayer(D_MODEL, HEADS, activation="swish")

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ._checks import check_mask, check_shape, sequence_dims
 from ._eager import EagerModule
 
 
@@ -18,7 +19,8 @@ class MultiheadAttention(EagerModule, nn.MultiheadAttention):
     runs torch's own implementation and pays for them: O(batch * heads * seq_q * seq_k)
     memory and no fusion. Pass ``need_weights=False`` to get the fused path. A module
     built with ``add_bias_kv`` or ``add_zero_attn`` (the extra key and value positions
-    they append) runs torch's implementation on every call.
+    they append) runs torch's implementation on every call, and so do NestedTensor
+    inputs (which torch takes in its inference fast path).
 
     Masks keep torch's meaning: ``key_padding_mask`` bool (True = ignore) or float
     (added); ``attn_mask`` [seq_q, seq_k] or [batch * heads, seq_q, seq_k], bool
@@ -32,7 +34,7 @@ class MultiheadAttention(EagerModule, nn.MultiheadAttention):
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple:
-        if need_weights or self.bias_k is not None or self.add_zero_attn:
+        if need_weights or self._unfused(query, key, value):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                    need_weights=need_weights, attn_mask=attn_mask,
                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
@@ -46,39 +48,37 @@ class MultiheadAttention(EagerModule, nn.MultiheadAttention):
         out = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal)
         return (out if batched else out.squeeze(0 if self.batch_first else 1)), None
 
+    def _unfused(self, query, key, value) -> bool:
+        """Whether the call needs what only torch's implementation has: the key and value
+        positions of add_bias_kv and add_zero_attn, or NestedTensor inputs."""
+        nested = any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value))
+        return nested or self.bias_k is not None or self.add_zero_attn
+
     def _check_inputs(self, query, key, value, key_padding_mask, attn_mask, is_causal):
-        """The shapes torch accepts, checked as the caller passed them, so that an error
-        names query, key, value or a mask, never a tensor built from them."""
-        width = ("embed_dim", self.embed_dim)
+        """The shapes torch accepts (fusedlm.nn._checks)."""
         batched = not (isinstance(query, Tensor) and query.dim() == 2)
-        _check("query", query, self._layout(batched, None, "seq_q", width),
-               f" or, unbatched, (seq_q, embed_dim={self.embed_dim})" if batched else "")
+
+        def dims(batch, seq, width):
+            return sequence_dims(batched, self.batch_first, batch, seq, width)
+        check_shape("query", query, dims(None, "seq_q", ("embed_dim", self.embed_dim)),
+                    f" or, unbatched, (seq_q, embed_dim={self.embed_dim})" if batched else "")
         batch = query.shape[0 if self.batch_first else 1] if batched else None
         whose = " for a batched query" if batched else " for an unbatched query"
-        _check("key", key, self._layout(batched, batch, "seq_k", ("kdim", self.kdim)), whose)
+        check_shape("key", key, dims(batch, "seq_k", ("kdim", self.kdim)), whose)
         seq_dim = 1 if batched and self.batch_first else 0
         seq_q, seq_k = query.shape[seq_dim], key.shape[seq_dim]
-        _check("value", value, self._layout(batched, batch, ("seq_k", seq_k), ("vdim", self.vdim)),
-               whose)
+        check_shape("value", value, dims(batch, ("seq_k", seq_k), ("vdim", self.vdim)), whose)
         if is_causal and seq_q != seq_k:
             raise ValueError(f"is_causal needs as many queries as keys, got {seq_q} and {seq_k}")
         if key_padding_mask is not None:
-            _check_mask("key_padding_mask", key_padding_mask,
-                        {(batch, seq_k): "(batch, seq_k)"} if batched else {(seq_k,): "(seq_k,)"})
+            check_mask("key_padding_mask", key_padding_mask,
+                       {(batch, seq_k): "(batch, seq_k)"} if batched else {(seq_k,): "(seq_k,)"})
         if attn_mask is not None:
             heads = (batch if batched else 1) * self.num_heads
-            _check_mask("attn_mask", attn_mask, {
+            check_mask("attn_mask", attn_mask, {
                 (seq_q, seq_k): "(seq_q, seq_k)",
                 (heads, seq_q, seq_k): ("(batch * num_heads, seq_q, seq_k)" if batched
                                         else "(num_heads, seq_q, seq_k)")})
-
-    def _layout(self, batched: bool, batch, seq, width) -> list:
-        """The dimensions of a query, key or value: (seq, width), and batched the batch
-        first (batch_first) or second. Each is a name, or (name, the size it must have)."""
-        dims = [seq, width]
-        if batched:
-            dims.insert(0 if self.batch_first else 1, "batch" if batch is None else ("batch", batch))
-        return dims
 
     def _attend(self, query, key, value, key_padding_mask, attn_mask, is_causal):
         q, k, v = self._project(query, key, value)  # each [batch, heads, seq, head_dim]
@@ -132,28 +132,6 @@ class MultiheadAttention(EagerModule, nn.MultiheadAttention):
             bias = padding if bias is None else bias + padding
             key_padding_mask = None
         return bias, key_padding_mask
-
-
-def _check(name: str, t, dims: list, alternative: str = "") -> None:
-    """That t is a tensor with the given dimensions: each a name (any size) or (name, size)."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    sizes = [None if isinstance(d, str) else d[1] for d in dims]
-    if t.dim() == len(dims) and all(n is None or n == m for n, m in zip(sizes, t.shape)):
-        return
-    shape = ", ".join(d if isinstance(d, str) else f"{d[0]}={d[1]}" for d in dims)
-    raise ValueError(f"{name} must have shape ({shape}){alternative}, got {tuple(t.shape)}")
-
-
-def _check_mask(name: str, mask, shapes: dict) -> None:
-    """That mask is a bool or float tensor of one of ``shapes`` ({shape: its meaning})."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"{name} must be bool or floating point, got {mask.dtype}")
-    if tuple(mask.shape) not in shapes:
-        allowed = " or ".join(f"{meaning} = {shape}" for shape, meaning in shapes.items())
-        raise ValueError(f"{name} must have shape {allowed}, got {tuple(mask.shape)}")
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:

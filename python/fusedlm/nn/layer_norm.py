@@ -39,7 +39,8 @@ class LayerNorm(EagerModule, nn.LayerNorm):
             flat_residual = None if residual is None else residual.reshape(flat.shape)
             weight = None if weight is None else weight.reshape(width)
             bias = None if bias is None else bias.reshape(width)
-        (flat, flat_residual, weight, bias), dtype = norm_operands(flat, flat_residual, weight, bias)
+        operands, dtype = norm_operands(flat, flat_residual, weight, bias)
+        flat, flat_residual, weight, bias = operands
         out, summed = ops.add_layer_norm(flat, flat_residual, weight, bias, self.eps,
                                          dropout_p=dropout_p)
         out, summed = out.to(dtype), summed.to(dtype)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import check_mask, check_shape, sequence_dims
 from ._eager import EagerModule
 from .attention import MultiheadAttention
 from .ffn import linear_gelu_linear
@@ -63,6 +64,7 @@ class TransformerEncoderLayer(EagerModule, nn.Module):
 
     def forward(self, src: Tensor, src_mask: Optional[Tensor] = None,
                 src_key_padding_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        self._check_inputs(src, src_mask, src_key_padding_mask, mask_name="src_mask")
         if _packable(src_mask, src_key_padding_mask, is_causal):
             return _packed_stack([self], src, src_key_padding_mask, is_causal,
                                  self.self_attn.batch_first)
@@ -71,6 +73,27 @@ class TransformerEncoderLayer(EagerModule, nn.Module):
             return self.self_attn(x, x, x, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
                                   need_weights=False, is_causal=is_causal)[0]
         return self._layer(src, attend)
+
+    def _check_inputs(self, src, mask, key_padding_mask, *, mask_name: str) -> None:
+        """The shapes torch's layer accepts (fusedlm.nn._checks)."""
+        if isinstance(src, Tensor) and src.is_nested:
+            raise TypeError("src must be a padded tensor, not a NestedTensor: with a bool "
+                            "src_key_padding_mask fusedlm packs the real tokens itself")
+        attn = self.self_attn
+        batched = not (isinstance(src, Tensor) and src.dim() == 2)
+        width = ("d_model", attn.embed_dim)
+        check_shape("src", src, sequence_dims(batched, attn.batch_first, None, "seq", width),
+                    f" or, unbatched, (seq, d_model={attn.embed_dim})" if batched else "")
+        seq = src.shape[1 if batched and attn.batch_first else 0]
+        batch = src.shape[0 if attn.batch_first else 1] if batched else None
+        if key_padding_mask is not None:
+            check_mask("src_key_padding_mask", key_padding_mask,
+                       {(batch, seq): "(batch, seq)"} if batched else {(seq,): "(seq,)"})
+        if mask is not None:
+            heads = (batch if batched else 1) * attn.num_heads
+            check_mask(mask_name, mask, {
+                (seq, seq): "(seq, seq)",
+                (heads, seq, seq): "(batch * nhead, seq, seq)" if batched else "(nhead, seq, seq)"})
 
     def forward_packed(self, x: Tensor, cu_seqlens: Tensor, max_seqlen, is_causal: bool = False) -> Tensor:
         """The layer over packed sequences x [tokens, d_model], as fusedlm.ops.unpad gives them."""
@@ -121,6 +144,7 @@ class TransformerEncoder(EagerModule, nn.Module):
     def forward(self, src: Tensor, mask: Optional[Tensor] = None,
                 src_key_padding_mask: Optional[Tensor] = None,
                 is_causal: Optional[bool] = None) -> Tensor:
+        self.layers[0]._check_inputs(src, mask, src_key_padding_mask, mask_name="mask")
         batch_first = self.layers[0].self_attn.batch_first
         if is_causal is None:  # as torch: a mask equal to the causal mask is taken as one
             is_causal = _is_causal_mask(mask, src.shape[1 if src.dim() == 3 and batch_first else 0])
