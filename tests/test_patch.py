@@ -74,15 +74,7 @@ def _batch(dtype=torch.float64):
     return fresh((3, 7, 16), dtype, "cpu"), torch.arange(7)[None, :] >= lengths[:, None]
 
 
-def test_patch_transformer_keeps_outputs_gradients_and_parameters():
-    model = _Encoder().double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    patched = fusedlm.patch(copy.deepcopy(model))
-    assert sorted(fusedlm.patch_report(patched).replaced) == ["encoder", "encoder.norm", "pool"]
-    assert isinstance(patched.encoder, fusedlm.nn.TransformerEncoder)
-    assert isinstance(patched.pool, fusedlm.nn.MultiheadAttention)
+def _assert_same_outputs_and_gradients(model, patched):
     x, padding = _batch()
     grads = []
     for m in (model, patched):
@@ -94,10 +86,37 @@ def test_patch_transformer_keeps_outputs_gradients_and_parameters():
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
 
+
+def _randomised(model):
+    model = model.double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def test_patch_transformer_keeps_outputs_gradients_and_parameters():
+    model = _randomised(_Encoder())
+    patched = fusedlm.patch(copy.deepcopy(model))
+    assert sorted(fusedlm.patch_report(patched).replaced) == ["encoder", "encoder.norm", "pool"]
+    assert isinstance(patched.encoder, fusedlm.nn.TransformerEncoder)
+    assert isinstance(patched.pool, fusedlm.nn.MultiheadAttention)
+    _assert_same_outputs_and_gradients(model, patched)
+
     params = {id(p) for p in model.parameters()}
     fusedlm.patch(model.eval())
     assert {id(p) for p in model.parameters()} == params
     assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("activation", [torch.tanh, nn.GELU(approximate="tanh"), nn.ReLU()],
+                         ids=["tanh", "GELU-tanh", "ReLU"])
+def test_patch_takes_any_activation_and_attention_option(activation):
+    model = _randomised(_Encoder(activation=activation,
+                                 pool_kwargs={"add_bias_kv": True, "add_zero_attn": True}))
+    patched = fusedlm.patch(copy.deepcopy(model))
+    assert sorted(fusedlm.patch_report(patched).replaced) == ["encoder", "encoder.norm", "pool"]
+    _assert_same_outputs_and_gradients(model, patched)
 
 
 def test_patch_pins_the_backend():
@@ -113,16 +132,18 @@ def test_patch_pins_the_backend():
         fusedlm.patch(_Encoder(), backend="gpu")
 
 
+class _OwnLayer(nn.TransformerEncoderLayer):
+    """A user's subclass: its forward may differ from torch's, so it is not replaced."""
+
+
 def test_patch_says_why_it_left_modules_alone():
-    model = fusedlm.patch(_Encoder(activation=torch.tanh, pool_kwargs={"add_bias_kv": True}))
-    report = fusedlm.patch_report(model)
-    assert "activation" in report.left_alone["encoder"]
-    assert "activation" in report.left_alone["encoder.layers.0"]
-    assert "add_bias_kv" in report.left_alone["pool"]
-    assert type(model.pool) is nn.MultiheadAttention
-    # What fusedlm can run inside the unsupported layers is still replaced.
-    assert {"encoder.norm", "encoder.layers.0.self_attn", "encoder.layers.1.norm2"} <= set(report.replaced)
-    assert "left 4 recognised modules alone" in str(report)
+    model = _Encoder()
+    model.encoder.layers[0] = _OwnLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    report = fusedlm.patch_report(fusedlm.patch(model))
+    assert "layers.0: layer of type _OwnLayer" in report.left_alone["encoder"]
+    # What fusedlm can run inside the layer left alone is still replaced.
+    assert {"encoder.layers.0.self_attn", "encoder.layers.0.norm2", "encoder.layers.1"} <= set(report.replaced)
+    assert "left 1 recognised module alone" in str(report)
 
 
 def test_patch_returns_the_replacement_of_the_model_itself():

@@ -18,6 +18,10 @@ from torch import nn
 from ..backends import use_backend
 
 
+def _modules(count: int, kind: str = "") -> str:
+    return f"{count} {kind}module{'' if count == 1 else 's'}"
+
+
 @dataclass(frozen=True)
 class Rule:
     """Matches one exact class (a subclass may change what the module computes).
@@ -36,10 +40,10 @@ class PatchReport:
     left_alone: dict = field(default_factory=dict)  # module path -> why
 
     def __str__(self) -> str:
-        lines = [f"replaced {len(self.replaced)} modules"]
+        lines = [f"replaced {_modules(len(self.replaced))}"]
         lines += [f"  {path or '<model>'}: {rule}" for path, rule in self.replaced.items()]
         if self.left_alone:
-            lines.append(f"left {len(self.left_alone)} recognised modules alone")
+            lines.append(f"left {_modules(len(self.left_alone), 'recognised ')} alone")
             lines += [f"  {path or '<model>'}: {why}" for path, why in self.left_alone.items()]
         return "\n".join(lines)
 

@@ -3,7 +3,6 @@
 Replacements are built on the meta device and then given the original's own
 Parameters and submodules, so optimizers and anything else holding them keep working.
 """
-import torch.nn.functional as F
 from torch import nn
 
 from .. import nn as fused
@@ -19,24 +18,20 @@ def _layer_norm(module: nn.LayerNorm):
 
 
 def _multihead_attention(module: nn.MultiheadAttention):
-    if module.bias_k is not None or module.add_zero_attn:
-        return "add_bias_kv and add_zero_attn are not supported"
     new = fused.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
-                                   bias=module.in_proj_bias is not None, kdim=module.kdim,
+                                   bias=module.in_proj_bias is not None,
+                                   add_bias_kv=module.bias_k is not None,
+                                   add_zero_attn=module.add_zero_attn, kdim=module.kdim,
                                    vdim=module.vdim, batch_first=module.batch_first, device="meta")
     for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-                 "in_proj_bias"):
+                 "in_proj_bias", "bias_k", "bias_v"):
         setattr(new, name, getattr(module, name))
     new.out_proj = module.out_proj
     return new
 
 
 def _encoder_layer(module: nn.TransformerEncoderLayer):
-    if module.activation not in (F.relu, F.gelu):
-        return f"activation {module.activation!r} is not F.relu or F.gelu"
     attn = _multihead_attention(module.self_attn)
-    if isinstance(attn, str):
-        return f"self_attn: {attn}"
     new = fused.TransformerEncoderLayer(module.linear1.in_features, module.self_attn.num_heads,
                                         module.linear1.out_features, activation=module.activation,
                                         batch_first=module.self_attn.batch_first,
