@@ -22,7 +22,6 @@ class LayerNorm(EagerModule, nn.LayerNorm):
     the norm runs in, and returns, the widest dtype of its inputs and parameters.
     """
 
-
     def forward(self, x: Tensor, residual: Optional[Tensor] = None, *,
                 dropout_p: float = 0.0) -> Union[Tensor, tuple]:
         shape = x.shape
