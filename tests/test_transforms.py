@@ -285,6 +285,16 @@ def _twins(name):
         pair = (fusedlm.nn.MultiheadAttention(8, 2, batch_first=True, **f64),
                 torch.nn.MultiheadAttention(8, 2, batch_first=True, **f64))
         x, call = torch.randn(2, 5, 8, **f64), lambda module, x: module(x, x, x, need_weights=False)[0]
+    elif name == "GeluFFN":
+        pair = fusedlm.nn.GeluFFN(8, 16, **f64), _LinearGeluLinear(8, 16, **f64)
+        x, call = torch.randn(4, 8, **f64), lambda module, x: module(x)
+    elif name == "CrossEntropyLoss":
+        pair = fusedlm.nn.CrossEntropyLoss(), torch.nn.CrossEntropyLoss()
+        x, call = torch.randn(6, 10, **f64), lambda module, x: module(x, _LABELS)
+    elif name == "LinearCrossEntropyLoss":
+        weight = torch.randn(10, 8, **f64)
+        pair = fusedlm.nn.LinearCrossEntropyLoss(), _LinearCrossEntropy()
+        x, call = torch.randn(6, 8, **f64), lambda module, x: module(x, weight, _LABELS)
     else:
         layers = [cls(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True, **f64)
                   for cls in (fusedlm.nn.TransformerEncoderLayer, torch.nn.TransformerEncoderLayer)]
@@ -298,7 +308,23 @@ def _twins(name):
     return (*pair, x, call)
 
 
-MODULES = ["LayerNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder"]
+class _LinearGeluLinear(torch.nn.Module):
+    def __init__(self, d_model, d_ff, **factory):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_model, d_ff, **factory)
+        self.fc2 = torch.nn.Linear(d_ff, d_model, **factory)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _LinearCrossEntropy(torch.nn.Module):
+    def forward(self, hidden, weight, labels):
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight), labels)
+
+
+MODULES = ["LayerNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerEncoder",
+           "GeluFFN", "CrossEntropyLoss", "LinearCrossEntropyLoss"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -313,11 +339,16 @@ def test_modules_under_transforms(name):
         for module in (ours, theirs):
             run = functools.partial(call, module)
             leaf = x.clone().requires_grad_()
+            batched = torch.stack([x, 2 * x])
+            results.append([jvp(run, (x,), (v,)), jacrev(run)(x), vmap(run)(batched),
+                            vmap(grad(lambda x: run(x).pow(2).sum()))(batched)])
+            if name == "CrossEntropyLoss" and module is ours:
+                with pytest.raises(RuntimeError, match="fusedlm: cross_entropy: double backward"):
+                    torch.autograd.grad(run(leaf), leaf, create_graph=True)
+                continue
             (dx,) = torch.autograd.grad(run(leaf).pow(2).sum(), leaf, create_graph=True)
-            weight = next(module.parameters())
-            results.append((jvp(run, (x,), (v,)), jacrev(run)(x[:2]), vmap(run)(x[:, None]),
-                            vmap(grad(lambda x: run(x).pow(2).sum()))(x[:, None]),
-                            torch.autograd.grad(dx.pow(2).sum(), weight)[0]))
+            wrt = [*module.parameters(), leaf][0]  # a weight where the module has one
+            results[-1].append(torch.autograd.grad(dx.pow(2).sum(), wrt)[0])
     for what, got, expected in zip(("jvp", "jacrev", "vmap", "vmap of grad", "gradient penalty"),
                                    *results):
         _assert_close(got, expected, torch.float64, f"{name}: {what}")

@@ -43,7 +43,6 @@ class GeluFFN(EagerModule, nn.Module):
     activation between the two products, in training only.
     """
 
-
     def __init__(self, d_model: int, d_ff: int, d_out: Optional[int] = None, *, approximate: str = "none",
                  dropout: float = 0.0, bias: bool = True, device=None, dtype=None):
         super().__init__()

@@ -18,7 +18,6 @@ class CrossEntropyLoss(EagerModule, nn.CrossEntropyLoss):
     Unlike torch, a mean over no labelled targets is 0, not NaN.
     """
 
-
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if self.weight is not None or target.is_floating_point():
             warnings.warn("fusedlm CrossEntropyLoss: class weights or probability targets run on "
@@ -37,7 +36,6 @@ class LinearCrossEntropyLoss(EagerModule, nn.Module):
     ``weight`` is ``[vocab, hidden]`` (e.g. the tied word embeddings). Under autocast
     the projection runs in the autocast dtype and the loss in float32, as torch's would.
     """
-
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()

@@ -43,7 +43,6 @@ class TransformerEncoderLayer(EagerModule, nn.Module):
     then be None.
     """
 
-
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
                  activation: Union[str, Callable[[Tensor], Tensor]] = F.relu,
                  layer_norm_eps: float = 1e-5, batch_first: bool = False, norm_first: bool = False,
