@@ -130,7 +130,8 @@ def _inputs(case, backend, dtype):
 
 
 def _assert_close(actual, expected, dtype, what):
-    for a, e in zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected)):
+    leaves = torch.utils._pytree.tree_leaves
+    for a, e in zip(leaves(actual), leaves(expected), strict=True):
         assert a.abs().max() > 0 or e.abs().max() == 0, f"{what}: zeros where plain PyTorch is not"
         if dtype in (torch.bfloat16, torch.float16):
             error = (a.double() - e.double()).norm() / e.double().norm()
@@ -215,6 +216,24 @@ def test_vmap(backend, case):
     got = vmap(grad(functools.partial(loss, _on(backend)), argnums))(*batched)
     expected = vmap(grad(functools.partial(loss, _reference), argnums))(*batched)
     _assert_close(got, expected, dtype, "vmap of grad (per-sample gradients)")
+
+
+@backend_and_case
+def test_batched_gradients(backend, case):
+    """torch.autograd.grad's is_grads_batched, which runs the backward under vmap: one
+    gradient per row of a batch of output gradients, as plain PyTorch gives them."""
+    dtype = _dtype(backend, case.op)
+    inputs = _inputs(case, backend, dtype)
+    results = []
+    for op, dtype_used in ((_on(backend), dtype), (_reference, torch.float64)):
+        leaves = [x.to(dtype_used).requires_grad_() for x in inputs]
+        out = case.run(op, *leaves)
+        if not results:
+            batch = torch.randn(3, *out.shape, dtype=torch.float64)
+        taken = torch.autograd.grad(out, leaves, batch.to(out.dtype), is_grads_batched=True,
+                                    allow_unused=True)  # (a distillation teacher's is None)
+        results.append([g for g in taken if g is not None])
+    _assert_close(results[0], results[1], dtype, "batched gradients")
 
 
 def _penalty_grads(run, inputs):

@@ -18,8 +18,8 @@
 #include "bind.h"
 #include "checks.h"
 #include "common.h"
-#include "differentiable_backward.h"
 #include "eager_lane.h"
+#include "reference_backward.h"
 #endif
 
 // y = gelu(x + bias) [* keep / (1 - p)] over rows x cols, row-major; bias may be null.
@@ -314,9 +314,9 @@ struct BiasGeluNode : torch::autograd::Function<BiasGeluNode> {
     const auto saved = ctx->get_saved_variables();
     const auto bias = saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
     const auto& approximate = ctx->saved_data["approximate"].toStringRef();
-    if (at::GradMode::is_enabled()) {  // create_graph=True
-      const auto taken = differentiable_backward("bias_gelu", 0.0, grads[0], saved[0], bias,
-                                                 approximate);
+    if (needs_reference_backward(grads)) {
+      const auto taken = reference_backward("bias_gelu", 0.0, grads[0], saved[0], bias,
+                                            approximate);
       return {taken[0], taken[1], at::Tensor()};
     }
     auto [dx, dbias] = bias_gelu_backward(grads[0], saved[0], bias, approximate);

@@ -43,8 +43,8 @@
 #include "bind.h"
 #include "checks.h"
 #include "common.h"
-#include "differentiable_backward.h"
 #include "eager_lane.h"
+#include "reference_backward.h"
 #endif
 
 // summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
@@ -540,10 +540,9 @@ struct AddLayerNormNode : torch::autograd::Function<AddLayerNormNode> {
     const auto grad_summed = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     at::Tensor dsummed, dx, dweight, dbias;
-    if (at::GradMode::is_enabled()) {  // create_graph=True
-      const auto taken = differentiable_backward("add_layer_norm", p, grad_out, grad_summed,
-                                                 summed, mean, rstd, weight, has_bias,
-                                                 has_residual, p, seed);
+    if (needs_reference_backward(grads)) {
+      const auto taken = reference_backward("add_layer_norm", p, grad_out, grad_summed, summed,
+                                            mean, rstd, weight, has_bias, has_residual, p, seed);
       dsummed = taken[0], dx = taken[1], dweight = taken[2], dbias = taken[3];
     } else {
       std::tie(dsummed, dx, dweight, dbias) = add_layer_norm_backward(

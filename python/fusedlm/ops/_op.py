@@ -16,10 +16,10 @@ Conventions, stated here once:
 The registered op is what torch.compile and dispatch modes (fake tensors) see. Under a
 torch.func transform or forward-mode AD a call runs the reference backend's plain-PyTorch
 forward kernel instead, which every transform differentiates and batches; a gradient that
-is differentiated again (create_graph=True) is the reference backward kernel's, which
-autograd records (differentiable_backward). In plain eager code nothing observes the difference, and its Python dispatch is
-costly (about 100 µs a forward and backward on a CPU, several times the kernels' own time
-at BERT sizes on a GPU): there a call goes straight to the backend's kernel, under a plain
+is differentiated again (create_graph=True) or batched is the reference backward kernel's,
+which autograd records (reference_backward). In plain eager code nothing observes the
+difference, and its Python dispatch is costly (about 100 µs a forward and backward on a
+CPU, several times the kernels' own time at BERT sizes on a GPU): there a call goes straight to the backend's kernel, under a plain
 ``torch.autograd.Function`` with the same setup and gradient where autograd records it, or
 through the backend's own autograd node where it has one (``Kernel.autograd``: the cpu
 backend's add_layer_norm and bias_gelu, whose nodes in C++ record the same saved tensors and
@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
+from torch._C._functorch import is_legacy_batchedtensor
 
 from ..backends import OpInfo, declare, kernel, transformed, unobserved
 
@@ -65,6 +66,7 @@ def _direct_function(op: "Op", backend: str) -> type:
         return outputs
 
     def backward(ctx, *grads):
+        ctx.kernels_serve = kernels_serve(grads)
         taken = op._grad(ctx, *grads)
         return (*taken, *(None,) * (op._arguments - 1 - len(taken)))
 
@@ -75,24 +77,39 @@ def _direct_function(op: "Op", backend: str) -> type:
 _DECLARED: dict = {}  # {name: Op}
 
 
-def differentiable_backward(op: str, backend: str, dropout_p: float, *args,
-                            caller: Optional[str] = None) -> tuple:
-    """``op``'s backward kernel for a gradient that is to be differentiated again (taken with
-    create_graph=True): the reference backend's, which recomputes it from the saved inputs
-    in plain PyTorch that autograd records (a kernel's records nothing). ``backend`` and
-    ``dropout_p`` are the forward's; ``caller`` names the op the user called, where it
-    borrows ``op``'s backward. Raises where the reference cannot stand in for the kernel."""
+def kernels_serve(grads: tuple) -> bool:
+    """Whether a backend's backward kernel can take the backward of these output gradients:
+    not where the gradient is to be differentiated again (create_graph=True), which a
+    kernel would not record, nor under a torch.func transform or autograd's own vmap
+    (autograd.grad's is_grads_batched), whose wrapped tensors no kernel reads. Those run
+    :func:`reference_backward`."""
+    return not (torch.is_grad_enabled() or transformed()
+                or any(g is not None and is_legacy_batchedtensor(g) for g in grads))
+
+
+def reference_backward(op: str, backend: str, dropout_p: float, *args,
+                       caller: Optional[str] = None) -> tuple:
+    """``op``'s backward where the backend's kernel cannot serve: for a gradient that is to be
+    differentiated again (taken with create_graph=True), and for one taken under a torch.func
+    transform (autograd.grad's is_grads_batched runs the backward under vmap), whose wrapped
+    tensors no kernel reads. The reference backend's kernel, which recomputes it from the saved
+    inputs in plain PyTorch that autograd records and transforms take. ``backend`` and
+    ``dropout_p`` are the forward's; ``caller`` names the op the user called, where it borrows
+    ``op``'s backward. Raises where the reference cannot stand in for the kernel."""
+    twice = torch.is_grad_enabled()
     why = None
-    if not _DECLARED[op]._twice_differentiable:
+    if twice and not _DECLARED[op]._twice_differentiable:
         why = "its forward keeps only the gradient it took, not its inputs"
     elif backend != "reference" and dropout_p > 0:
         why = (f"with dropout_p > 0 on the {backend} backend, whose dropout mask the "
                "reference cannot redraw")
     if why is not None:
+        what = ("double backward (differentiating a gradient taken with create_graph=True)"
+                if twice else "a backward under a torch.func transform (a batched gradient)")
         raise RuntimeError(
-            f"fusedlm: {caller or op}: double backward (differentiating a gradient taken with "
-            f"create_graph=True) is not supported {why}. torch.func.grad and the other "
-            "torch.func transforms run its plain-PyTorch composition, which supports it.")
+            f"fusedlm: {caller or op}: {what} is not supported {why}. Calls made inside "
+            "torch.func.grad, vjp or vmap run the op's plain-PyTorch composition, which "
+            "supports it.")
     return _DECLARED[op]._reference_kernels[1](*args)
 
 
@@ -147,11 +164,11 @@ class Op:
 
     def backward(self, ctx, *args):
         """The backward kernel, on the backend the forward ran on; for a gradient that is to
-        be differentiated again, :func:`differentiable_backward`."""
-        if torch.is_grad_enabled():  # create_graph=True
-            return _filled(differentiable_backward(self.name, ctx.backend,
-                                                   getattr(ctx, "dropout_p", 0.0), *args,
-                                                   caller=ctx.op), args)
+        be differentiated again or is batched, :func:`reference_backward`."""
+        if not ctx.kernels_serve:
+            return _filled(reference_backward(self.name, ctx.backend,
+                                              getattr(ctx, "dropout_p", 0.0), *args,
+                                              caller=ctx.op), args)
         if getattr(ctx, "direct", False):
             return _filled(kernel(ctx.backend, self.name).backward(*args), args)
         return self._backward(*args, ctx.backend)
@@ -175,6 +192,7 @@ class Op:
             setup(ctx, inputs[:-1], output)
 
         def backward(ctx, *grads):
+            ctx.kernels_serve = kernels_serve(grads)
             taken = grad(ctx, *grads)
             return (*taken, *(None,) * (self._arguments - len(taken)))
 

@@ -27,7 +27,7 @@ from ..backends.probes import Probe, randn
 from ..backends.probes import labels as probe_labels
 from ..backends.reference import vjp
 from . import _validate as check
-from ._op import Op
+from ._op import Op, kernels_serve
 from .reference import acc_dtype
 
 __all__ = ["cross_entropy", "distillation_loss", "masked_lm_loss"]
@@ -134,12 +134,12 @@ def _unit_grad(grad: Tensor, reduction: str) -> bool:
     them; with retain_graph, .grad accumulation copies them, and an in-place change of a
     returned gradient bumps its version, so a second backward raises instead of using it.
     Never where the gradient is to be differentiated again (create_graph=True): the saved
-    gradients carry no graph.
+    gradients carry no graph; nor for a batched gradient (fusedlm.ops._op.kernels_serve).
     """
     # A traced gradient (a fake or functional tensor, which torch 2.11 traces the backward
     # with outside is_compiling()) has no value to read: only a plain tensor is looked at.
     return (reduction != "none" and not torch.compiler.is_compiling() and type(grad) is Tensor
-            and grad.device.type == "cpu" and not torch.is_grad_enabled() and grad.item() == 1.0)
+            and grad.device.type == "cpu" and kernels_serve((grad,)) and grad.item() == 1.0)
 
 
 def _cross_entropy_grad(ctx, grad, _grad_of_grad):

@@ -78,6 +78,8 @@ def _unpad_setup(ctx, inputs, output):
 
 def _unpad_grad(ctx, grad, _grad_indices, _grad_cu_seqlens, _grad_max_seqlen):
     (indices,) = ctx.saved_tensors
+    if not ctx.kernels_serve:  # a gradient differentiated again, or batched: plain PyTorch's
+        return (pad_reference(grad, indices, ctx.batch, ctx.seqlen),)
     return (PAD(ctx.backend, grad, indices, ctx.batch, ctx.seqlen),)
 
 
@@ -141,13 +143,14 @@ def _pad_grad(ctx, grad):
 
 def pad_reference(packed, indices, batch, seqlen):
     """Inverse of unpad: [batch, seqlen, ...] with zeros at the padding positions."""
-    out = packed.new_zeros((batch * seqlen, *packed.shape[1:]))
-    out[indices] = packed
-    return out.view(batch, seqlen, *packed.shape[1:])
+    # (out of place, and reshape: autograd's own vmap takes those)
+    out = packed.new_zeros((batch * seqlen, *packed.shape[1:])).index_put((indices,), packed)
+    return out.reshape(batch, seqlen, *packed.shape[1:])
 
 
 def _pad_reference_backward(grad, indices):
-    return grad.flatten(0, 1)[indices]
+    # (reshape, not flatten: autograd's own vmap, is_grads_batched, has no rule for flatten)
+    return grad.reshape(-1, *grad.shape[2:])[indices]
 
 
 def _pad_probe(batch, seq, width):
