@@ -274,13 +274,16 @@ def test_double_backward_with_dropout_on_the_reference():
 
 
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
-def test_double_backward_with_dropout_refused(backend):
+def test_reference_backward_with_dropout_refused(backend):
     dtype = _dtype(backend, "add_layer_norm")
     x, residual = (torch.randn(3, 8, dtype=dtype, device=backend_device(backend),
                                requires_grad=True) for _ in range(2))
     out, _ = ops.add_layer_norm(x, residual, None, None, dropout_p=0.25, backend=backend)
     with pytest.raises(RuntimeError, match="fusedlm: add_layer_norm: double backward .*dropout_p > 0"):
-        torch.autograd.grad(out.pow(3).sum(), x, create_graph=True)
+        torch.autograd.grad(out.pow(3).sum(), x, create_graph=True, retain_graph=True)
+    with pytest.raises(RuntimeError, match="fusedlm: add_layer_norm: .*batched gradient.*dropout_p > 0"):
+        torch.autograd.grad(out, x, torch.randn(2, *out.shape, dtype=dtype, device=out.device),
+                            is_grads_batched=True)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.twice], ids=[
