@@ -105,13 +105,11 @@ def _dtype(backend, op):
                 if d in kernel(backend, op).supports.dtypes)
 
 
-def _tolerance(dtype):
-    return dict(atol=1e-9, rtol=1e-7) if dtype == torch.float64 else dict(atol=1e-4, rtol=1e-4)
-
-
-# Norm-wise relative error allowed of a half-precision kernel's forward followed by a
-# double backward, against float64 (its saved activations are rounded to 8 bits).
-HALF_RELATIVE_ERROR = 3e-2
+# Norm-wise relative error allowed of a kernel's forward in a dtype narrower than float64,
+# followed by a reference backward (taken twice, or batched), against float64: the
+# forward's rounding reaches the gradients through its outputs, and second derivatives
+# amplify it.
+RELATIVE_ERROR = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 
 def _on(backend):
@@ -133,11 +131,11 @@ def _assert_close(actual, expected, dtype, what):
     leaves = torch.utils._pytree.tree_leaves
     for a, e in zip(leaves(actual), leaves(expected), strict=True):
         assert a.abs().max() > 0 or e.abs().max() == 0, f"{what}: zeros where plain PyTorch is not"
-        if dtype in (torch.bfloat16, torch.float16):
-            error = (a.double() - e.double()).norm() / e.double().norm()
-            assert error < HALF_RELATIVE_ERROR, f"{what}: relative error {error:.2e}"
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, e, atol=1e-9, rtol=1e-7, msg=lambda m: f"{what}: {m}")
         else:
-            torch.testing.assert_close(a, e.to(a.dtype), **_tolerance(dtype), msg=lambda m: f"{what}: {m}")
+            error = (a.double() - e.double()).norm() / e.double().norm().clamp(min=1e-300)
+            assert error < RELATIVE_ERROR[dtype], f"{what}: relative error {error:.2e}"
 
 
 backend_and_case = pytest.mark.parametrize("backend, case", _params())
