@@ -20,6 +20,7 @@ import fusedlm
 from fusedlm import ops
 from fusedlm.backends import kernel
 from fusedlm.backends.reference import keep_mask
+from fusedlm.ops.lstm import lstm_cell_stepper
 from fusedlm.ops import reference
 from helpers import backend_device, backends_for
 
@@ -55,6 +56,14 @@ def _lstm_cell(op, gates, c_prev):
     return h + 3 * c
 
 
+def _lstm_steps(op, gates, c_prev):
+    """Two steps of the recurrence lstm_cell_stepper plans (ELMo's loop)."""
+    step = op("lstm_cell_stepper")(gates, c_prev, cell_clip=2.0)
+    h, c = step(gates, c_prev)
+    h, c = step(gates * h.repeat(1, 4), c)
+    return h + 3 * c
+
+
 def _unpad_pad(op, hidden):
     packed, indices, _, _ = op("unpad")(hidden, _PADDING)
     return op("pad")(packed * packed, indices, 2, 5)
@@ -74,6 +83,7 @@ CASES = [
     Case("attention_varlen", ((8, 1, 64),) * 3,
          lambda op, q, k, v: op("attention_varlen")(q, k, v, _CU, _CU, 4, 4, causal=True)),
     Case("lstm_cell", ((3, 16), (3, 4)), _lstm_cell),
+    Case("lstm_cell", ((3, 16), (3, 4)), _lstm_steps),
     Case("masked_lm_loss", ((6, 8), (10, 8), (10,)),
          lambda op, h, w, b: op("masked_lm_loss")(h, w, b, _LABELS)),
     Case("cross_entropy", ((6, 10),), lambda op, logits: op("cross_entropy")(logits, _LABELS),
@@ -114,10 +124,14 @@ RELATIVE_ERROR = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 def _on(backend):
     """The op named, pinned to ``backend``."""
-    return lambda name: functools.partial(getattr(ops, name), backend=backend)
+    return lambda name: functools.partial(
+        lstm_cell_stepper if name == "lstm_cell_stepper" else getattr(ops, name), backend=backend)
 
 
 def _reference(name):
+    if name == "lstm_cell_stepper":
+        return lambda gates, c_prev, cell_clip: functools.partial(reference.lstm_cell,
+                                                                  cell_clip=cell_clip)
     return getattr(reference, name)
 
 

@@ -11,11 +11,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner
+from ..backends import choose, kernel, planner, unobserved
 from ..backends.probes import Probe, randn
 from ..backends.reference import vjp
 from . import _validate as check
-from ._op import Op
+from ._op import Op, kernels_serve, reference_backward
 from .reference import acc_dtype
 
 __all__ = ["lstm_cell"]
@@ -116,28 +116,40 @@ def lstm_cell_stepper(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[floa
     -> (h, c), without validating again.
 
     A step of a small batch takes tens of microseconds in the kernel; the planner and the
-    custom op's dispatch took several times that. So outside torch.compile the step calls
-    the backend's kernels straight, in a plain autograd.Function; compiled, it is the
-    registered op, which the trace needs.
+    custom op's dispatch took several times that. So where nothing but autograd's reverse
+    mode watches, the step calls the backend's kernels straight, in a plain
+    autograd.Function (whose gradient, to be differentiated again or batched, is the
+    reference backward's); elsewhere it is the op, as traced code and torch.func's
+    transforms need.
     """
     choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
     clip = _clip_value(cell_clip)
     if torch.compiler.is_compiling():
         return lambda g, c: LSTM_CELL(choice.backend, g, c, clip)
-    step = kernel(choice.backend, "lstm_cell")
-    return lambda g, c: _LstmCellStep.apply(g, c, clip, step)
+
+    found = kernel(choice.backend, "lstm_cell")
+
+    def step(g, c):
+        if unobserved():
+            return _LstmCellStep.apply(g, c, clip, found, choice.backend)
+        return LSTM_CELL(choice.backend, g, c, clip)  # (a torch.func transform, say)
+
+    return step
 
 
 class _LstmCellStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gates, c_prev, cell_clip, step):
-        ctx.cell_clip, ctx.step = cell_clip, step
+    def forward(ctx, gates, c_prev, cell_clip, found, backend):
+        ctx.cell_clip, ctx.found, ctx.backend = cell_clip, found, backend
         ctx.save_for_backward(gates, c_prev)
-        return step.forward(gates, c_prev, cell_clip)
+        return found.forward(gates, c_prev, cell_clip)
 
     @staticmethod
     def backward(ctx, grad_h, grad_c):
         gates, c_prev = ctx.saved_tensors
-        dgates, dc_prev = ctx.step.backward(grad_h.contiguous(), grad_c.contiguous(), gates, c_prev,
-                                            ctx.cell_clip)
-        return dgates, dc_prev, None, None
+        args = (grad_h.contiguous(), grad_c.contiguous(), gates, c_prev, ctx.cell_clip)
+        if kernels_serve((grad_h, grad_c)):
+            dgates, dc_prev = ctx.found.backward(*args)
+        else:  # to be differentiated again, or batched
+            dgates, dc_prev = reference_backward("lstm_cell", ctx.backend, 0.0, *args)
+        return dgates, dc_prev, None, None, None
