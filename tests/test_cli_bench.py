@@ -214,3 +214,84 @@ def test_the_cpu_timer_interleaves_the_steps_of_a_case():
     times = timer.each(steps)
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 4
     assert set(times) == {"a", "b"} and times["a"] < 10
+
+
+def test_host_writes_one_row_per_op_and_pass(capsys, tmp_path):
+    """--host: microseconds per call of fusedlm and of the native composition, their ratio
+    and the target, for each op and pass asked for (the inference op has no backward)."""
+    import torch
+
+    path = tmp_path / "host.json"
+    code, table, err = run_cli(capsys, "bench", "--host", "--quick", "--device", "cpu",
+                               "--ops", "attention_with_kvcache", "lstm_cell", "pad",
+                               "--models", "bert", "--json", path)
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert report["device"].startswith("cpu") and report["torch"] == torch.__version__
+    assert report["threads"] == 1 and torch.get_num_threads() == 1  # (one_thread's, restored)
+    assert all(len(report["loadavg"][when]) == 3 for when in ("start", "end"))
+    rows = {(r["op"], r["pass"]): r for r in report["rows"]}
+    assert list(rows) == [("attention_with_kvcache", "forward"), ("lstm_cell", "forward"),
+                          ("lstm_cell", "forward+backward"), ("pad", "forward"),
+                          ("pad", "forward+backward")]
+    for (op, pass_), row in rows.items():
+        assert row["native_us"] > 0 and row["fusedlm_us"] > 0 and row["backend"] == "cpu"
+        assert row["ratio"] == pytest.approx(row["fusedlm_us"] / row["native_us"])
+        assert row["target"] == {"forward": 1.25, "forward+backward": 1.1}[pass_]
+        assert row["met"] == (row["ratio"] <= row["target"])
+    lines = table.splitlines()
+    assert lines[0].startswith("device: cpu") and "load average" in lines[0]
+    assert lines[1].split()[:2] == ["op", "pass"] and len(lines) == 2 + len(rows)
+    assert "BERT" not in table  # --models is ignored
+
+
+def test_host_refuses_unknown_ops_and_plot(capsys):
+    code, out, err = run_cli(capsys, "bench", "--host", "--quick", "--ops", "softmax")
+    assert code == 2 and out == "" and err.startswith("fusedlm bench: error: --ops: unknown 'softmax'")
+    code, out, err = run_cli(capsys, "bench", "--host", "--quick", "--device", "cpu",
+                             "--plot", "chart.png")
+    assert code == 2 and out == "" and "--plot" in err and err.count("\n") == 1
+
+
+HOST_OPS = ["attention", "attention_varlen", "attention_with_kvcache", "add_layer_norm",
+            "bias_gelu", "gelu_ffn", "cross_entropy", "distillation_loss", "masked_lm_loss",
+            "lstm_cell", "unpad", "pad"]
+
+
+def test_host_times_every_op():
+    from fusedlm.bench import host
+
+    assert list(host.CASES) == HOST_OPS
+
+
+@pytest.mark.parametrize("op", HOST_OPS)
+def test_host_compares_each_op_with_a_composition_of_the_same_values(op):
+    """--host times like against like: each op's native composition gives the op's outputs
+    and, from the same inputs, its gradients (attention_varlen's composition runs on the
+    padded batch: its outputs are compared at the tokens)."""
+    import torch
+
+    from fusedlm.bench import host
+
+    pair = host.CASES[op](torch.device("cpu"))
+    calls = host.calls(op, pair)
+    (fused, fused_inputs), (native, native_inputs) = calls["fusedlm"], calls["native"]
+    with torch.no_grad():
+        ours, theirs = host.outputs(fused(*fused_inputs)), host.outputs(native(*native_inputs))
+    if op == "attention_varlen":
+        tokens = torch.arange(host.SEQ) < torch.tensor(host.LENGTHS)[:, None]
+        theirs = (theirs[0].transpose(1, 2)[tokens],)
+    assert len(theirs) <= len(ours)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+    if not pair.backward:
+        return
+    grads = []
+    for fn, inputs in ((fused, fused_inputs), (native, native_inputs)):
+        out = host.outputs(fn(*inputs))[:pair.differentiated]
+        leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads.append(torch.autograd.grad(out, leaves, [torch.ones_like(t) for t in out]))
+    assert all(g.abs().sum() > 0 for g in grads[0] + grads[1])
+    if op != "attention_varlen":  # (its padded queries send gradients to the keys too)
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b)

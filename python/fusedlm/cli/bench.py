@@ -14,15 +14,22 @@ from .errors import UsageError
 HELP = "benchmark the fused ops and models against PyTorch"
 DESCRIPTION = """Times each fused op (on every fusedlm backend that takes it) and each model's
 step against PyTorch eager, torch.compile and SDPA, and prints time, speed-up, GB/s or TFLOP/s
-and the share of the device's measured peak. Without --ops or --models: all of both."""
+and the share of the device's measured peak. Without --ops or --models: all of both.
+With --host: instead, what one call of each op costs the host against the native PyTorch
+composition it replaces, on tiny tensors (microseconds per call, forward and
+forward+backward, on one thread)."""
 
 
 def add_arguments(p) -> None:
-    from ..bench import MODELS, OPS
+    from ..bench import MODELS, OPS, host
 
     add_device_argument(p, "cpu or cuda (default cuda if present)")
-    p.add_argument("--ops", nargs="+", metavar="OP", help=f"among {', '.join(OPS)}")
+    p.add_argument("--ops", nargs="+", metavar="OP", help=f"among {', '.join(OPS)}; with "
+                   f"--host among {', '.join(host.CASES)}")
     p.add_argument("--models", nargs="+", metavar="MODEL", help=f"among {', '.join(MODELS)}")
+    p.add_argument("--host", action="store_true",
+                   help="only the host's cost of one call of each op (default all) against "
+                   "its native PyTorch composition, on tiny tensors; ignores --models")
     p.add_argument("--json", type=Path, metavar="FILE", help="write every row, the device, "
                    "versions, commit and ceilings here (after every case: a run stopped "
                    "early keeps the rows it measured)")
@@ -51,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from .. import bench
     from ..bench import report
 
+    if args.host:
+        return _run_host(args)
     ops = _names("--ops", args.ops, bench.OPS)
     models = _names("--models", args.models, bench.MODELS)
     if args.ops is None and args.models is None:
@@ -71,4 +80,19 @@ def run(args: argparse.Namespace) -> int:
     save(result)
     if args.plot is not None:
         report.plot(result, args.plot)
+    return 0
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    from ..bench import host
+
+    ops = _names("--ops", args.ops, host.CASES) or list(host.CASES)
+    device = resolve_device(args.device)
+    _writable("--json", args.json)
+    if args.plot is not None:
+        raise UsageError("--plot: --host has no speed-ups to draw")
+    result = host.run(device, ops, quick=args.quick)
+    print(host.table(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
