@@ -1117,7 +1117,7 @@ def test_attention_varlen_unchecked_offsets_stay_inside_the_tensors(backend, pat
         cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=device) for o in (clamped_q, clamped_k))
         return (q, k, v, cu_q, cu_k, 5, 6), {}
 
-    monkeypatch.setattr(sys.modules["fusedlm.ops.attention"], "check_index_data", lambda _: False)
+    monkeypatch.setattr(sys.modules["fusedlm.ops.attention"], "check_index_data", lambda *_: False)
     dtype = first_taken(backend, "attention_varlen", (torch.float32, torch.float16), call)
 
     def inside_nan(t):

@@ -12,7 +12,7 @@ import fuzz
 from fusedlm.ops import reference
 from fuzz import Case
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
-                     fresh, grads, poison_memory, slow_backend)
+                     fresh, gpu_test, grads, poison_memory, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -165,6 +165,59 @@ def test_cross_entropy_refuses_labels_past_the_classes(backend):
         labels = torch.tensor([1, bad, -100], device=device)
         with pytest.raises(ValueError, match=f"labels must be class indices .* got {bad}"):
             fusedlm.ops.cross_entropy(logits, labels, backend=backend)
+
+
+class _Event:
+    """Stands in for a device event: complete once a test says so (or once waited for)."""
+
+    def __init__(self):
+        self.complete = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.complete
+
+    def synchronize(self):
+        self.complete = True
+
+
+def test_a_gpu_label_check_raises_in_a_later_call_without_waiting_for_it():
+    # On a GPU the check's verdict travels to the host behind an event; a later loss call
+    # reads it once the event has completed, and never waits for one that has not.
+    checks = ce_module._LabelChecks()
+    first, second, third = _Event(), _Event(), _Event()
+    checks.add(torch.tensor([1, 99, -100, 12]), 10, -100, "masked_lm_loss", event=first)
+    checks.add(torch.tensor([1, 2]), 10, -100, "cross_entropy", event=second)  # not complete yet
+    first.complete = True
+    with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 10\) or "
+                       r"ignore_index \(-100\), got 99 \(in the labels of an earlier "
+                       r"masked_lm_loss call"):
+        checks.raise_found()
+    second.complete = True
+    checks.add(torch.tensor([3, -100]), 10, -100, "cross_entropy", event=third)  # good: silent
+    assert [v.event for v in checks._pending] == [third]
+
+
+def test_a_full_backlog_of_gpu_label_checks_waits_for_the_oldest():
+    checks = ce_module._LabelChecks()
+    events = [_Event() for _ in range(checks.BACKLOG + 1)]
+    checks.add(torch.tensor([-5]), 10, -100, "cross_entropy", event=events[0])
+    for event in events[1:-1]:
+        checks.add(torch.tensor([0]), 10, -100, "cross_entropy", event=event)
+    with pytest.raises(ValueError, match="got -5"):
+        checks.add(torch.tensor([0]), 10, -100, "cross_entropy", event=events[-1])
+    assert events[0].complete
+
+
+@gpu_test
+def test_a_bad_label_on_a_gpu_raises_at_a_later_call():
+    logits = torch.randn(3, 10, device="cuda")
+    fusedlm.ops.cross_entropy(logits, torch.tensor([1, 10, -100], device="cuda"), backend="cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="got 10 .in the labels of an earlier cross_entropy call"):
+        fusedlm.ops.cross_entropy(logits, torch.tensor([1, 2, 3], device="cuda"), backend="cuda")
 
 
 @pytest.mark.parametrize("backend", backends_for("cross_entropy"))

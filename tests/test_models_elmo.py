@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 import fusedlm
 from fusedlm.models.elmo import ELMo, ElmoBiLM, ElmoConfig, batch_to_ids, word_to_char_ids
 from fusedlm.ops import reference
-from fusedlm.ops.lstm import lstm_cell_stepper
 from helpers import as_reference, assert_close, backend_device, backends_for, fresh, slow_backend
 
 h5py = pytest.importorskip("h5py")
@@ -227,53 +226,6 @@ def test_character_ids():
     assert not batch[1, 1:].any() and batch[1, 0, 1] == ord("d") + 1
     assert batch_to_ids([["hi"]], max_characters_per_token=8)[0, 0].tolist() == \
         [259, 105, 106, 260, 261, 261, 261, 261]
-
-
-def _step_and_reference(step, gates, c_prev, cell_clip):
-    """step's h, c and gradients of gates and c_prev against the float64 reference's."""
-    h, c = step(gates, c_prev)
-    grad_h, grad_c = torch.randn_like(h), torch.randn_like(c)
-    torch.autograd.backward((h, c), (grad_h, grad_c))
-    g64, c64 = as_reference(gates, c_prev)
-    eh, ec = reference.lstm_cell(g64, c64, cell_clip=cell_clip)
-    torch.autograd.backward((eh, ec), (grad_h.double(), grad_c.double()))
-    for name, actual, expected in (("h", h, eh), ("c", c, ec), ("dgates", gates.grad, g64.grad),
-                                   ("dc_prev", c_prev.grad, c64.grad)):
-        assert_close(actual, expected, name=name)
-
-
-@pytest.mark.parametrize("backend", backends_for("lstm_cell"))
-@pytest.mark.parametrize("cell_clip", [None, 1.0])
-def test_the_loops_planned_lstm_step_matches_the_reference(backend, cell_clip):
-    """The step the LSTM loop plans once runs each new step's tensors like lstm_cell."""
-    device = backend_device(backend)
-    rows, cell = (3, 24) if slow_backend(backend) else (16, 67)
-
-    def inputs():  # scale 2: the new cells spread across the clip
-        return (fresh((rows, 4 * cell), torch.float32, device, scale=2.0),
-                fresh((rows, cell), torch.float32, device, scale=2.0))
-
-    step = lstm_cell_stepper(*inputs(), cell_clip=cell_clip, backend=backend)
-    for _ in range(2):
-        _step_and_reference(step, *inputs(), cell_clip)
-    with pytest.raises(ValueError, match="c_prev"):
-        lstm_cell_stepper(*inputs()[:1], fresh((rows, cell + 1), torch.float32, device))
-
-
-def test_the_planned_lstm_step_compiles_to_the_registered_op():
-    def run(gates, c_prev):
-        return lstm_cell_stepper(gates, c_prev, cell_clip=1.0, backend="cpu")(gates, c_prev)
-
-    graphs = []
-
-    def keep_graph(graph_module, example_inputs):
-        graphs.append(graph_module.code)
-        return graph_module.forward
-
-    compiled = torch.compile(run, backend=keep_graph, fullgraph=True)
-    _step_and_reference(compiled, fresh((5, 28), torch.float32, "cpu", scale=2.0),
-                        fresh((5, 7), torch.float32, "cpu", scale=2.0), 1.0)
-    assert len(graphs) == 1 and "fusedlm.lstm_cell" in graphs[0], graphs
 
 
 def test_lstm_loop_equals_torch_lstm_without_clipping():

@@ -6,7 +6,7 @@ import fusedlm
 import fuzz
 from fusedlm.ops import reference
 from fuzz import Case
-from helpers import backend_device, backends_for, fresh
+from helpers import backend_device, backends_for, fresh, gpu_test
 
 
 def _mask(batch, seq, device):
@@ -195,3 +195,24 @@ test_fuzz_unpad, test_fuzz_unpad_bad_inputs = fuzz.tests(draw_unpad, backends_fo
 
 
 test_fuzz_pad, test_fuzz_pad_bad_inputs = fuzz.tests(draw_pad, backends_for("pad"))
+
+
+@gpu_test
+def test_unpad_on_a_gpu_bounds_max_seqlen_by_the_padded_length_without_reading_it_back():
+    # The longest length would be read back from the device, a synchronisation per forward:
+    # on a GPU max_seqlen is the padded length, a bound attention_varlen takes.
+    hidden = torch.randn(2, 6, 8, device="cuda")
+    mask = torch.tensor([[False] * 3 + [True] * 3, [False] * 2 + [True] * 4], device="cuda")
+    packed, indices, cu_seqlens, max_seqlen = fusedlm.ops.unpad(hidden, mask)
+    assert max_seqlen == 6 and cu_seqlens.tolist() == [0, 3, 5]
+    assert torch.equal(packed, hidden.flatten(0, 1)[indices])
+    # On the CPU it stays the longest.
+    assert fusedlm.ops.unpad(hidden.cpu(), mask.cpu())[3] == 3
+
+
+def test_a_batch_without_padding_is_packed_only_where_reading_that_would_synchronise():
+    # fusedlm.nn.padding_of: on the CPU a mask without padding skips packing; on a GPU the
+    # check would read the mask back, so every masked batch is packed (the same result).
+    from fusedlm.nn import padding_of
+    assert padding_of(torch.ones(2, 4, dtype=torch.long)) is None
+    assert padding_of(torch.ones(2, 4, dtype=torch.long, device="meta")) is not None

@@ -20,7 +20,6 @@ import fusedlm
 from fusedlm import ops
 from fusedlm.backends import kernel
 from fusedlm.backends.reference import keep_mask
-from fusedlm.ops.lstm import lstm_cell_stepper
 from fusedlm.ops import reference
 from helpers import backend_device, backends_for
 
@@ -57,10 +56,9 @@ def _lstm_cell(op, gates, c_prev):
 
 
 def _lstm_steps(op, gates, c_prev):
-    """Two steps of the recurrence lstm_cell_stepper plans (ELMo's loop)."""
-    step = op("lstm_cell_stepper")(gates, c_prev, cell_clip=2.0)
-    h, c = step(gates, c_prev)
-    h, c = step(gates * h.repeat(1, 4), c)
+    """Two steps of a recurrence (ELMo's loop)."""
+    h, c = op("lstm_cell")(gates, c_prev, cell_clip=2.0)
+    h, c = op("lstm_cell")(gates * h.repeat(1, 4), c, cell_clip=2.0)
     return h + 3 * c
 
 
@@ -124,14 +122,10 @@ RELATIVE_ERROR = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 def _on(backend):
     """The op named, pinned to ``backend``."""
-    return lambda name: functools.partial(
-        lstm_cell_stepper if name == "lstm_cell_stepper" else getattr(ops, name), backend=backend)
+    return lambda name: functools.partial(getattr(ops, name), backend=backend)
 
 
 def _reference(name):
-    if name == "lstm_cell_stepper":
-        return lambda gates, c_prev, cell_clip: functools.partial(reference.lstm_cell,
-                                                                  cell_clip=cell_clip)
     return getattr(reference, name)
 
 

@@ -62,7 +62,7 @@
 #include <vector>
 
 #include "attention_problem.h"
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 #include "common.h"
 #endif
 
@@ -1004,17 +1004,25 @@ Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }
 
 // The first row and length of each sequence from offsets cu (int32 [batch + 1]), checked
-// against the tensor's `total` rows and the longest length the call gave.
+// against the tensor's `total` rows and the longest length the call gave. (The messages are
+// fusedlm.ops.attention_varlen's: the cpu backend checks the offsets here alone.)
 void read_offsets(const at::Tensor& cu, const char* name, int64_t total, int64_t max_len,
                   const char* max_name, std::vector<int64_t>& row0, std::vector<int64_t>& len) {
   const int32_t* c = cu.data_ptr<int32_t>();
   const int64_t st = cu.stride(0), n = cu.size(0) - 1;
-  TORCH_CHECK_VALUE(c[0] == 0 && c[n * st] == total, name, " must run from 0 to ", total);
+  TORCH_CHECK_VALUE(c[0] == 0, name, " must start at 0, got ", c[0]);
+  int64_t longest = 0;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t len_b = int64_t(c[(b + 1) * st]) - c[b * st];
-    TORCH_CHECK_VALUE(0 <= len_b && len_b <= max_len,
-                      name, ": sequence ", b, " has ", len_b, " tokens, outside [0, ", max_name,
-                      " = ", max_len, "]");
+    TORCH_CHECK_VALUE(len_b >= 0, name, " must be non-decreasing");
+    longest = std::max(longest, len_b);
+  }
+  TORCH_CHECK_VALUE(c[n * st] == total, name, " must end at the number of tokens, ", total,
+                    ", got ", c[n * st]);
+  TORCH_CHECK_VALUE(longest <= max_len, name, " has a sequence of ", longest,
+                    " tokens, more than ", max_name, " = ", max_len);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t len_b = int64_t(c[(b + 1) * st]) - c[b * st];
     row0[b] = c[b * st];
     len[b] = len_b;
   }
@@ -1078,16 +1086,20 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
                         name, " must be [batch, seqlen_new, heads, head_dim] like its cache");
     }
   for (int64_t b = 0; b < batch; ++b) {
+    // (the messages are fusedlm.ops.attention_with_kvcache's: the cpu backend checks the
+    // lengths here alone)
     TORCH_CHECK_VALUE(cached[b] >= 0 && cached[b] + seq_new <= max_len, "cache_seqlens[", b,
-                      "] + seqlen_new must lie in [0, max_cache_len]");
+                      "] + seqlen_new = ", cached[b], " + ", seq_new, " must lie in [0, max_cache_len = ",
+                      max_len, "]");
     pb.k_len[b] = cached[b] + seq_new;
   }
   at::Tensor mask;
   if (present(cache_leftpad)) {
     const std::vector<int64_t> pad = lengths(*cache_leftpad, "cache_leftpad");
     for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK_VALUE(pad[b] >= 0 && pad[b] <= pb.k_len[b], "cache_leftpad[", b,
-                        "] must lie in [0, cache_seqlens[", b, "] + seqlen_new]");
+      TORCH_CHECK_VALUE(pad[b] >= 0 && pad[b] <= pb.k_len[b], "cache_leftpad[", b, "] = ",
+                        pad[b], " must lie in [0, cache_seqlens[", b, "] + seqlen_new = ",
+                        pb.k_len[b], "]");
     mask = at::arange(max_len, cache_leftpad->options().dtype(at::kLong)).unsqueeze(0) <
            cache_leftpad->unsqueeze(1);
   }
@@ -1120,7 +1132,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
   forward(pb, padded_rows(out), lse_rows(lse, false));
   return {out, lse};
 }
-FUSEDLM_BIND(attention_forward);
+FUSEDLM_KERNEL(attention_forward);
 
 // (dq, dk, dv, dbias); dbias, in attn_bias's shape, is undefined unless bias_grad. The CUDA
 // backward is deterministic: every gradient element is written by one block, without atomics.
@@ -1156,7 +1168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor db = bias_grad ? dbias_acc.to(attn_bias->scalar_type()) : at::Tensor();
   return {dq, dk, dv, db};
 }
-FUSEDLM_BIND(attention_backward);
+FUSEDLM_KERNEL(attention_backward);
 
 // Attention over packed sequences, q [total_q, heads, head_dim], k/v [total_k, heads, head_dim];
 // sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]. Returns (out, lse [heads, total_q]).
@@ -1171,7 +1183,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
   forward(pb, packed_rows(out), lse_rows(lse, true));
   return {out, lse};
 }
-FUSEDLM_BIND(attention_varlen_forward);
+FUSEDLM_KERNEL(attention_varlen_forward);
 
 // (dq, dk, dv).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
@@ -1189,7 +1201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
                      packed_rows(dk), packed_rows(dv), nullptr});
   return {dq, dk, dv};
 }
-FUSEDLM_BIND(attention_varlen_backward);
+FUSEDLM_KERNEL(attention_varlen_backward);
 
 // Decoding attention over a KV cache: q [batch, seqlen_q, heads, head_dim], caches
 // [batch, max_cache_len, heads, head_dim]. k_new/v_new [batch, seqlen_new, ...] are first
@@ -1208,7 +1220,7 @@ at::Tensor attention_with_kvcache_forward(const at::Tensor& q, const at::Tensor&
   forward(pb, padded_rows(out.transpose(1, 2)), lse_rows(lse, false));
   return out;
 }
-FUSEDLM_BIND(attention_with_kvcache_forward);
+FUSEDLM_KERNEL(attention_with_kvcache_forward);
 
 }  // namespace fusedlm
 

@@ -38,7 +38,7 @@
 #include <cmath>
 #include <vector>
 
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 #include "checks.h"
 #include "common.h"
 #include "masked_lm.h"
@@ -342,8 +342,9 @@ int64_t count_labelled(const at::Tensor& labels1, int64_t classes, int64_t ignor
   int64_t count = 0;
   for (int64_t i = 0; i < labels1.numel(); ++i) {
     if (y[i] == ignore_index) continue;
-    TORCH_CHECK_VALUE(0 <= y[i] && y[i] < classes, "labels: ", y[i], " at flat position ", i,
-                      " is no class index in [0, ", classes, ") nor ignore_index");
+    // (the message is fusedlm.ops.cross_entropy's: the cpu backend checks labels here alone)
+    TORCH_CHECK_VALUE(0 <= y[i] && y[i] < classes, "labels must be class indices in [0, ",
+                      classes, ") or ignore_index (", ignore_index, "), got ", y[i]);
     ++count;
   }
   return count;
@@ -480,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
              grad_scale, at::Tensor());
   return {reduce_losses(losses, in.reduction, labelled), with_grad ? grad : nothing(logits)};
 }
-FUSEDLM_BIND(cross_entropy_forward);
+FUSEDLM_KERNEL(cross_entropy_forward);
 
 // d(logits): saved_grad scaled by grad (one value, or one per row for reduction "none").
 at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
@@ -488,7 +489,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& save
   check_cross_entropy_grad(grad, saved_grad, reduction, check_cpu);
   return scaled(saved_grad, grad.to(acc_dtype(saved_grad.scalar_type())).contiguous());
 }
-FUSEDLM_BIND(cross_entropy_backward);
+FUSEDLM_KERNEL(cross_entropy_backward);
 
 // DistilBERT's soft-target loss over the last dimension of student_logits and teacher_logits
 // (one shape and dtype): T^2 * KL(softmax(teacher / T) || softmax(student / T)) per row.
@@ -532,16 +533,16 @@ std::tuple<at::Tensor, at::Tensor> distillation_loss_forward(const at::Tensor& s
   });
   return {reduce_losses(losses, red, rows), with_grad ? grad : nothing(student_logits)};
 }
-FUSEDLM_BIND(distillation_loss_forward);
+FUSEDLM_KERNEL(distillation_loss_forward);
 
 // masked_lm_loss's entry points (csrc/masked_lm.h), on CPU tensors of a kernel dtype.
 struct CpuGuard {
   CpuGuard(const at::Tensor& hidden, const char*) { kernel_dtype(hidden); }
 };
 constexpr auto masked_lm_loss_forward = &MaskedLmLoss<kCpuMlm, CpuGuard>::forward;
-FUSEDLM_BIND(masked_lm_loss_forward);
+FUSEDLM_KERNEL(masked_lm_loss_forward);
 constexpr auto masked_lm_loss_backward = &MaskedLmLoss<kCpuMlm, CpuGuard>::backward;
-FUSEDLM_BIND(masked_lm_loss_backward);
+FUSEDLM_KERNEL(masked_lm_loss_backward);
 
 }  // namespace fusedlm
 

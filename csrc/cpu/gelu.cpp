@@ -11,15 +11,12 @@
 
 #include "math.h"
 #else
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <vector>
 
-#include "bind.h"
 #include "checks.h"
 #include "common.h"
-#include "eager_lane.h"
-#include "reference_backward.h"
+#include "ops/compiled_kernel.h"
 #endif
 
 // y = gelu(x + bias) [* keep / (1 - p)] over rows x cols, row-major; bias may be null.
@@ -281,7 +278,7 @@ at::Tensor bias_gelu_forward(const at::Tensor& x, const std::optional<at::Tensor
   gelu_rows(in.x, in.bias, out, gelu_kind(in.tanh), 0.0, 0);
   return out;
 }
-FUSEDLM_BIND(bias_gelu_forward);
+FUSEDLM_KERNEL(bias_gelu_forward);
 
 // (dx, dbias); dbias is undefined when bias is absent.
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
@@ -293,68 +290,7 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
   auto db = gelu_rows_backward(in.grad, in.x, in.bias, dx, gelu_kind(in.tanh), 0.0, 0);
   return {dx, db};
 }
-FUSEDLM_BIND(bias_gelu_backward);
-
-namespace {
-
-// The autograd node of bias_gelu on the CPU, as fusedlm/ops/gelu.py's _bias_gelu_setup and
-// _bias_gelu_grad record it from Python (tests/test_gelu.py holds the two to the same output
-// and gradients, bit for bit): eager calls skip torch.autograd.Function's Python in the
-// forward and the backward.
-struct BiasGeluNode : torch::autograd::Function<BiasGeluNode> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const std::optional<at::Tensor>& bias, const std::string& approximate) {
-    ctx->save_for_backward({x, bias.value_or(at::Tensor())});
-    ctx->saved_data["approximate"] = approximate;
-    return bias_gelu_forward(x, bias, approximate);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto bias = saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
-    const auto& approximate = ctx->saved_data["approximate"].toStringRef();
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("bias_gelu", 0.0, grads[0], saved[0], bias,
-                                            approximate);
-      return {taken[0], taken[1], at::Tensor()};
-    }
-    auto [dx, dbias] = bias_gelu_backward(grads[0], saved[0], bias, approximate);
-    return {dx, dbias, at::Tensor()};
-  }
-};
-
-}  // namespace
-
-// bias_gelu_forward's output, recorded by autograd with BiasGeluNode.
-at::Tensor bias_gelu_autograd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                              const std::string& approximate) {
-  return BiasGeluNode::apply(x, bias, approximate);
-}
-FUSEDLM_BIND(bias_gelu_autograd);
-
-// bias_gelu's eager lane (eager_lane.h): fusedlm.ops.bias_gelu's output for its usual call,
-// bias absent or alike x (dtype, device, x's last dimension) and approximate "none" or
-// "tanh"; None for any other call.
-pybind11::object bias_gelu_eager(pybind11::handle dtypes, pybind11::handle x_arg,
-                                 pybind11::handle bias_arg, pybind11::handle approximate_arg) {
-  const at::Tensor* x = eager::cpu_tensor(x_arg);
-  const bool has_bias = !bias_arg.is_none();
-  const at::Tensor* bias = has_bias ? eager::cpu_tensor(bias_arg) : nullptr;
-  const auto approximate = eager::one_of(approximate_arg, {"none", "tanh"});
-  if (!x || (has_bias && !bias) || !approximate || !eager::unobserved() ||
-      !eager::settled(dtypes, *x) || x->dim() < 1) {
-    return pybind11::none();
-  }
-  if (has_bias && (bias->scalar_type() != x->scalar_type() || bias->dim() != 1 ||
-                   bias->size(0) != x->size(-1))) {
-    return pybind11::none();
-  }
-  const auto given = has_bias ? std::optional<at::Tensor>(*bias) : std::nullopt;
-  return pybind11::cast(at::GradMode::is_enabled() ? BiasGeluNode::apply(*x, given, *approximate)
-                                                   : bias_gelu_forward(*x, given, *approximate));
-}
-FUSEDLM_BIND(bias_gelu_eager);
+FUSEDLM_KERNEL(bias_gelu_backward);
 
 // Linear -> GELU -> dropout -> Linear. Returns (y, pre_activation), the one activation the
 // backward needs: on the CPU x @ w1^T without its bias; on CUDA with b1 (each backend's
@@ -369,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
   gelu_rows(pre, in.b1, act, gelu_kind(in.tanh), dropout_p, dropout_p > 0 ? seed_value(seed) : 0);
   return {ffn_output(x, act, in.w2, in.b2), pre};
 }
-FUSEDLM_BIND(gelu_ffn_forward);
+FUSEDLM_KERNEL(gelu_ffn_forward);
 
 // (dx, dw1, db1, dw2, db2); the bias gradients are undefined when a bias is absent.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
@@ -391,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
   const auto g = ffn_backward_products(in, x, g2, act, dpre);
   return {g.dx, g.dw1, db1, g.dw2, g.db2};
 }
-FUSEDLM_BIND(gelu_ffn_backward);
+FUSEDLM_KERNEL(gelu_ffn_backward);
 
 }  // namespace fusedlm
 

@@ -36,15 +36,12 @@
 
 #include "math.h"
 #else
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <vector>
 
-#include "bind.h"
 #include "checks.h"
 #include "common.h"
-#include "eager_lane.h"
-#include "reference_backward.h"
+#include "ops/compiled_kernel.h"
 #endif
 
 // summed = x [* keep / (1 - p)] + residual and out = layer_norm(summed) * weight + bias over
@@ -455,7 +452,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   });
   return {out, summed, mean, rstd};
 }
-FUSEDLM_BIND(add_layer_norm_forward);
+FUSEDLM_KERNEL(add_layer_norm_forward);
 
 // (dsummed, dx, dweight, dbias). dsummed is the gradient of summed (grad_summed, which may be
 // absent, plus what flows back through the norm): the residual's gradient, and x's too
@@ -503,102 +500,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
           has_weight ? sum_partials(dw_part, summed.scalar_type()) : at::Tensor(),
           has_bias ? sum_partials(db_part, summed.scalar_type()) : at::Tensor()};
 }
-FUSEDLM_BIND(add_layer_norm_backward);
-
-namespace {
-
-// The autograd node of add_layer_norm on the CPU, as fusedlm/ops/layer_norm.py's _setup and
-// _grad record it from Python (tests/test_layer_norm.py holds the two to the same outputs and
-// gradients, bit for bit). In C++ a forward and backward skip about 25 µs of Python per call
-// (torch.autograd.Function's, and the backward's), a tenth of the op's time at BERT-base sizes.
-struct AddLayerNormNode : torch::autograd::Function<AddLayerNormNode> {
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-      const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
-      const std::optional<at::Tensor>& bias, double eps, double dropout_p, const at::Tensor& seed) {
-    auto [out, summed, mean, rstd] =
-        add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed);
-    ctx->save_for_backward({summed, mean, rstd, weight.value_or(at::Tensor()), seed});
-    ctx->saved_data["has_residual"] = residual.has_value() && residual->defined();
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->mark_non_differentiable({mean, rstd});
-    // An output nobody used has no gradient (undefined), rather than zeros to read.
-    ctx->set_materialize_grads(false);
-    return {out, summed, mean, rstd};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &summed = saved[0], &mean = saved[1], &rstd = saved[2], &seed = saved[4];
-    const auto weight = saved[3].defined() ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
-    const bool has_residual = ctx->saved_data["has_residual"].toBool();
-    const double p = ctx->saved_data["dropout_p"].toDouble();
-    // Only summed was used: nothing flows back through the norm.
-    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(summed);
-    const auto grad_summed = grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    at::Tensor dsummed, dx, dweight, dbias;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("add_layer_norm", p, grad_out, grad_summed, summed,
-                                            mean, rstd, weight, has_bias, has_residual, p, seed);
-      dsummed = taken[0], dx = taken[1], dweight = taken[2], dbias = taken[3];
-    } else {
-      std::tie(dsummed, dx, dweight, dbias) = add_layer_norm_backward(
-          grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, p, seed);
-    }
-    // Without dropout x's gradient is summed's: one tensor serves both inputs.
-    return {p > 0 ? dx : dsummed, has_residual ? dsummed : at::Tensor(), dweight, dbias,
-            at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-}  // namespace
-
-// add_layer_norm_forward's outputs, recorded by autograd with AddLayerNormNode.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_autograd(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    double dropout_p, const at::Tensor& seed) {
-  auto outputs = AddLayerNormNode::apply(x, residual, weight, bias, eps, dropout_p, seed);
-  return {outputs[0], outputs[1], outputs[2], outputs[3]};
-}
-FUSEDLM_BIND(add_layer_norm_autograd);
-
-// add_layer_norm's eager lane (eager_lane.h): (out, summed) of fusedlm.ops.add_layer_norm's
-// usual call, every tensor given and alike (dtype, device, x's last dimension) and eps and
-// dropout_p floats in range; None for any other call.
-pybind11::object add_layer_norm_eager(pybind11::handle dtypes, pybind11::handle x_arg,
-                                      pybind11::handle residual_arg, pybind11::handle weight_arg,
-                                      pybind11::handle bias_arg, pybind11::handle eps_arg,
-                                      pybind11::handle dropout_arg) {
-  const at::Tensor* x = eager::cpu_tensor(x_arg);
-  const at::Tensor* residual = eager::cpu_tensor(residual_arg);
-  const at::Tensor* weight = eager::cpu_tensor(weight_arg);
-  const at::Tensor* bias = eager::cpu_tensor(bias_arg);
-  const auto eps = eager::float_in(eps_arg, 0.0, INFINITY);
-  const auto p = eager::float_in(dropout_arg, 0.0, 1.0);
-  if (!x || !residual || !weight || !bias || !eps || !p || !eager::unobserved() ||
-      !eager::settled(dtypes, *x)) {
-    return pybind11::none();
-  }
-  const auto dtype = x->scalar_type();
-  if (residual->scalar_type() != dtype || weight->scalar_type() != dtype ||
-      bias->scalar_type() != dtype || x->dim() < 1 || x->size(-1) == 0 ||
-      residual->sizes() != x->sizes() || weight->dim() != 1 || weight->size(0) != x->size(-1) ||
-      bias->dim() != 1 || bias->size(0) != x->size(-1)) {
-    return pybind11::none();
-  }
-  const auto seed = eager::next_seed(*p);
-  if (at::GradMode::is_enabled()) {
-    auto outputs = AddLayerNormNode::apply(*x, *residual, *weight, *bias, *eps, *p, seed);
-    return pybind11::make_tuple(outputs[0], outputs[1]);
-  }
-  auto [out, summed, mean, rstd] = add_layer_norm_forward(*x, *residual, *weight, *bias, *eps, *p, seed);
-  return pybind11::make_tuple(out, summed);
-}
-FUSEDLM_BIND(add_layer_norm_eager);
+FUSEDLM_KERNEL(add_layer_norm_backward);
 
 }  // namespace fusedlm
 

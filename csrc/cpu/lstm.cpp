@@ -11,7 +11,7 @@
 #ifdef FUSEDLM_ISA
 #include "math.h"
 #else
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 #include "checks.h"
 #include "common.h"
 #endif
@@ -182,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_forward(const at::Tensor& gates,
   });
   return {h, c};
 }
-FUSEDLM_BIND(lstm_cell_forward);
+FUSEDLM_KERNEL(lstm_cell_forward);
 
 // (dgates, dc_prev) from the gradients of h and c.
 std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const at::Tensor& grad_h,
@@ -203,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const at::Tensor& grad_h,
   });
   return {dgates, dc_prev};
 }
-FUSEDLM_BIND(lstm_cell_backward);
+FUSEDLM_KERNEL(lstm_cell_backward);
 
 }  // namespace fusedlm
 

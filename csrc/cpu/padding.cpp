@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 #include "common.h"
 
 namespace fusedlm {
@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> unpad_forward(
   gather(as_rows(hidden, 2), index.data(), tokens, packed);
   return {packed, indices, cu_seqlens, longest};
 }
-FUSEDLM_BIND(unpad_forward);
+FUSEDLM_KERNEL(unpad_forward);
 
 // [batch, seqlen, ...]: packed's rows at `indices`, zeros elsewhere (also unpad's backward).
 at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int64_t batch,
@@ -100,9 +100,9 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
   const int64_t is = indices.stride(0);
   for (int64_t r = 0; r < tokens; ++r) {
     const int64_t at = idx[r * is];
-    TORCH_CHECK_VALUE(at >= 0 && at < slots, "indices: entry ", r, " is ", at,
-                      ", outside [0, batch * seqlen = ", slots, ")");
-    TORCH_CHECK_VALUE(source[at] < 0, "indices: position ", at, " appears twice");
+    // (the messages are fusedlm.ops.pad's: the cpu backend checks the indices here alone)
+    TORCH_CHECK_VALUE(at >= 0 && at < slots, "indices must lie in [0, batch * seqlen = ", slots, ")");
+    TORCH_CHECK_VALUE(source[at] < 0, "indices must not repeat a position");
     source[at] = r;
   }
   auto shape = packed.sizes().vec();
@@ -122,7 +122,7 @@ at::Tensor pad_forward(const at::Tensor& packed, const at::Tensor& indices, int6
   });
   return out;
 }
-FUSEDLM_BIND(pad_forward);
+FUSEDLM_KERNEL(pad_forward);
 
 // pad's backward: the rows of grad [batch, seqlen, ...] at `indices`.
 at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices) {
@@ -137,7 +137,7 @@ at::Tensor pad_backward(const at::Tensor& grad, const at::Tensor& indices) {
   gather(as_rows(grad, 2), index.data_ptr<int64_t>(), tokens, out);
   return out;
 }
-FUSEDLM_BIND(pad_backward);
+FUSEDLM_KERNEL(pad_backward);
 
 }  // namespace fusedlm
 

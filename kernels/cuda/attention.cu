@@ -49,7 +49,7 @@
 #include "common.cuh"
 #include "cuda/common.h"
 #include "cuda/runtime.h"
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 #include "tensor_core.cuh"
 #include "wgmma.cuh"
 
@@ -1122,7 +1122,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
   forward(pb, out.buffer, lse);
   return {out.finish(), lse};
 }
-FUSEDLM_BIND(attention_forward);
+FUSEDLM_KERNEL(attention_forward);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1140,7 +1140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   backward(pb, g, o, lse, dq.buffer, dk.buffer, dv.buffer);
   return {dq.finish(), dk.finish(), dv.finish(), at::Tensor()};
 }
-FUSEDLM_BIND(attention_backward);
+FUSEDLM_KERNEL(attention_backward);
 
 std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -1154,7 +1154,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
   forward(pb, out.buffer, lse);
   return {out.finish(), lse};
 }
-FUSEDLM_BIND(attention_varlen_forward);
+FUSEDLM_KERNEL(attention_varlen_forward);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1171,6 +1171,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   backward(pb, g, o, lse, dq.buffer, dk.buffer, dv.buffer);
   return {dq.finish(), dk.finish(), dv.finish()};
 }
-FUSEDLM_BIND(attention_varlen_backward);
+FUSEDLM_KERNEL(attention_varlen_backward);
 
 }  // namespace fusedlm::cuda

@@ -17,7 +17,7 @@
 #include "cuda/common.h"
 #include "cuda/runtime.h"
 #include "gelu.cuh"
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 
 namespace fusedlm::cuda::kernels::bias_gelu {
 
@@ -113,7 +113,7 @@ at::Tensor bias_gelu_forward(const at::Tensor& x, const std::optional<at::Tensor
   });
   return out;
 }
-FUSEDLM_BIND(bias_gelu_forward);
+FUSEDLM_KERNEL(bias_gelu_forward);
 
 std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
                                                       const at::Tensor& x,
@@ -152,6 +152,6 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad,
   });
   return {dx, dbias};
 }
-FUSEDLM_BIND(bias_gelu_backward);
+FUSEDLM_KERNEL(bias_gelu_backward);
 
 }  // namespace fusedlm::cuda

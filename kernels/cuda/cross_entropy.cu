@@ -29,7 +29,7 @@
 #include "cuda/common.h"
 #include "cuda/runtime.h"
 #include "masked_lm.h"
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 
 namespace fusedlm::cuda::kernels::cross_entropy {
 
@@ -331,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
   return {in.reduction == Reduction::kNone ? losses : reduce_losses(losses, in.reduction, labelled),
           with_grad ? grad : nothing(logits)};
 }
-FUSEDLM_BIND(cross_entropy_forward);
+FUSEDLM_KERNEL(cross_entropy_forward);
 
 at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& saved_grad,
                                   const std::string& reduction) {
@@ -339,11 +339,11 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& save
   const DeviceGuard guard(saved_grad);
   return scaled(saved_grad, grad.to(at::kFloat).contiguous());
 }
-FUSEDLM_BIND(cross_entropy_backward);
+FUSEDLM_KERNEL(cross_entropy_backward);
 
 constexpr auto masked_lm_loss_forward = &MaskedLmLoss<kCudaMlm, DeviceGuard>::forward;
-FUSEDLM_BIND(masked_lm_loss_forward);
+FUSEDLM_KERNEL(masked_lm_loss_forward);
 constexpr auto masked_lm_loss_backward = &MaskedLmLoss<kCudaMlm, DeviceGuard>::backward;
-FUSEDLM_BIND(masked_lm_loss_backward);
+FUSEDLM_KERNEL(masked_lm_loss_backward);
 
 }  // namespace fusedlm::cuda

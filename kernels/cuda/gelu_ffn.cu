@@ -33,7 +33,7 @@
 #include "cuda/common.h"
 #include "cuda/runtime.h"
 #include "gelu.cuh"
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 #include "tensor_core.cuh"
 #include "wgmma.cuh"
 
@@ -435,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
   });
   return {ffn_output(x, act, in.w2, in.b2), pre};
 }
-FUSEDLM_BIND(gelu_ffn_forward);
+FUSEDLM_KERNEL(gelu_ffn_forward);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_backward(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pre_activation,
@@ -465,6 +465,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
   const auto g = ffn_backward_products(in, x, g2, act, dpre);
   return {g.dx, g.dw1, db1, g.dw2, g.db2};
 }
-FUSEDLM_BIND(gelu_ffn_backward);
+FUSEDLM_KERNEL(gelu_ffn_backward);
 
 }  // namespace fusedlm::cuda

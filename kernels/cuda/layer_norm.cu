@@ -30,7 +30,7 @@
 #include "common.cuh"
 #include "cuda/common.h"
 #include "cuda/runtime.h"
-#include "bind.h"
+#include "ops/compiled_kernel.h"
 
 namespace fusedlm::cuda::kernels::layer_norm {
 
@@ -309,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   });
   return {out, summed, mean, rstd};
 }
-FUSEDLM_BIND(add_layer_norm_forward);
+FUSEDLM_KERNEL(add_layer_norm_forward);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_summed,
@@ -358,6 +358,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
   });
   return {in.dsummed, in.dx, dweight, dbias};
 }
-FUSEDLM_BIND(add_layer_norm_backward);
+FUSEDLM_KERNEL(add_layer_norm_backward);
 
 }  // namespace fusedlm::cuda

@@ -24,7 +24,6 @@ Environment switches are read once, when fusedlm is imported.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -33,6 +32,8 @@ import torch
 from torch._C import _is_tracing, _len_torch_dispatch_stack
 from torch._C._functorch import peek_interpreter_stack
 from torch.autograd import forward_ad
+
+from .._extension import _C
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
 KERNEL_BACKENDS = BACKEND_NAMES[1:]  # those with kernels of their own (the reference is the yardstick)
@@ -128,21 +129,10 @@ class Supports:
 @dataclass(frozen=True)
 class Kernel:
     """One backend's implementation of one op: the forward and backward kernels of the op's
-    schemas (fusedlm.ops._op), the op's autograd node where the backend has its own (a
-    function of the forward's arguments returning its outputs, recorded by autograd without
-    Python in between), its eager lane where it has one, and what they take.
-
-    The eager lane is the op's whole eager call in one step, from the argument checks to
-    the autograd node: ``eager(dtypes, *args)`` with the public function's arguments returns
-    its outputs, or None for any call it does not take whole (an argument out of the
-    ordinary, a dtype not in the set ``dtypes``, anything but autograd watching), which
-    then goes the usual way. An op calls it first once dispatch has settled on the backend
-    (:func:`lane`)."""
+    schemas (csrc/ops; without the trailing backend), and what they take."""
 
     forward: Callable
     backward: Optional[Callable] = None
-    autograd: Optional[Callable] = None
-    eager: Optional[Callable] = None
     supports: Supports = Supports()
 
 
@@ -165,12 +155,10 @@ class OpInfo:
 _OPS: dict[str, OpInfo] = {}
 
 
-def declare(op: OpInfo) -> dict:
-    """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op); returns
-    its lanes (:func:`lane`)."""
+def declare(op: OpInfo) -> None:
+    """Makes an op known to every backend (fusedlm.ops._op.Op does, once per op)."""
     _OPS[op.name] = op
     forget_choices()
-    return _LANES.setdefault(op.name, {})
 
 
 def declared() -> dict[str, OpInfo]:
@@ -188,17 +176,56 @@ def _any_device(device: torch.device) -> Optional[str]:
     return None
 
 
+def filled(outputs, args):
+    """A kernel's outputs with each None (an output not asked for) replaced by an empty tensor
+    like the first tensor argument: an op cannot return None."""
+    if not isinstance(outputs, tuple):
+        return outputs
+    for o in outputs:  # (a plain loop, which costs least when none is None)
+        if o is None:
+            break
+    else:
+        return outputs
+    like = next(a for a in args if isinstance(a, torch.Tensor))
+    return tuple(like.new_empty(0) if o is None else o for o in outputs)
+
+
+def _filling(kernel: Callable) -> Callable:
+    """A Python kernel as the ops' routing calls it: its absent outputs as empty tensors."""
+    def run(*args):
+        return filled(kernel(*args), args)
+
+    return run
+
+
 class _Kernels(dict):
-    """A backend's {op name: Kernel}. Replacing one at run time (a kernel swapped, as the
-    tests swap in broken ones) forgets the choices made with the old one, and closes its
-    lanes."""
+    """A backend's {op name: Kernel}, which the ops' routing (csrc/ops/route.h) follows: a
+    Python kernel is handed to it, a compiled one it calls itself. Replacing one at run time
+    (a kernel swapped, as the tests swap in broken ones) hands the new one over, and forgets
+    the choices made with the old one."""
+
+    def __init__(self, backend: str, found: dict, compiled: dict):
+        super().__init__(found)
+        self._backend, self._compiled = backend, compiled  # {op: the Kernel compiled in}
+        for op, kernel in found.items():
+            self._route(op, kernel)
+
+    def _route(self, op: str, kernel: Optional[Kernel]) -> None:
+        compiled = self._compiled.get(op)
+        for part in ("forward", "backward"):
+            function = getattr(kernel, part, None)
+            if function is None or (compiled is not None and function is getattr(compiled, part)):
+                function = None
+            _C.set_python_kernel(f"{op}_{part}", self._backend, function and _filling(function))
 
     def __setitem__(self, op, found):
         super().__setitem__(op, found)
+        self._route(op, found)
         forget_choices()
 
     def __delitem__(self, op):
         super().__delitem__(op)
+        self._route(op, None)
         forget_choices()
 
 
@@ -207,8 +234,7 @@ class Backend:
     name: str
     devices: tuple  # the device types whose tensors it runs on
     unavailable: Optional[str]  # why it cannot run at all, or None
-    # (forward, backward or None[, autograd node or None[, eager lane or None]]) of an op,
-    # or None where the backend has no kernel for it.
+    # (forward, backward or None) of an op, or None where the backend has no kernel for it.
     find: Callable[[OpInfo], Optional[tuple]]
     supports: Supports = Supports()  # what its kernels take, unless an op says otherwise
     # How it runs where it only emulates its device on the CPU (then never chosen
@@ -217,6 +243,9 @@ class Backend:
     # Why it cannot run on this one device (a GPU too old for its compiled code, say), or
     # None; asked per call, so it must answer from a cache.
     refuses_device: Callable[[torch.device], Optional[str]] = _any_device
+    # Whether the kernels it finds are compiled into fusedlm._C, which the ops' routing calls
+    # without Python (csrc/ops/route.h); else they are Python functions handed to it.
+    compiled: bool = False
     _kernels: dict = field(default_factory=dict, repr=False)
     _ops_seen: int = field(default=0, repr=False)
 
@@ -232,7 +261,8 @@ class Backend:
         """{op name: Kernel} of every declared op the backend has kernels for."""
         if self._ops_seen != len(_OPS):  # found once, after the ops are declared
             found = {name: self._kernel(op) for name, op in _OPS.items()}
-            self._kernels = _Kernels({name: k for name, k in found.items() if k is not None})
+            found = {name: k for name, k in found.items() if k is not None}
+            self._kernels = _Kernels(self.name, found, found if self.compiled else {})
             self._ops_seen = len(_OPS)
         return self._kernels
 
@@ -264,20 +294,16 @@ _PLANNERS: dict[str, Callable] = {}
 # *features): _worked_out's plan, or the Choice itself once the device checks of
 # fusedlm.backends.verify have passed it for good}. It depends only on the declared ops, the
 # backends and those checks, so declare(), register(), a change to a Backend and
-# verify.forget() empty it (forget_choices), and the lanes opened with its Choices.
+# verify.forget() empty it (forget_choices).
 _MEMO: dict = {}
 _MEMO_SIZE = 4096
-# {op: {backend forced or None: its eager lane}}: see lane().
-_LANES: dict[str, dict] = {}
 _selected: Optional[str] = None
 _pinned: list = []  # the use_backend() blocks being run, innermost last
 
 
 def forget_choices() -> None:
-    """Drops choose()'s memoised answers and the lanes opened with them."""
+    """Drops choose()'s memoised answers."""
     _MEMO.clear()
-    for lanes in _LANES.values():
-        lanes.clear()  # (in place: each op holds its own)
 
 
 def register(backend: Backend) -> Backend:
@@ -418,40 +444,7 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **featu
     choice, final = _decided(op, device, forced, source, dtype, known, verify.failure)
     if final:  # the same answer until the backends or the checks change: memoised whole
         _MEMO[key] = choice
-        if device.type == "cpu":
-            _open_lane(op, forced, choice.backend, dtype)
     return choice
-
-
-def lane(lanes: dict, backend: Optional[str]) -> Optional[Callable]:
-    """The eager lane (:class:`Kernel`) of an op's call on CPU tensors with this ``backend=``
-    argument, where dispatch has settled, else None: ``lane(OP.lanes, backend)``, then
-    ``lane(*args)`` gives the outputs or None. Dispatch has settled for calls in a dtype once
-    the backend's answer to them is memoised whole, whatever the call's other features:
-    the backend takes every shape, and (chosen automatically) no ``slower`` entry of it
-    could match a call in that dtype. Never while torch.compile traces (nothing but the
-    registered op may be seen then) nor under forward-mode AD (the lane's C++ sees
-    torch.func's transforms itself)."""
-    if torch.compiler.is_compiling() or forward_ad._current_level >= 0:
-        return None
-    return lanes.get(_FORCING.backend if backend is None else backend)
-
-
-def _open_lane(op: str, forced: Optional[str], backend: str, dtype: Optional[torch.dtype]) -> None:
-    """Settles calls of ``op`` on CPU tensors in ``dtype`` forced to ``forced`` (None:
-    chosen automatically) on ``backend``'s eager lane, where it has one that takes them all."""
-    found = _REGISTRY[backend].kernels[op]
-    supports = found.supports
-    if (found.eager is None or dtype is None
-            or replace(supports, dtypes=FLOATS, slower=()) != Supports()
-            or (forced is None and any(entry.get("dtype", dtype) == dtype for entry in supports.slower))):
-        return
-    lanes = _LANES[op]
-    opened = lanes.get(forced)
-    if opened is None:
-        opened = lanes[forced] = functools.partial(found.eager, set())
-    if opened.func is found.eager:
-        opened.args[0].add(dtype)
 
 
 def _decided(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
@@ -537,8 +530,8 @@ def explain(op: str, *args, **kwargs) -> str:
 def unobserved() -> bool:
     """Nothing but autograd's reverse mode watches the call: no torch.compile, jit tracing,
     dispatch mode (fake tensors), torch.func transform or forward-mode AD. Such calls may
-    take shortcuts (fusedlm.ops._op) and run checks (fusedlm.backends.verify) that traced
-    code must not see."""
+    run checks (fusedlm.backends.verify) and share constants (fusedlm.ops._dropout) that
+    traced code must not see."""
     # (The C functions behind torch.jit.is_tracing and the dispatch mode stack's: this runs
     # on every eager call, where each Python frame saved is a microsecond.)
     return (not torch.compiler.is_compiling() and not _len_torch_dispatch_stack()
@@ -546,23 +539,19 @@ def unobserved() -> bool:
             and forward_ad._current_level < 0)
 
 
-def transformed() -> bool:
-    """A torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap...) or forward-mode AD
-    (torch.autograd.forward_ad) is applied to the call, outside torch.compile's tracing.
-    The kernels have no forward-mode or batching rules: such a call runs the op's
-    plain-PyTorch composition (fusedlm.ops._op), which every transform takes."""
-    return not torch.compiler.is_compiling() and (
-        peek_interpreter_stack() is not None or forward_ad._current_level >= 0)
-
-
-def check_index_data(device: torch.device, *, once_a_step: bool = False) -> bool:
+def check_index_data(device: torch.device, backend: str, *, once_a_step: bool = False) -> bool:
     """Whether a planner checks the values of index tensors (cu_seqlens, labels, indices,
-    cache lengths) before dispatch: always for CPU tensors. On a GPU the check copies to
-    the host, a synchronisation: an op called in every layer checks there only under
-    FUSEDLM_DEBUG=1, and an op called ``once_a_step`` (the losses' labels) always, as a
-    bad label would otherwise cost a NaN loss. Never while torch.compile traces (the values
-    are not known then), while a CUDA graph captures (it cannot synchronise) nor for meta
-    tensors."""
+    cache lengths) before a call to ``backend``: never for the cpu backend, whose kernels
+    check them as they read them (with the planners' messages); always for other calls on
+    CPU tensors. On a GPU the check copies to
+    the host, a synchronisation, so a check there runs only under FUSEDLM_DEBUG=1; an op
+    called ``once_a_step`` (the losses' labels) checks always, as a bad label would
+    otherwise cost a NaN loss, but without reading the result at once
+    (fusedlm.ops.cross_entropy: a later call reads it). Never while torch.compile traces
+    (the values are not known then), while a CUDA graph captures (it cannot synchronise)
+    nor for meta tensors."""
+    if backend == "cpu":
+        return False
     if torch.compiler.is_compiling() or device.type == "meta":
         return False
     if device.type == "cpu":

@@ -1,8 +1,7 @@
 """The cpu backend: fusedlm's C++ kernels (csrc/), vectorised per instruction set.
 
-An op's kernels are fusedlm._C.<op>_forward and <op>_backward, and <op>_autograd and
-<op>_eager where its autograd node and its eager lane (fusedlm.backends.Kernel) are written
-in C++ too. They take every floating dtype (float64 for
+An op's kernels are fusedlm._C.<op>_forward and <op>_backward, which the ops' routing
+calls without Python (csrc/ops/route.h). They take every floating dtype (float64 for
 gradcheck) and any shape.
 """
 from .._extension import _C
@@ -13,11 +12,10 @@ def _find(op):
     forward = getattr(_C, f"{op.name}_forward", None)
     if forward is None:
         return None
-    return (forward, *(getattr(_C, f"{op.name}_{part}", None)
-                       for part in ("backward", "autograd", "eager")))
+    return forward, getattr(_C, f"{op.name}_backward", None)
 
 
-BACKEND = register(Backend("cpu", ("cpu",), None, _find))
+BACKEND = register(Backend("cpu", ("cpu",), None, _find, compiled=True))
 
 
 def capability() -> str:

@@ -144,4 +144,4 @@ def _find(op):
 BACKEND = register(Backend(
     "cuda", ("cpu",) if EMULATED else ("cuda",), _unavailable(), _find, Supports(dtypes=GPU_FLOATS),
     emulated=lambda: f"emulated on the CPU as {emulated_arch()}" if EMULATED else None,
-    refuses_device=refuses_device))
+    refuses_device=refuses_device, compiled=True))

@@ -48,8 +48,14 @@ def _kernels_module(name: str):
 
 
 def _lazy(module: str, function: str):
+    """kernels/triton/<module>.<function>, imported at its first call, then called straight."""
+    found = None
+
     def call(*args):
-        return getattr(_kernels_module(module), function)(*args)
+        nonlocal found
+        if found is None:
+            found = getattr(_kernels_module(module), function)
+        return found(*args)
 
     call.__name__ = f"{module}.{function}"
     return call

@@ -26,7 +26,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .. import ops
-from ..ops.lstm import lstm_cell_stepper
+from ..ops.lstm import lstm_cell
 
 # The character ids of AllenNLP's ELMoCharacterMapper: bytes are 0-255, then the markers.
 # Every id is stored plus one, so that 0 is the padding of tokens past a sentence's end.
@@ -223,12 +223,11 @@ class LstmDirection(nn.Module):
         inputs = inputs.unbind(0)  # seq x [batch, 4 * cell]
         h = weight.new_zeros(batch, weight.shape[0])
         c = weight.new_zeros(batch, self.state_projection.weight.shape[1])
-        cell_step = lstm_cell_stepper(inputs[0].to(c.dtype), c, cell_clip=self.cell_clip)
         outputs = [None] * seq
         for t, everyone in self._steps(mask):
             gates = torch.addmm(inputs[t], h, weight)
             # The cell state stays in the parameters' dtype under autocast.
-            cell_out, c_new = cell_step(gates.to(c.dtype), c)
+            cell_out, c_new = lstm_cell(gates.to(c.dtype), c, cell_clip=self.cell_clip)
             h_new = self.state_projection(cell_out)
             if self.proj_clip is not None:
                 h_new = torch.clamp(h_new, -self.proj_clip, self.proj_clip)

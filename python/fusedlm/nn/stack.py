@@ -42,12 +42,14 @@ def run_layers(layers: Sequence[nn.Module], h, *args, checkpointing: bool = Fals
 def padding_of(attention_mask: Optional[Tensor]) -> Optional[Tensor]:
     """transformers' attention_mask [batch, seq] (1 = token) -> bool padding mask (True =
     padding), or None when there is nothing to skip. Whether a batch has padding is
-    data: torch.compile would break the graph to read it, so a compiled forward packs
+    data: torch.compile would break the graph to read it, and on a GPU reading it would
+    synchronise the host with the device, so a compiled forward and one on a GPU pack
     every masked batch (the same result)."""
     if attention_mask is None:
         return None
     padding = attention_mask == 0
-    if not torch.compiler.is_compiling() and not bool(padding.any()):
+    if (attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not bool(padding.any())):
         return None
     return padding
 

@@ -151,21 +151,6 @@ def _attention_fake_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bia
             attn_bias.new_empty(attn_bias.shape) if bias_grad else None)
 
 
-def _attention_setup(ctx, inputs, output):
-    q, k, v, mask, bias, ctx.causal, ctx.dropout_p, ctx.scale, seed = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, seed)
-    ctx.mark_non_differentiable(lse)
-
-
-def _attention_grad(ctx, grad, _grad_lse):
-    q, k, v, out, lse, mask, bias, seed = ctx.saved_tensors
-    bias_grad = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = ATTENTION.backward(ctx, grad, q, k, v, out, lse, mask, bias, ctx.causal,
-                                           ctx.dropout_p, ctx.scale, seed, bias_grad)
-    return dq, dk, dv, None, dbias if bias_grad else None
-
-
 def attention_reference(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None,
                         dropout_p=0.0, scale=None, dropout_mask=None, return_lse=False):
     """softmax(q k^T * scale + bias, masked) v for q/k/v [batch, heads, seq, head_dim].
@@ -237,9 +222,7 @@ def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False)
 
 
 ATTENTION = Op(
-    "attention",
-    "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_bias, bool causal, "
-    "float dropout_p, float scale, Tensor seed) -> (Tensor, Tensor)", _attention_fake,
+    "attention", _attention_fake,
     supports=_SUPPORTS, reference=attention_reference,
     reference_kernels=(_attention_reference_forward, _attention_reference_backward),
     probes=(
@@ -251,11 +234,7 @@ ATTENTION = Op(
                    paths=RESIDENT),
         Probe.real("GPT-2 small, causal 2 x 1024", _attention_probe(2, 12, 1024, 64, causal=True),
                    paths=WGMMA)),
-).differentiable(
-    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor? key_padding_mask, Tensor? attn_bias, bool causal, float dropout_p, float scale, "
-    "Tensor seed, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)",
-    _attention_fake_backward, _attention_setup, _attention_grad)
+).differentiable(_attention_fake_backward)
 
 
 # --- attention_varlen ----------------------------------------------------------------------------
@@ -300,7 +279,7 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     choice = choose("attention_varlen", device, backend, dtype=q.dtype, head_dim=head_dim,
                     head_dim_v=v.shape[2], causal=causal, dropout=dropout_p > 0,
                     heads=q.shape[1], sequences=cu_seqlens_q.shape[0] - 1)
-    if check_index_data(device):
+    if check_index_data(device, choice.backend):
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")
     return choice.copying(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -340,20 +319,6 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def _varlen_fake_backward(grad, q, k, v, out, lse, *_options):
     return _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
-
-
-def _varlen_setup(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.dropout_p, ctx.scale,
-     seed) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
-    ctx.mark_non_differentiable(lse)
-
-
-def _varlen_grad(ctx, grad, _grad_lse):
-    q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
-    return ATTENTION_VARLEN.backward(ctx, grad, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen_q,
-                                     ctx.max_seqlen_k, ctx.causal, ctx.dropout_p, ctx.scale, seed)
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -419,18 +384,11 @@ def _varlen_probe(lengths, heads, head_dim):
 
 
 ATTENTION_VARLEN = Op(
-    "attention_varlen",
-    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-    "SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, float dropout_p, float scale, "
-    "Tensor seed) -> (Tensor, Tensor)", _varlen_fake, supports=_SUPPORTS,
+    "attention_varlen", _varlen_fake, supports=_SUPPORTS,
     reference=attention_varlen_reference,
     reference_kernels=(_varlen_reference_forward, _varlen_reference_backward),
     probes=(Probe("causal, 3 sequences", _varlen_probe([37, 1, 70], 2, 64), paths=RESIDENT),
             Probe.real("BERT-base, 8 sequences",
                        _varlen_probe([128, 77, 100, 64, 128, 90, 111, 70], 12, 64),
                        paths=RESIDENT)),
-).differentiable(
-    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
-    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
-    "float dropout_p, float scale, Tensor seed) -> (Tensor, Tensor, Tensor)",
-    _varlen_fake_backward, _varlen_setup, _varlen_grad)
+).differentiable(_varlen_fake_backward)

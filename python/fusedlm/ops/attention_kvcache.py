@@ -75,7 +75,7 @@ def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, 
                                k_new=k_new, v_new=v_new, cache_leftpad=cache_leftpad)
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     choice = choose("attention_with_kvcache", device, backend, dtype=q.dtype, head_dim=head_dim)
-    if check_index_data(device):
+    if check_index_data(device, choice.backend):
         _check_lengths(cache_seqlens, cache_leftpad, seq_new, max_len)
     return choice.copying(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
 
@@ -149,9 +149,7 @@ def _probe(batch, cache, heads, head_dim):
 
 ATTENTION_WITH_KVCACHE = Op(
     "attention_with_kvcache",
-    "(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
-    "Tensor? v_new, Tensor? cache_leftpad, float scale) -> Tensor",
     lambda q, k_cache, v_cache, *_rest: q.new_empty((*q.shape[:3], v_cache.shape[3])),
-    mutates=("k_cache", "v_cache"), reference=attention_with_kvcache_reference,
+    reference=attention_with_kvcache_reference,
     reference_kernels=(_reference_kernel, None),
     probes=(Probe("decoding step", _probe(2, 24, 2, 64), differentiable=False),))

@@ -16,6 +16,7 @@ grad_output weighs each row, which sums over rows cannot take afterwards: the fo
 then computes the losses only and the backward redoes the chunks with each row's
 gradient scaled by its grad_output (a second projection rather than stored logits).
 """
+import collections
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ from ..backends.probes import Probe, randn
 from ..backends.probes import labels as probe_labels
 from ..backends.reference import vjp
 from . import _validate as check
-from ._op import Op, kernels_serve
+from ._op import Op
 from .reference import acc_dtype
 
 __all__ = ["cross_entropy", "distillation_loss", "masked_lm_loss"]
@@ -42,24 +43,85 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_labels(labels: Tensor, batch_shape, classes: int, ignore_index) -> None:
-    """labels: int64 of batch_shape, each a class index or ignore_index.
-
-    The range check reads the labels, on every device (fusedlm.backends.check_index_data
-    says when not).
-    """
+def _check_labels(labels: Tensor, batch_shape, ignore_index) -> None:
+    """labels: int64 of batch_shape; ignore_index an int. (Their values: _check_label_values.)"""
     check.tensor("labels", labels, dtypes=(torch.int64,))
     check.shape("labels", labels, batch_shape)
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not check_index_data(labels.device, once_a_step=True):
-        return
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= classes))
-    if bad.any():
-        first = labels[bad].flatten()[0].item()
-        raise ValueError(
-            f"labels must be class indices in [0, {classes}) or ignore_index ({ignore_index}), got {first}"
-        )
+
+
+def _label_error(classes: int, ignore_index: int, first: int, where: str = "") -> ValueError:
+    return ValueError(f"labels must be class indices in [0, {classes}) or ignore_index "
+                      f"({ignore_index}), got {first}{where}")
+
+
+def _bad_labels(labels: Tensor, classes: int, ignore_index: int) -> Tensor:
+    return (labels != ignore_index) & ((labels < 0) | (labels >= classes))
+
+
+class _Verdict:
+    """One call's label check on a GPU, on its way to the host: (whether a label is out of
+    range, the first that is), copied without blocking behind ``event``."""
+
+    def __init__(self, labels: Tensor, classes: int, ignore_index: int, op: str, event):
+        bad = _bad_labels(labels, classes, ignore_index).flatten()
+        first = labels.flatten()[bad.int().argmax()]
+        self.found = torch.empty(2, dtype=torch.int64, pin_memory=labels.is_cuda)
+        self.found.copy_(torch.stack((bad.any().long(), first)), non_blocking=True)
+        self.classes, self.ignore_index, self.op, self.event = classes, ignore_index, op, event
+        event.record()
+
+    def raise_if_bad(self) -> None:
+        self.event.synchronize()  # (complete already, unless the backlog is full)
+        bad, first = self.found.tolist()
+        if bad:
+            raise _label_error(self.classes, self.ignore_index, first,
+                               f" (in the labels of an earlier {self.op} call, checked on the "
+                               "device; FUSEDLM_DEBUG=1 checks each call before it runs)")
+
+
+class _LabelChecks:
+    """The range checks of the losses' labels on a GPU, without stalling a step: reading a
+    check's result at once would synchronise the host with the device every step. Each
+    call's verdict is read by a later call, once its event has completed, and a bad label
+    raises there. At most ``BACKLOG`` wait; past that, the oldest is waited for."""
+
+    BACKLOG = 64
+
+    def __init__(self):
+        self._pending = collections.deque()
+
+    def raise_found(self) -> None:
+        """Raises for the first completed check that found a bad label (dropping it)."""
+        while self._pending and self._pending[0].event.query():
+            self._pending.popleft().raise_if_bad()
+
+    def add(self, labels: Tensor, classes: int, ignore_index: int, op: str, event=None) -> None:
+        self.raise_found()
+        if labels.numel() == 0:
+            return
+        if len(self._pending) >= self.BACKLOG:
+            self._pending.popleft().raise_if_bad()
+        event = torch.Event(labels.device) if event is None else event
+        self._pending.append(_Verdict(labels, classes, ignore_index, op, event))
+
+
+_LABEL_CHECKS = _LabelChecks()
+
+
+def _check_label_values(labels: Tensor, classes: int, ignore_index: int, backend: str,
+                        op: str) -> None:
+    """Each label a class index or ignore_index: checked by the cpu backend's kernels as they
+    read them; for other calls, on CPU tensors here, and on a GPU by a later call
+    (_LabelChecks), or here with FUSEDLM_DEBUG=1 (fusedlm.backends.check_index_data).
+    Unchecked while torch.compile traces or a CUDA graph captures: a bad label's loss is NaN."""
+    if check_index_data(labels.device, backend):
+        bad = _bad_labels(labels, classes, ignore_index)
+        if bad.any():
+            raise _label_error(classes, ignore_index, labels[bad].flatten()[0].item())
+    elif check_index_data(labels.device, backend, once_a_step=True):
+        _LABEL_CHECKS.add(labels, classes, ignore_index, op)
 
 
 def _check_options(label_smoothing, reduction) -> None:
@@ -83,8 +145,10 @@ def plan_cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0
         raise ValueError(f"logits must have at least one class in its last dimension, got shape {tuple(logits.shape)}")
     _check_options(label_smoothing, reduction)
     device = check.same_device(logits=logits, labels=labels if isinstance(labels, Tensor) else None)
-    _check_labels(labels, logits.shape[:-1], logits.shape[-1], ignore_index)
-    return choose("cross_entropy", device, backend, dtype=logits.dtype)
+    _check_labels(labels, logits.shape[:-1], ignore_index)
+    choice = choose("cross_entropy", device, backend, dtype=logits.dtype)
+    _check_label_values(labels, logits.shape[-1], ignore_index, choice.backend, "cross_entropy")
+    return choice
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
@@ -102,53 +166,10 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
     return loss
 
 
-def _non_differentiable(ctx, *outputs):
-    """Marks the gradient outputs as such. Without set_materialize_grads(False), autograd
-    would hand the backward a zero tensor for each of them: a transient copy of every
-    gradient buffer. The backward then also sees None for an unused loss."""
-    ctx.mark_non_differentiable(*outputs)
-    ctx.set_materialize_grads(False)
-
-
 def _cross_entropy_fake(logits, labels, ignore_index, label_smoothing, reduction, with_grad):
     shape = labels.shape if reduction == "none" else ()
     loss = logits.new_empty(shape, dtype=_acc_dtype(logits.dtype))
     return loss, logits.new_empty(logits.shape) if with_grad else None
-
-
-def _saved_grad_setup(ctx, inputs, output):
-    """cross_entropy's and distillation_loss's: both take (..., reduction, with_grad) and
-    return (loss, the gradient for grad_output 1), which the backward scales."""
-    ctx.reduction = inputs[-2]
-    ctx.save_for_backward(output[1])
-    _non_differentiable(ctx, output[1])
-
-
-def _unit_grad(grad: Tensor, reduction: str) -> bool:
-    """Whether a backward may hand out its saved gradients unscaled: grad_output is exactly 1
-    (loss.backward()), in eager mode, on the CPU (reading it elsewhere would synchronise).
-
-    The saved gradients then become the inputs' gradients without a copy, the largest
-    saving of peak memory these ops have. It is safe: without retain_graph, autograd has
-    released the saved tensors before the gradients are accumulated, so nothing else holds
-    them; with retain_graph, .grad accumulation copies them, and an in-place change of a
-    returned gradient bumps its version, so a second backward raises instead of using it.
-    Never where the gradient is to be differentiated again (create_graph=True): the saved
-    gradients carry no graph; nor for a batched gradient (fusedlm.ops._op.kernels_serve).
-    """
-    # A traced gradient (a fake or functional tensor, which torch 2.11 traces the backward
-    # with outside is_compiling()) has no value to read: only a plain tensor is looked at.
-    return (reduction != "none" and not torch.compiler.is_compiling() and type(grad) is Tensor
-            and grad.device.type == "cpu" and kernels_serve((grad,)) and grad.item() == 1.0)
-
-
-def _cross_entropy_grad(ctx, grad, _grad_of_grad):
-    if grad is None:
-        return ()
-    (saved_grad,) = ctx.saved_tensors
-    if _unit_grad(grad, ctx.reduction):
-        return (saved_grad,)
-    return (CROSS_ENTROPY.backward(ctx, grad, saved_grad, ctx.reduction),)
 
 
 def cross_entropy_reference(logits, labels, *, ignore_index=-100, label_smoothing=0.0,
@@ -192,17 +213,13 @@ def _cross_entropy_probe(rows, classes):
 
 
 CROSS_ENTROPY = Op(
-    "cross_entropy",
-    "(Tensor logits, Tensor labels, SymInt ignore_index, float label_smoothing, str reduction, "
-    "bool with_grad) -> (Tensor, Tensor)", _cross_entropy_fake,
+    "cross_entropy", _cross_entropy_fake,
     reference=cross_entropy_reference,
     reference_kernels=(_cross_entropy_reference_forward, _scaled),
     probes=(Probe("1000 classes", _cross_entropy_probe(40, 1000)),
             Probe.real("GPT-2 small, 1024 x 50257", _cross_entropy_probe(1024, 50257))),
 ).differentiable(
-    "(Tensor grad, Tensor saved_grad, str reduction) -> Tensor",
-    lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape),
-    _saved_grad_setup, _cross_entropy_grad, twice=False)
+    lambda grad, saved_grad, reduction: saved_grad.new_empty(saved_grad.shape), twice=False)
 
 
 # --- distillation_loss ---------------------------------------------------------------------------
@@ -285,14 +302,12 @@ def _distillation_probe(rows, classes):
 
 # The gradient is the saved one scaled by grad_output: cross_entropy's backward.
 DISTILLATION_LOSS = Op(
-    "distillation_loss",
-    "(Tensor student_logits, Tensor teacher_logits, float temperature, str reduction, "
-    "bool with_grad) -> (Tensor, Tensor)", _distillation_fake,
+    "distillation_loss", _distillation_fake,
     reference=distillation_loss_reference,
     reference_kernels=(_distillation_reference_forward, None),
     probes=(Probe("1000 classes", _distillation_probe(40, 1000), constant=(1,)),
             Probe.real("BERT-base, 1024 x 30522", _distillation_probe(1024, 30522), constant=(1,))),
-).differentiable(None, None, _saved_grad_setup, _cross_entropy_grad, twice=False)
+).differentiable(None, twice=False)  # (its backward is cross_entropy's: the saved gradient, scaled)
 
 
 # --- masked_lm_loss ------------------------------------------------------------------------------
@@ -312,8 +327,10 @@ def plan_masked_lm_loss(hidden, weight, bias, labels, *, ignore_index=-100, labe
     _check_options(label_smoothing, reduction)
     device = check.same_device(hidden=hidden, weight=weight, bias=bias,
                                labels=labels if isinstance(labels, Tensor) else None)
-    _check_labels(labels, hidden.shape[:-1], vocab, ignore_index)
-    return choose("masked_lm_loss", device, backend, dtype=hidden.dtype)
+    _check_labels(labels, hidden.shape[:-1], ignore_index)
+    choice = choose("masked_lm_loss", device, backend, dtype=hidden.dtype)
+    _check_label_values(labels, vocab, ignore_index, choice.backend, "masked_lm_loss")
+    return choice
 
 
 def masked_lm_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
@@ -350,26 +367,6 @@ def _masked_lm_loss_fake(hidden, weight, bias, labels, ignore_index, label_smoot
 def _masked_lm_loss_fake_backward(grad, hidden, weight, bias, labels, dhidden, dweight, dbias,
                                   ignore_index, label_smoothing, reduction, chunk_rows, *needs):
     return _grads_like(hidden, weight, bias, needs, True)
-
-
-def _masked_lm_loss_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, *options = inputs[:8]
-    ctx.options = options  # ignore_index, label_smoothing, reduction, chunk_rows
-    ctx.needs = inputs[8:]  # need_dhidden, need_dweight, need_dbias
-    ctx.save_for_backward(hidden, weight, bias, labels, *output[1:])
-    _non_differentiable(ctx, *output[1:])
-
-
-def _masked_lm_loss_grad(ctx, grad, *_grad_of_grads):
-    if grad is None:
-        return ()
-    hidden, weight, bias, labels, dhidden, dweight, dbias = ctx.saved_tensors
-    if _unit_grad(grad, ctx.options[2]):
-        grads = dhidden, dweight, dbias
-    else:
-        grads = MASKED_LM_LOSS.backward(ctx, grad, hidden, weight, bias, labels, dhidden, dweight,
-                                        dbias, *ctx.options, *ctx.needs)
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs))
 
 
 def masked_lm_loss_reference(hidden, weight, bias, labels, *, ignore_index=-100,
@@ -413,17 +410,9 @@ def _masked_lm_probe(rows, hidden, vocab):
 
 
 MASKED_LM_LOSS = Op(
-    "masked_lm_loss",
-    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, SymInt ignore_index, "
-    "float label_smoothing, str reduction, SymInt chunk_rows, bool need_dhidden, "
-    "bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)", _masked_lm_loss_fake,
+    "masked_lm_loss", _masked_lm_loss_fake,
     reference=masked_lm_loss_reference,
     reference_kernels=(_masked_lm_loss_reference_forward, _masked_lm_loss_reference_backward),
     probes=(Probe("vocab 1000", _masked_lm_probe(60, 64, 1000)),
             Probe.real("BERT-base, 1024 x 768 -> 30522", _masked_lm_probe(1024, 768, 30522))),
-).differentiable(
-    "(Tensor grad, Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor dhidden, "
-    "Tensor dweight, Tensor dbias, SymInt ignore_index, float label_smoothing, str reduction, "
-    "SymInt chunk_rows, bool need_dhidden, bool need_dweight, bool need_dbias) "
-    "-> (Tensor, Tensor, Tensor)",
-    _masked_lm_loss_fake_backward, _masked_lm_loss_setup, _masked_lm_loss_grad)
+).differentiable(_masked_lm_loss_fake_backward)

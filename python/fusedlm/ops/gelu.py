@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends import HALVES, Supports, choose, lane, planner
+from ..backends import HALVES, Supports, choose, planner
 from ..backends.probes import FFN_WGMMA, Probe, randn
 from ..backends.reference import keep_mask, vjp
 from . import _validate as check
@@ -40,24 +40,8 @@ def plan_bias_gelu(x, bias=None, approximate="none", *, backend=None):
 def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none", *,
               backend: Optional[str] = None) -> Tensor:
     """gelu(x + bias), bias over the last dimension; approximate is "none" (erf) or "tanh"."""
-    eager = lane(BIAS_GELU.lanes, backend)
-    if eager is not None:
-        out = eager(x, bias, approximate)
-        if out is not None:
-            return out
     choice = plan_bias_gelu(x, bias, approximate, backend=backend)
     return BIAS_GELU(choice.backend, x, bias, approximate)
-
-
-def _bias_gelu_setup(ctx, inputs, output):
-    x, bias, ctx.approximate = inputs
-    ctx.save_for_backward(x, bias)
-
-
-def _bias_gelu_grad(ctx, grad):
-    x, bias = ctx.saved_tensors
-    dx, dbias = BIAS_GELU.backward(ctx, grad, x, bias, ctx.approximate)
-    return dx, dbias if bias is not None else None
 
 
 def bias_gelu_reference(x, bias=None, approximate="none"):
@@ -86,8 +70,7 @@ def _bias_gelu_probe(rows, cols, approximate):
 
 
 BIAS_GELU = Op(
-    "bias_gelu", "(Tensor x, Tensor? bias, str approximate) -> Tensor",
-    lambda x, bias, approximate: x.new_empty(x.shape),
+    "bias_gelu", lambda x, bias, approximate: x.new_empty(x.shape),
     reference=bias_gelu_reference,
     reference_kernels=(_bias_gelu_reference_forward, _bias_gelu_reference_backward),
     probes=(Probe("erf", _bias_gelu_probe(64, 384, "none")),
@@ -98,10 +81,8 @@ BIAS_GELU = Op(
     # across runs); with its backward the fused kernel is faster (benchmarks/README.md).
     supports={"cpu": Supports(slower=({"dtype": torch.bfloat16, "grad": False},))},
 ).differentiable(
-    "(Tensor grad, Tensor x, Tensor? bias, str approximate) -> (Tensor, Tensor)",
     lambda grad, x, bias, approximate: (x.new_empty(x.shape),
-                                        None if bias is None else x.new_empty(bias.shape)),
-    _bias_gelu_setup, _bias_gelu_grad)
+                                        None if bias is None else x.new_empty(bias.shape)))
 
 
 # --- gelu_ffn ------------------------------------------------------------------------------------
@@ -148,23 +129,6 @@ def _gelu_ffn_fake_backward(grad, x, pre, w1, b1, w2, b2, approximate, dropout_p
             None if b2 is None else w2.new_empty(b2.shape))
 
 
-def _gelu_ffn_setup(ctx, inputs, output):
-    x, w1, b1, w2, b2, ctx.approximate, ctx.dropout_p, seed = inputs
-    ctx.save_for_backward(x, output[1], w1, b1, w2, b2, seed)
-    ctx.mark_non_differentiable(output[1])
-    # The saved pre-activation never has a gradient: no zero-filled tensor for it.
-    ctx.set_materialize_grads(False)
-
-
-def _gelu_ffn_grad(ctx, grad, _grad_pre):
-    if grad is None:  # the output was not used either
-        return ()
-    x, pre, w1, b1, w2, b2, seed = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = GELU_FFN.backward(ctx, grad, x, pre, w1, b1, w2, b2, ctx.approximate,
-                                               ctx.dropout_p, seed)
-    return dx, dw1, db1 if b1 is not None else None, dw2, db2 if b2 is not None else None
-
-
 def gelu_ffn_reference(x, w1, b1, w2, b2, *, approximate="none", dropout_p=0.0,
                        dropout_mask=None):
     """Linear(w1, b1) -> GELU -> dropout -> Linear(w2, b2)."""
@@ -197,9 +161,7 @@ def _gelu_ffn_probe(rows, d_in, d_ff):
 
 
 GELU_FFN = Op(
-    "gelu_ffn",
-    "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str approximate, float dropout_p, "
-    "Tensor seed) -> (Tensor, Tensor)", _gelu_ffn_fake,
+    "gelu_ffn", _gelu_ffn_fake,
     reference=gelu_ffn_reference,
     reference_kernels=(_gelu_ffn_reference_forward, _gelu_ffn_reference_backward),
     probes=(Probe("130 rows", _gelu_ffn_probe(130, 128, 256), paths=FFN_WGMMA),
@@ -208,7 +170,4 @@ GELU_FFN = Op(
     # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves; its grid's y
     # dimension (at most 65535) counts tiles of 128 rows.
     supports={"cuda": Supports(dtypes=HALVES, multiple_of=8, max_counts=(("rows", 65535 * 128),))},
-).differentiable(
-    "(Tensor grad, Tensor x, Tensor pre, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
-    "str approximate, float dropout_p, Tensor seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _gelu_ffn_fake_backward, _gelu_ffn_setup, _gelu_ffn_grad)
+).differentiable(_gelu_ffn_fake_backward)

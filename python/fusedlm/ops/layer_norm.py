@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends import GPU_FLOATS, Supports, choose, lane, planner
+from ..backends import GPU_FLOATS, Supports, choose, planner
 from ..backends.probes import Probe, randn
 from ..backends.reference import keep_mask
 from . import _validate as check
@@ -54,11 +54,6 @@ def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tenso
     The norm is over the last dimension; residual, weight and bias may be None
     (residual=None is a plain LayerNorm of dropout(x)).
     """
-    eager = lane(ADD_LAYER_NORM.lanes, backend)
-    if eager is not None:
-        outputs = eager(x, residual, weight, bias, eps, dropout_p)
-        if outputs is not None:
-            return outputs
     choice = plan_add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p,
                                  backend=backend)
     out, summed, _, _ = ADD_LAYER_NORM(choice.backend, x, residual, weight, bias, float(eps),
@@ -81,29 +76,6 @@ def _fake_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_bias, 
             summed.new_empty(summed.shape) if dropout else None,
             summed.new_empty(hidden) if weight is not None else None,
             summed.new_empty(hidden) if has_bias else None)
-
-
-def _setup(ctx, inputs, output):
-    x, residual, weight, bias, _eps, ctx.dropout_p, seed = inputs
-    _out, summed, mean, rstd = output
-    ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
-    ctx.save_for_backward(summed, mean, rstd, weight, seed)
-    ctx.mark_non_differentiable(mean, rstd)
-    # An output nobody used has no gradient: None, rather than a tensor of zeros
-    # the backward would have to read (post-LN stacks never use summed's).
-    ctx.set_materialize_grads(False)
-
-
-def _grad(ctx, grad_out, grad_summed, _grad_mean, _grad_rstd):
-    summed, mean, rstd, weight, seed = ctx.saved_tensors
-    if grad_out is None:  # only summed was used: nothing flows back through the norm
-        grad_out = torch.zeros_like(summed)
-    dsummed, dx, dweight, dbias = ADD_LAYER_NORM.backward(
-        ctx, grad_out, grad_summed, summed, mean, rstd, weight, ctx.has_bias, ctx.has_residual,
-        ctx.dropout_p, seed)
-    # Without dropout x's gradient is summed's: one tensor serves both inputs.
-    return (dx if ctx.dropout_p > 0 else dsummed, dsummed if ctx.has_residual else None,
-            dweight if weight is not None else None, dbias if ctx.has_bias else None)
 
 
 # --- reference ---------------------------------------------------------------------------------
@@ -168,9 +140,7 @@ def _probe(rows, hidden):
 # --- the op --------------------------------------------------------------------------------------
 
 ADD_LAYER_NORM = Op(
-    "add_layer_norm",
-    "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, float dropout_p, "
-    "Tensor seed) -> (Tensor, Tensor, Tensor, Tensor)", _fake,
+    "add_layer_norm", _fake,
     reference=add_layer_norm_reference,
     reference_kernels=(_reference_forward, _reference_backward),
     probes=(Probe("hidden 256", _probe(40, 256)), Probe("hidden 100", _probe(40, 100)),
@@ -178,7 +148,4 @@ ADD_LAYER_NORM = Op(
     # The triton kernel holds a row whole in registers: past 32768 elements spills would
     # cost more than two passes.
     supports={"triton": Supports(dtypes=GPU_FLOATS, max_width=32768)},
-).differentiable(
-    "(Tensor grad_out, Tensor? grad_summed, Tensor summed, Tensor mean, Tensor rstd, "
-    "Tensor? weight, bool has_bias, bool has_residual, float dropout_p, Tensor seed) "
-    "-> (Tensor, Tensor, Tensor, Tensor)", _fake_backward, _setup, _grad)
+).differentiable(_fake_backward)

@@ -6,16 +6,16 @@ torch's; cuDNN's LSTM cannot clip the cell, so this is what a clipped LSTM fuses
 gate pre-activations and c_prev are saved for backward; the activations are recomputed.
 """
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..backends import choose, kernel, planner, unobserved
+from ..backends import choose, planner
 from ..backends.probes import Probe, randn
 from ..backends.reference import vjp
 from . import _validate as check
-from ._op import Op, kernels_serve, reference_backward
+from ._op import Op
 from .reference import acc_dtype
 
 __all__ = ["lstm_cell"]
@@ -54,17 +54,6 @@ def lstm_cell(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[float] = Non
     return LSTM_CELL(choice.backend, gates, c_prev, _clip_value(cell_clip))
 
 
-def _setup(ctx, inputs, output):
-    gates, c_prev, ctx.cell_clip = inputs
-    ctx.save_for_backward(gates, c_prev)
-
-
-def _grad(ctx, grad_h, grad_c):
-    gates, c_prev = ctx.saved_tensors
-    return LSTM_CELL.backward(ctx, grad_h.contiguous(), grad_c.contiguous(), gates, c_prev,
-                              ctx.cell_clip)
-
-
 # --- reference ---------------------------------------------------------------------------------
 
 def lstm_cell_reference(gates, c_prev, *, cell_clip=None):
@@ -96,60 +85,10 @@ def _probe(rows, cell):
 # --- the op --------------------------------------------------------------------------------------
 
 LSTM_CELL = Op(
-    "lstm_cell", "(Tensor gates, Tensor c_prev, float cell_clip) -> (Tensor, Tensor)",
-    lambda gates, c_prev, cell_clip: (c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)),
+    "lstm_cell", lambda gates, c_prev, cell_clip: (c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)),
     reference=lstm_cell_reference, reference_kernels=(_reference_forward, _reference_backward),
     probes=(Probe("cell 32", _probe(16, 32)), Probe.real("ELMo, 64 x 4096", _probe(64, 4096))),
 ).differentiable(
-    "(Tensor grad_h, Tensor grad_c, Tensor gates, Tensor c_prev, float cell_clip) -> (Tensor, Tensor)",
     lambda grad_h, grad_c, gates, c_prev, cell_clip: (gates.new_empty(gates.shape),
-                                                      c_prev.new_empty(c_prev.shape)),
-    _setup, _grad)
+                                                      c_prev.new_empty(c_prev.shape)))
 
-
-# --- a loop of steps -----------------------------------------------------------------------------
-
-def lstm_cell_stepper(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[float] = None,
-                      backend: Optional[str] = None) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """lstm_cell planned once for a recurrence whose every step has the shapes, dtype and
-    device of gates and c_prev: the function returned runs one step, step(gates, c_prev)
-    -> (h, c), without validating again.
-
-    A step of a small batch takes tens of microseconds in the kernel; the planner and the
-    custom op's dispatch took several times that. So where nothing but autograd's reverse
-    mode watches, the step calls the backend's kernels straight, in a plain
-    autograd.Function (whose gradient, to be differentiated again or batched, is the
-    reference backward's); elsewhere it is the op, as traced code and torch.func's
-    transforms need.
-    """
-    choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
-    clip = _clip_value(cell_clip)
-    if torch.compiler.is_compiling():
-        return lambda g, c: LSTM_CELL(choice.backend, g, c, clip)
-
-    found = kernel(choice.backend, "lstm_cell")
-
-    def step(g, c):
-        if unobserved():
-            return _LstmCellStep.apply(g, c, clip, found, choice.backend)
-        return LSTM_CELL(choice.backend, g, c, clip)  # (a torch.func transform, say)
-
-    return step
-
-
-class _LstmCellStep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gates, c_prev, cell_clip, found, backend):
-        ctx.cell_clip, ctx.found, ctx.backend = cell_clip, found, backend
-        ctx.save_for_backward(gates, c_prev)
-        return found.forward(gates, c_prev, cell_clip)
-
-    @staticmethod
-    def backward(ctx, grad_h, grad_c):
-        gates, c_prev = ctx.saved_tensors
-        args = (grad_h.contiguous(), grad_c.contiguous(), gates, c_prev, ctx.cell_clip)
-        if kernels_serve((grad_h, grad_c)):
-            dgates, dc_prev = ctx.found.backward(*args)
-        else:  # to be differentiated again, or batched
-            dgates, dc_prev = reference_backward("lstm_cell", ctx.backend, 0.0, *args)
-        return dgates, dc_prev, None, None, None

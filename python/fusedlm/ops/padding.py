@@ -53,8 +53,10 @@ def unpad(hidden: Tensor, key_padding_mask: Tensor, *, backend: Optional[str] = 
     hidden [batch, seq, ...]; key_padding_mask is bool [batch, seq], True = padding.
 
     indices (int64) are the tokens' positions in hidden.flatten(0, 1); cu_seqlens is int32
-    [batch + 1]; max_seqlen is the longest sequence: a Python int in eager, an unbacked
-    SymInt under torch.compile.
+    [batch + 1]; max_seqlen bounds the sequences' lengths, as attention_varlen takes it: on
+    the CPU the longest sequence (a Python int in eager, an unbacked SymInt under
+    torch.compile), on a GPU the padded length seq, since reading the longest back would
+    synchronise the host with the device.
     """
     choice = plan_unpad(hidden, key_padding_mask, backend=backend)
     return UNPAD(choice.backend, hidden, key_padding_mask)
@@ -63,35 +65,30 @@ def unpad(hidden: Tensor, key_padding_mask: Tensor, *, backend: Optional[str] = 
 def _unpad_fake(hidden, key_padding_mask):
     ctx = torch.library.get_ctx()
     tokens = ctx.new_dynamic_size()
-    max_seqlen = ctx.new_dynamic_size()
+    max_seqlen = ctx.new_dynamic_size() if hidden.device.type == "cpu" else hidden.shape[1]
     return (hidden.new_empty((tokens, *hidden.shape[2:])),
             hidden.new_empty((tokens,), dtype=torch.int64),
             hidden.new_empty((hidden.shape[0] + 1,), dtype=torch.int32),
             max_seqlen)
 
 
-def _unpad_setup(ctx, inputs, output):
-    hidden, _ = inputs
-    ctx.batch, ctx.seqlen = hidden.shape[:2]
-    ctx.save_for_backward(output[1])
-
-
-def _unpad_grad(ctx, grad, _grad_indices, _grad_cu_seqlens, _grad_max_seqlen):
-    (indices,) = ctx.saved_tensors
-    if not ctx.kernels_serve:  # a gradient differentiated again, or batched: plain PyTorch's
-        return (pad_reference(grad, indices, ctx.batch, ctx.seqlen),)
-    return (PAD(ctx.backend, grad, indices, ctx.batch, ctx.seqlen),)
-
-
 def unpad_reference(hidden, key_padding_mask):
     """(packed [tokens, ...], indices, cu_seqlens int32 [batch + 1], max_seqlen) of the
-    non-padding positions of hidden [batch, seq, ...]; True in the mask = padding."""
+    non-padding positions of hidden [batch, seq, ...]; True in the mask = padding.
+    max_seqlen: the longest sequence on the CPU, the padded length elsewhere (fusedlm.ops.unpad)."""
     keep = ~key_padding_mask
     lengths = keep.sum(dim=1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
     cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
     packed = hidden.flatten(0, 1)[indices]
+    if hidden.device.type != "cpu":
+        return packed, indices, cu_seqlens, key_padding_mask.shape[1]
     return packed, indices, cu_seqlens, int(lengths.max()) if lengths.numel() else 0
+
+
+def _unpad_reference_backward(grad, indices, batch, seqlen):
+    """unpad's gradient, pad, in plain PyTorch: for a gradient differentiated again or batched."""
+    return pad_reference(grad, indices, batch, seqlen)
 
 
 def _unpad_probe(batch, seq, width):
@@ -102,10 +99,10 @@ def _unpad_probe(batch, seq, width):
 
 # unpad's gradient is the pad op: no backward kernel of its own.
 UNPAD = Op(
-    "unpad", "(Tensor hidden, Tensor key_padding_mask) -> (Tensor, Tensor, Tensor, SymInt)",
-    _unpad_fake, reference=unpad_reference, reference_kernels=(unpad_reference, None),
+    "unpad", _unpad_fake, reference=unpad_reference,
+    reference_kernels=(unpad_reference, _unpad_reference_backward),
     probes=(Probe("3 x 20", _unpad_probe(3, 20, 64), differentiable=False),),
-).differentiable(None, None, _unpad_setup, _unpad_grad)
+).differentiable(None)
 
 
 # --- pad -----------------------------------------------------------------------------------------
@@ -119,7 +116,7 @@ def plan_pad(packed, indices, batch, seqlen, *, backend=None):
     _check_size("seqlen", seqlen)
     device = check.same_device(packed=packed, indices=indices)
     choice = choose("pad", device, backend)
-    if check_index_data(device):
+    if check_index_data(device, choice.backend):
         _check_indices(indices, batch * seqlen)
     return choice.copying(indices=indices)
 
@@ -130,15 +127,6 @@ def pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, *,
     in the flattened batch * seqlen) and zeros elsewhere."""
     choice = plan_pad(packed, indices, batch, seqlen, backend=backend)
     return PAD(choice.backend, packed, indices.contiguous(), batch, seqlen)
-
-
-def _pad_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-
-
-def _pad_grad(ctx, grad):
-    (indices,) = ctx.saved_tensors
-    return (PAD.backward(ctx, grad, indices),)
 
 
 def pad_reference(packed, indices, batch, seqlen):
@@ -162,10 +150,8 @@ def _pad_probe(batch, seq, width):
 
 
 PAD = Op(
-    "pad", "(Tensor packed, Tensor indices, SymInt batch, SymInt seqlen) -> Tensor",
-    lambda packed, indices, batch, seqlen: packed.new_empty((batch, seqlen, *packed.shape[1:])),
+    "pad", lambda packed, indices, batch, seqlen: packed.new_empty((batch, seqlen, *packed.shape[1:])),
     reference=pad_reference, reference_kernels=(pad_reference, _pad_reference_backward),
     probes=(Probe("3 x 20", _pad_probe(3, 20, 64)),),
 ).differentiable(
-    "(Tensor grad, Tensor indices) -> Tensor",
-    lambda grad, indices: grad.new_empty((indices.shape[0], *grad.shape[2:])), _pad_setup, _pad_grad)
+    lambda grad, indices: grad.new_empty((indices.shape[0], *grad.shape[2:])))

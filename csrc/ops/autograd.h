@@ -1,0 +1,105 @@
+// What the ops' autograd (csrc/ops/<op>.cpp, for the Autograd dispatch key) shares. Each op
+// follows torch's own: its forward calls the op below autograd, and its backward calls the
+// backward op through the dispatcher, so that torch.compile traces both as ops.
+#pragma once
+#include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/LegacyBatchedTensorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fusedlm {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// An op's signature from its kernels' (Kernel): the same arguments, then the backend.
+template <class Kernel>
+struct WithBackend;
+template <class Ret, class... Args>
+struct WithBackend<Ret(Args...)> {
+  using type = Ret(Args..., c10::string_view);
+};
+
+// The op of qualified name Name ("fusedlm::add_layer_norm"), whose kernels have the signature
+// Kernel, typed, to call through the dispatcher: dispatched<kOp, Forward>().call(..., backend)
+// (looked up once).
+template <const char* Name, class Kernel>
+const c10::TypedOperatorHandle<typename WithBackend<Kernel>::type>& dispatched() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow(Name, "")
+                             .template typed<typename WithBackend<Kernel>::type>();
+  return op;
+}
+
+inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+inline bool requires_grad(const std::optional<at::Tensor>& t) { return t && requires_grad(*t); }
+template <class T>
+bool requires_grad(const T&) {
+  return false;
+}
+
+// Whether autograd records a call with these arguments; one it does not runs below autograd
+// without a node.
+template <class... Args>
+bool recorded(const Args&... args) {
+  return at::GradMode::is_enabled() && (requires_grad(args) || ...);
+}
+
+inline std::optional<at::Tensor> optional(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// Whether the backward being run, of these output gradients, is one the backend's kernel
+// cannot serve: a gradient to be differentiated again (create_graph=True), which the kernel
+// would not record, or one taken under a torch.func transform or autograd's own vmap
+// (is_grads_batched), whose wrapped tensors no kernel reads.
+inline bool needs_reference_backward(const variable_list& grads) {
+  if (at::GradMode::is_enabled() ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    return true;
+  }
+  for (const auto& grad : grads)
+    if (grad.defined() && at::isBatchedTensor(grad)) return true;
+  return false;
+}
+
+// The gradients (undefined where None) of op's reference backward,
+// fusedlm.ops._op.reference_backward: plain PyTorch that autograd records and transforms take.
+// `backend` and `dropout_p` are the forward's; raises what Python raises.
+template <class... Args>
+variable_list reference_backward(const char* op, const std::string& backend, double dropout_p,
+                                 const char* caller, Args&&... args) {
+  pybind11::gil_scoped_acquire gil;
+  const auto grads = pybind11::module_::import("fusedlm.ops._op")
+                         .attr("reference_backward")(op, backend, dropout_p,
+                                                     std::forward<Args>(args)...,
+                                                     pybind11::arg("caller") = caller);
+  variable_list out;
+  for (const auto grad : grads)
+    out.push_back(grad.is_none() ? at::Tensor() : pybind11::cast<at::Tensor>(grad));
+  return out;
+}
+
+// Whether a loss's backward may hand out the gradients its forward saved as they are:
+// grad_output is exactly 1 (loss.backward()), on the CPU (reading it elsewhere would
+// synchronise), a plain tensor (a traced one has no value to read), the gradient is not to be
+// differentiated again or batched, and the loss is reduced. The saved gradients then become
+// the inputs' without a copy: without retain_graph autograd has released them, and with it
+// .grad accumulation copies them and an in-place change bumps their version, so a second
+// backward raises instead of reading it.
+inline bool unit_grad(const at::Tensor& grad, c10::string_view reduction) {
+  constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python,
+                                                c10::DispatchKey::Functionalize});
+  return reduction != "none" && grad.device().is_cpu() && !grad.key_set().has_any(traced) &&
+         !needs_reference_backward({grad}) && grad.item<double>() == 1.0;
+}
+
+}  // namespace fusedlm
