@@ -25,47 +25,37 @@ constexpr char kAttentionBackward[] = "fusedlm::attention_backward";
 constexpr char kForwardKernel[] = "attention_forward";
 constexpr char kBackwardKernel[] = "attention_backward";
 
-struct Attention : torch::autograd::Function<Attention> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const OptionalTensor& mask,
-                               const OptionalTensor& bias, bool causal, double dropout_p,
-                               double scale, const Tensor& seed, c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, lse] = dispatched<kAttention, Forward>().call(q, k, v, mask, bias, causal, dropout_p,
-                                                             scale, seed, backend);
-    ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), bias.value_or(Tensor()), seed});
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["backend"] = std::string(backend);
-    // needs_input_grad counts the tensors given: q, k, v, then the mask where there is one.
-    ctx->saved_data["bias_input"] = int64_t(mask && mask->defined() ? 4 : 3);
-    ctx->mark_non_differentiable({lse});
-    return {out, lse};
+struct AttentionNode : OpNode {
+  SavedVariable q, k, v, out, lse, mask, bias, seed;
+  bool causal = false;
+  double dropout_p = 0.0, scale = 1.0;
+
+  std::string name() const override { return "fusedlm::AttentionBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* saved : {&q, &k, &v, &out, &lse, &mask, &bias, &seed}) saved->reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const auto mask = optional(s[5]), bias = optional(s[6]);
-    const bool causal = ctx->saved_data["causal"].toBool();
-    const double p = ctx->saved_data["dropout_p"].toDouble();
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
-    const bool bias_grad = bias && ctx->needs_input_grad(ctx->saved_data["bias_input"].toInt());
+  // (grad of out) -> (q, k, v, attn_bias)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack(), to = out.unpack(getptr());
+    const Tensor tl = lse.unpack(), sd = seed.unpack();
+    const auto m = optional(mask.unpack()), b = optional(bias.unpack());
+    const bool bias_grad = b && task_should_compute_output(3);
     Tensor dq, dk, dv, dbias;
     if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("attention", backend, p, "attention", grads[0], s[0],
-                                            s[1], s[2], s[3], s[4], mask, bias, causal, p, scale,
-                                            s[7], bias_grad);
+      const auto taken = reference_backward("attention", backend, dropout_p, "attention", grads[0],
+                                            tq, tk, tv, to, tl, m, b, causal, dropout_p, scale, sd,
+                                            bias_grad);
       dq = taken[0], dk = taken[1], dv = taken[2], dbias = taken[3];
     } else {
       std::tie(dq, dk, dv, dbias) = dispatched<kAttentionBackward, Backward>().call(
-          grads[0], s[0], s[1], s[2], s[3], s[4], mask, bias, causal, p, scale, s[7], bias_grad,
-          backend);
+          grads[0], tq, tk, tv, to, tl, m, b, causal, dropout_p, scale, sd, bias_grad, backend);
     }
-    variable_list out(10);
-    out[0] = dq, out[1] = dk, out[2] = dv, out[4] = bias_grad ? dbias : Tensor();
-    return out;
+    return {dq, dk, dv, bias_grad ? dbias : Tensor()};
   }
 };
 
@@ -73,13 +63,24 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
                                               const OptionalTensor& mask, const OptionalTensor& bias,
                                               bool causal, double dropout_p, double scale,
                                               const Tensor& seed, c10::string_view backend) {
-  if (!recorded(q, k, v, bias)) {
+  std::tuple<Tensor, Tensor> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kAttention, Forward>().call(q, k, v, mask, bias, causal, dropout_p, scale,
-                                                  seed, backend);
+    outputs = dispatched<kAttention, Forward>().call(q, k, v, mask, bias, causal, dropout_p, scale,
+                                                     seed, backend);
   }
-  auto out = Attention::apply(q, k, v, mask, bias, causal, dropout_p, scale, seed, backend);
-  return {out[0], out[1]};
+  if (!recorded(q, k, v, bias)) return outputs;
+  auto& [out, lse] = outputs;
+  auto node = recording_node<AttentionNode>(q, k, v, bias);
+  record_outputs(node, out);  // (lse has no gradient)
+  node->q = SavedVariable(q, false), node->k = SavedVariable(k, false), node->v = SavedVariable(v, false);
+  node->out = SavedVariable(out, true), node->lse = SavedVariable(lse, false);
+  if (mask) node->mask = SavedVariable(*mask, false);
+  if (bias) node->bias = SavedVariable(*bias, false);
+  node->seed = SavedVariable(seed, false);
+  node->causal = causal, node->dropout_p = dropout_p, node->scale = scale;
+  node->backend = std::string(backend);
+  return outputs;
 }
 
 // --- attention_varlen -------------------------------------------------------------------------
@@ -103,47 +104,37 @@ constexpr char kVarlenBackward[] = "fusedlm::attention_varlen_backward";
 constexpr char kVarlenForwardKernel[] = "attention_varlen_forward";
 constexpr char kVarlenBackwardKernel[] = "attention_varlen_backward";
 
-struct AttentionVarlen : torch::autograd::Function<AttentionVarlen> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
-                               c10::SymInt max_q, c10::SymInt max_k, bool causal, double dropout_p,
-                               double scale, const Tensor& seed, c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, lse] = dispatched<kVarlen, SymVarlenForward>().call(
-        q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed, backend);
-    ctx->save_for_backward({q, k, v, out, lse, cu_q, cu_k, seed});
-    ctx->saved_data["max_seqlen_q"] = max_q;
-    ctx->saved_data["max_seqlen_k"] = max_k;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["backend"] = std::string(backend);
-    ctx->mark_non_differentiable({lse});
-    return {out, lse};
+struct AttentionVarlenNode : OpNode {
+  SavedVariable q, k, v, out, lse, cu_q, cu_k, seed;
+  c10::SymInt max_q, max_k;
+  bool causal = false;
+  double dropout_p = 0.0, scale = 1.0;
+
+  std::string name() const override { return "fusedlm::AttentionVarlenBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* saved : {&q, &k, &v, &out, &lse, &cu_q, &cu_k, &seed}) saved->reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const c10::SymInt max_q = ctx->saved_data["max_seqlen_q"].toSymInt();
-    const c10::SymInt max_k = ctx->saved_data["max_seqlen_k"].toSymInt();
-    const bool causal = ctx->saved_data["causal"].toBool();
-    const double p = ctx->saved_data["dropout_p"].toDouble();
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
+  // (grad of out) -> (q, k, v)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack(), to = out.unpack(getptr());
+    const Tensor tl = lse.unpack(), cq = cu_q.unpack(), ck = cu_k.unpack(), sd = seed.unpack();
     Tensor dq, dk, dv;
     if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("attention_varlen", backend, p, "attention_varlen",
-                                            grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6],
-                                            max_q, max_k, causal, p, scale, s[7]);
+      const auto taken = reference_backward("attention_varlen", backend, dropout_p,
+                                            "attention_varlen", grads[0], tq, tk, tv, to, tl, cq,
+                                            ck, max_q, max_k, causal, dropout_p, scale, sd);
       dq = taken[0], dk = taken[1], dv = taken[2];
     } else {
       std::tie(dq, dk, dv) = dispatched<kVarlenBackward, SymVarlenBackward>().call(
-          grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], max_q, max_k, causal, p, scale,
-          s[7], backend);
+          grads[0], tq, tk, tv, to, tl, cq, ck, max_q, max_k, causal, dropout_p, scale, sd,
+          backend);
     }
-    variable_list out(12);
-    out[0] = dq, out[1] = dk, out[2] = dv;
-    return out;
+    return {dq, dk, dv};
   }
 };
 
@@ -151,14 +142,23 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
     c10::SymInt max_q, c10::SymInt max_k, bool causal, double dropout_p, double scale,
     const Tensor& seed, c10::string_view backend) {
-  if (!recorded(q, k, v)) {
+  std::tuple<Tensor, Tensor> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kVarlen, SymVarlenForward>().call(q, k, v, cu_q, cu_k, max_q, max_k, causal,
-                                                        dropout_p, scale, seed, backend);
+    outputs = dispatched<kVarlen, SymVarlenForward>().call(q, k, v, cu_q, cu_k, max_q, max_k, causal,
+                                                           dropout_p, scale, seed, backend);
   }
-  auto out = AttentionVarlen::apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale,
-                                    seed, backend);
-  return {out[0], out[1]};
+  if (!recorded(q, k, v)) return outputs;
+  auto& [out, lse] = outputs;
+  auto node = recording_node<AttentionVarlenNode>(q, k, v);
+  record_outputs(node, out);  // (lse has no gradient)
+  node->q = SavedVariable(q, false), node->k = SavedVariable(k, false), node->v = SavedVariable(v, false);
+  node->out = SavedVariable(out, true), node->lse = SavedVariable(lse, false);
+  node->cu_q = SavedVariable(cu_q, false), node->cu_k = SavedVariable(cu_k, false);
+  node->seed = SavedVariable(seed, false);
+  node->max_q = max_q, node->max_k = max_k, node->causal = causal, node->dropout_p = dropout_p;
+  node->scale = scale, node->backend = std::string(backend);
+  return outputs;
 }
 
 }  // namespace

@@ -1,13 +1,18 @@
 // What the ops' autograd (csrc/ops/<op>.cpp, for the Autograd dispatch key) shares. Each op
-// follows torch's own: its forward calls the op below autograd, and its backward calls the
-// backward op through the dispatcher, so that torch.compile traces both as ops.
+// follows torch's own ops: its forward calls the op below autograd and records a node of its
+// own, a torch::autograd::Node holding what the backward needs as members, as torch's
+// generated nodes do (cheaper than torch::autograd::Function's saved-data map, per-call
+// metadata and name demangling); the node's backward calls the backward op through the
+// dispatcher, so that torch.compile traces both as ops.
 #pragma once
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
@@ -17,8 +22,51 @@
 
 namespace fusedlm {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
+
+// What points to a node: torch 2.13 counts a node's references intrusively, 2.11 with a
+// shared_ptr.
+using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
+
+// The base of an op's backward node, which holds the backend the forward ran on. (Its
+// backward takes Node::mutex_ while it reads the saved tensors, as torch's nodes do.)
+struct OpNode : torch::autograd::Node {
+  std::string backend;
+};
+
+// A new node of type N whose next edges are those of `inputs` (tensors, or optional ones: an
+// absent one has an empty edge), in their order, which is the order of the gradients its
+// backward returns.
+template <class N, class... Inputs>
+auto recording_node(const Inputs&... inputs) {
+  using Base = torch::autograd::Node;
+  auto node = [] {
+    if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, Base>) {
+      return c10::make_intrusive<N>();
+    } else {  // (deleteNode frees long chains of nodes without recursing)
+      return std::shared_ptr<N>(new N(), [](N* n) { deleteNode(n); });
+    }
+  }();
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+  return node;
+}
+
+// Whether none of a node's output gradients is defined (every output unused, as gradcheck
+// also asks): its inputs then get none either.
+inline bool no_gradient(const variable_list& grads) {
+  for (const auto& grad : grads)
+    if (grad.defined()) return false;
+  return true;
+}
+
+// Makes `node` the gradient function of `outputs`, in order: its backward receives their
+// gradients (undefined where an output was not used).
+template <class N, class... Outputs>
+void record_outputs(const N& node, Outputs&... outputs) {
+  const NodePtr base = node;
+  (torch::autograd::set_history(outputs, base), ...);
+}
 
 // An op's signature from its kernels' (Kernel): the same arguments, then the backend.
 template <class Kernel>

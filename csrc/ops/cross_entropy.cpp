@@ -16,36 +16,44 @@ using ScaleBackward = Tensor(const Tensor&, const Tensor&, const std::string&);
 constexpr char kCrossEntropyBackward[] = "fusedlm::cross_entropy_backward";
 constexpr char kCrossEntropyBackwardKernel[] = "cross_entropy_backward";
 
-// The backward of cross_entropy and distillation_loss: the gradient saved for grad_output 1,
-// scaled. `caller` is the op the user called.
-variable_list scaled_backward(AutogradContext* ctx, const variable_list& grads, int inputs,
-                              const char* caller) {
-  variable_list out(inputs);
-  if (!grads[0].defined()) return out;  // the loss was not used
-  const Tensor saved = ctx->get_saved_variables()[0];
-  const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-  const std::string backend = ctx->saved_data["backend"].toStringRef();
-  if (unit_grad(grads[0], reduction)) {
-    out[0] = saved;
-  } else if (needs_reference_backward(grads)) {
-    out[0] = reference_backward("cross_entropy", backend, 0.0, caller, grads[0], saved, reduction)[0];
-  } else {
-    out[0] = dispatched<kCrossEntropyBackward, ScaleBackward>().call(grads[0], saved, reduction,
-                                                                     backend);
-  }
-  return out;
-}
+// The backward of cross_entropy and distillation_loss: the gradient for grad_output 1, which
+// the forward took with the loss and which has no gradient itself, scaled by grad_output.
+struct ScaledGradNode : OpNode {
+  SavedVariable saved;
+  std::string reduction;
+  const char* op = "";  // the op the user called
+  const char* node_name = "";
 
-// What cross_entropy and distillation_loss save: the gradient, which has none itself. Without
-// set_materialize_grads(false) autograd would hand the backward a zero tensor for it, a
-// transient copy of every gradient buffer.
-void save_gradient(AutogradContext* ctx, const Tensor& grad, const std::string& reduction,
-                   c10::string_view backend) {
-  ctx->save_for_backward({grad});
-  ctx->saved_data["reduction"] = reduction;
-  ctx->saved_data["backend"] = std::string(backend);
-  ctx->mark_non_differentiable({grad});
-  ctx->set_materialize_grads(false);
+  std::string name() const override { return node_name; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    saved.reset_data();
+  }
+
+  // (grad of the loss) -> (the logits')
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor grad = saved.unpack();
+    if (unit_grad(grads[0], reduction)) return {grad};
+    if (needs_reference_backward(grads)) {
+      return {reference_backward("cross_entropy", backend, 0.0, op, grads[0], grad, reduction)[0]};
+    }
+    return {dispatched<kCrossEntropyBackward, ScaleBackward>().call(grads[0], grad, reduction, backend)};
+  }
+};
+
+// Records the loss of a call that took its gradient along (`outputs`: (loss, gradient)).
+void record_loss(const Tensor& logits, std::tuple<Tensor, Tensor>& outputs,
+                 const std::string& reduction, c10::string_view backend, const char* op,
+                 const char* node_name) {
+  auto& [loss, grad] = outputs;
+  auto node = recording_node<ScaledGradNode>(logits);
+  record_outputs(node, loss);
+  node->saved = SavedVariable(grad, false);
+  node->reduction = reduction, node->op = op, node->node_name = node_name;
+  node->backend = std::string(backend);
 }
 
 // --- cross_entropy ----------------------------------------------------------------------------
@@ -57,35 +65,19 @@ using SymCrossEntropyForward = std::tuple<Tensor, Tensor>(const Tensor&, const T
 constexpr char kCrossEntropy[] = "fusedlm::cross_entropy";
 constexpr char kCrossEntropyForwardKernel[] = "cross_entropy_forward";
 
-struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels,
-                               c10::SymInt ignore_index, double label_smoothing,
-                               const std::string& reduction, bool with_grad,
-                               c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [loss, grad] = dispatched<kCrossEntropy, SymCrossEntropyForward>().call(
-        logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend);
-    save_gradient(ctx, grad, reduction, backend);
-    return {loss, grad};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return scaled_backward(ctx, grads, 7, "cross_entropy");
-  }
-};
-
 std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Tensor& labels,
                                                   c10::SymInt ignore_index, double label_smoothing,
                                                   const std::string& reduction, bool with_grad,
                                                   c10::string_view backend) {
-  if (!recorded(logits)) {
+  std::tuple<Tensor, Tensor> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kCrossEntropy, SymCrossEntropyForward>().call(
+    outputs = dispatched<kCrossEntropy, SymCrossEntropyForward>().call(
         logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend);
   }
-  auto out = CrossEntropy::apply(logits, labels, ignore_index, label_smoothing, reduction,
-                                 with_grad, backend);
-  return {out[0], out[1]};
+  if (recorded(logits)) record_loss(logits, outputs, reduction, backend, "cross_entropy",
+                                      "fusedlm::CrossEntropyBackward");
+  return outputs;
 }
 
 // --- distillation_loss ------------------------------------------------------------------------
@@ -95,33 +87,19 @@ using DistillationForward = std::tuple<Tensor, Tensor>(const Tensor&, const Tens
 constexpr char kDistillation[] = "fusedlm::distillation_loss";
 constexpr char kDistillationForwardKernel[] = "distillation_loss_forward";
 
-struct DistillationLoss : torch::autograd::Function<DistillationLoss> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& student, const Tensor& teacher,
-                               double temperature, const std::string& reduction, bool with_grad,
-                               c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [loss, grad] = dispatched<kDistillation, DistillationForward>().call(
-        student, teacher, temperature, reduction, with_grad, backend);
-    save_gradient(ctx, grad, reduction, backend);
-    return {loss, grad};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return scaled_backward(ctx, grads, 6, "distillation_loss");
-  }
-};
-
 std::tuple<Tensor, Tensor> distillation_loss_autograd(const Tensor& student, const Tensor& teacher,
                                                       double temperature,
                                                       const std::string& reduction, bool with_grad,
                                                       c10::string_view backend) {
-  if (!recorded(student)) {
+  std::tuple<Tensor, Tensor> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kDistillation, DistillationForward>().call(student, teacher, temperature,
-                                                                 reduction, with_grad, backend);
+    outputs = dispatched<kDistillation, DistillationForward>().call(student, teacher, temperature,
+                                                                    reduction, with_grad, backend);
   }
-  auto out = DistillationLoss::apply(student, teacher, temperature, reduction, with_grad, backend);
-  return {out[0], out[1]};
+  if (recorded(student)) record_loss(student, outputs, reduction, backend, "distillation_loss",
+                                       "fusedlm::DistillationLossBackward");
+  return outputs;
 }
 
 // --- masked_lm_loss ---------------------------------------------------------------------------
@@ -145,59 +123,43 @@ constexpr char kMlmBackward[] = "fusedlm::masked_lm_loss_backward";
 constexpr char kMlmForwardKernel[] = "masked_lm_loss_forward";
 constexpr char kMlmBackwardKernel[] = "masked_lm_loss_backward";
 
-struct MaskedLmLoss : torch::autograd::Function<MaskedLmLoss> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
-                               const OptionalTensor& bias, const Tensor& labels,
-                               c10::SymInt ignore_index, double label_smoothing,
-                               const std::string& reduction, c10::SymInt chunk_rows,
-                               bool need_dhidden, bool need_dweight, bool need_dbias,
-                               c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [loss, dhidden, dweight, dbias] = dispatched<kMlm, SymMlmForward>().call(
-        hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_rows,
-        need_dhidden, need_dweight, need_dbias, backend);
-    ctx->save_for_backward({hidden, weight, bias.value_or(Tensor()), labels, dhidden, dweight, dbias});
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["reduction"] = reduction;
-    ctx->saved_data["chunk_rows"] = chunk_rows;
-    ctx->saved_data["needs"] = std::vector<bool>{need_dhidden, need_dweight, need_dbias};
-    ctx->saved_data["backend"] = std::string(backend);
-    ctx->mark_non_differentiable({dhidden, dweight, dbias});
-    ctx->set_materialize_grads(false);
-    return {loss, dhidden, dweight, dbias};
+struct MaskedLmLossNode : OpNode {
+  SavedVariable hidden, weight, bias, labels, dhidden, dweight, dbias;
+  c10::SymInt ignore_index, chunk_rows;
+  double label_smoothing = 0.0;
+  std::string reduction;
+  bool need_dhidden = false, need_dweight = false, need_dbias = false;
+
+  std::string name() const override { return "fusedlm::MaskedLmLossBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* saved : {&hidden, &weight, &bias, &labels, &dhidden, &dweight, &dbias}) {
+      saved->reset_data();
+    }
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(12);
-    if (!grads[0].defined()) return out;  // the loss was not used
-    const auto s = ctx->get_saved_variables();
-    const auto bias = optional(s[2]);
-    const c10::SymInt ignore_index = ctx->saved_data["ignore_index"].toSymInt();
-    const double label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
-    const std::string reduction = ctx->saved_data["reduction"].toStringRef();
-    const c10::SymInt chunk_rows = ctx->saved_data["chunk_rows"].toSymInt();
-    const auto needs = ctx->saved_data["needs"].toBoolList();
-    const bool need_dhidden = needs[0], need_dweight = needs[1], need_dbias = needs[2];
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
-    Tensor dhidden = s[4], dweight = s[5], dbias = s[6];
+  // (grad of the loss) -> (hidden, weight, bias)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor h = hidden.unpack(), w = weight.unpack(), y = labels.unpack();
+    const auto b = optional(bias.unpack());
+    Tensor dh = dhidden.unpack(), dw = dweight.unpack(), db = dbias.unpack();
     if (unit_grad(grads[0], reduction)) {
       // the saved gradients, as they are
     } else if (needs_reference_backward(grads)) {
       const auto taken = reference_backward(
-          "masked_lm_loss", backend, 0.0, "masked_lm_loss", grads[0], s[0], s[1], bias, s[3],
-          s[4], s[5], s[6], ignore_index, label_smoothing, reduction, chunk_rows, need_dhidden,
-          need_dweight, need_dbias);
-      dhidden = taken[0], dweight = taken[1], dbias = taken[2];
+          "masked_lm_loss", backend, 0.0, "masked_lm_loss", grads[0], h, w, b, y, dh, dw, db,
+          ignore_index, label_smoothing, reduction, chunk_rows, need_dhidden, need_dweight,
+          need_dbias);
+      dh = taken[0], dw = taken[1], db = taken[2];
     } else {
-      std::tie(dhidden, dweight, dbias) = dispatched<kMlmBackward, SymMlmBackward>().call(
-          grads[0], s[0], s[1], bias, s[3], s[4], s[5], s[6], ignore_index, label_smoothing,
-          reduction, chunk_rows, need_dhidden, need_dweight, need_dbias, backend);
+      std::tie(dh, dw, db) = dispatched<kMlmBackward, SymMlmBackward>().call(
+          grads[0], h, w, b, y, dh, dw, db, ignore_index, label_smoothing, reduction, chunk_rows,
+          need_dhidden, need_dweight, need_dbias, backend);
     }
-    if (need_dhidden) out[0] = dhidden;
-    if (need_dweight) out[1] = dweight;
-    if (need_dbias) out[2] = dbias;
-    return out;
+    return {need_dhidden ? dh : Tensor(), need_dweight ? dw : Tensor(), need_dbias ? db : Tensor()};
   }
 };
 
@@ -207,16 +169,27 @@ MlmOutputs masked_lm_loss_autograd(const Tensor& hidden, const Tensor& weight,
                                    const std::string& reduction, c10::SymInt chunk_rows,
                                    bool need_dhidden, bool need_dweight, bool need_dbias,
                                    c10::string_view backend) {
-  if (!recorded(hidden, weight, bias)) {
+  MlmOutputs outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kMlm, SymMlmForward>().call(hidden, weight, bias, labels, ignore_index,
-                                                  label_smoothing, reduction, chunk_rows,
-                                                  need_dhidden, need_dweight, need_dbias, backend);
+    outputs = dispatched<kMlm, SymMlmForward>().call(hidden, weight, bias, labels, ignore_index,
+                                                     label_smoothing, reduction, chunk_rows,
+                                                     need_dhidden, need_dweight, need_dbias, backend);
   }
-  auto out = MaskedLmLoss::apply(hidden, weight, bias, labels, ignore_index, label_smoothing,
-                                 reduction, chunk_rows, need_dhidden, need_dweight, need_dbias,
-                                 backend);
-  return {out[0], out[1], out[2], out[3]};
+  if (!recorded(hidden, weight, bias)) return outputs;
+  auto& [loss, dhidden, dweight, dbias] = outputs;
+  auto node = recording_node<MaskedLmLossNode>(hidden, weight, bias);
+  record_outputs(node, loss);  // (the gradients it took have none)
+  node->hidden = SavedVariable(hidden, false), node->weight = SavedVariable(weight, false);
+  if (bias) node->bias = SavedVariable(*bias, false);
+  node->labels = SavedVariable(labels, false);
+  node->dhidden = SavedVariable(dhidden, false), node->dweight = SavedVariable(dweight, false);
+  node->dbias = SavedVariable(dbias, false);
+  node->ignore_index = ignore_index, node->chunk_rows = chunk_rows;
+  node->label_smoothing = label_smoothing, node->reduction = reduction;
+  node->need_dhidden = need_dhidden, node->need_dweight = need_dweight, node->need_dbias = need_dbias;
+  node->backend = std::string(backend);
+  return outputs;
 }
 
 }  // namespace

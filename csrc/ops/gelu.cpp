@@ -22,41 +22,49 @@ constexpr char kBiasGeluForwardKernel[] = "bias_gelu_forward";
 constexpr char kBiasGeluBackwardKernel[] = "bias_gelu_backward";
 
 // Saves x and bias; the backward recomputes the activation's slope.
-struct BiasGelu : torch::autograd::Function<BiasGelu> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptionalTensor& bias,
-                        const std::string& approximate, c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    ctx->save_for_backward({x, bias.value_or(Tensor())});
-    ctx->saved_data["approximate"] = approximate;
-    ctx->saved_data["backend"] = std::string(backend);
-    return dispatched<kBiasGelu, BiasGeluForward>().call(x, bias, approximate, backend);
+struct BiasGeluNode : OpNode {
+  SavedVariable x, bias;
+  std::string approximate;
+
+  std::string name() const override { return "fusedlm::BiasGeluBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x.reset_data(), bias.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto bias = optional(saved[1]);
-    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor input = x.unpack();
+    const auto b = optional(bias.unpack());
     Tensor dx, dbias;
     if (needs_reference_backward(grads)) {
       const auto taken = reference_backward("bias_gelu", backend, 0.0, "bias_gelu", grads[0],
-                                            saved[0], bias, approximate);
+                                            input, b, approximate);
       dx = taken[0], dbias = taken[1];
     } else {
       std::tie(dx, dbias) = dispatched<kBiasGeluBackward, BiasGeluBackward>().call(
-          grads[0], saved[0], bias, approximate, backend);
+          grads[0], input, b, approximate, backend);
     }
-    return {dx, bias ? dbias : Tensor(), Tensor(), Tensor()};
+    return {dx, b ? dbias : Tensor()};
   }
 };
 
 Tensor bias_gelu_autograd(const Tensor& x, const OptionalTensor& bias, const std::string& approximate,
                           c10::string_view backend) {
-  if (!recorded(x, bias)) {
+  Tensor out;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kBiasGelu, BiasGeluForward>().call(x, bias, approximate, backend);
+    out = dispatched<kBiasGelu, BiasGeluForward>().call(x, bias, approximate, backend);
   }
-  return BiasGelu::apply(x, bias, approximate, backend);
+  if (!recorded(x, bias)) return out;
+  auto node = recording_node<BiasGeluNode>(x, bias);
+  record_outputs(node, out);
+  node->x = SavedVariable(x, false);
+  if (bias) node->bias = SavedVariable(*bias, false);
+  node->approximate = approximate, node->backend = std::string(backend);
+  return out;
 }
 
 // --- gelu_ffn ---------------------------------------------------------------------------------
@@ -74,44 +82,36 @@ constexpr char kGeluFfnBackwardKernel[] = "gelu_ffn_backward";
 
 // Saves the pre-activation (the second output) rather than the activation, which the backward
 // recomputes; the dropout mask is regenerated from its seed.
-struct GeluFfn : torch::autograd::Function<GeluFfn> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1,
-                               const OptionalTensor& b1, const Tensor& w2, const OptionalTensor& b2,
-                               const std::string& approximate, double dropout_p, const Tensor& seed,
-                               c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, pre] = dispatched<kGeluFfn, GeluFfnForward>().call(x, w1, b1, w2, b2, approximate,
-                                                                  dropout_p, seed, backend);
-    ctx->save_for_backward({x, pre, w1, b1.value_or(Tensor()), w2, b2.value_or(Tensor()), seed});
-    ctx->saved_data["approximate"] = approximate;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["backend"] = std::string(backend);
-    ctx->mark_non_differentiable({pre});
-    // The pre-activation never has a gradient: no zero-filled tensor for it.
-    ctx->set_materialize_grads(false);
-    return {out, pre};
+struct GeluFfnNode : OpNode {
+  SavedVariable x, pre, w1, b1, w2, b2, seed;
+  std::string approximate;
+  double dropout_p = 0.0;
+
+  std::string name() const override { return "fusedlm::GeluFfnBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* saved : {&x, &pre, &w1, &b1, &w2, &b2, &seed}) saved->reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list none(9);
-    if (!grads[0].defined()) return none;  // the output was not used either
-    const auto s = ctx->get_saved_variables();
-    const auto b1 = optional(s[3]), b2 = optional(s[5]);
-    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
-    const double p = ctx->saved_data["dropout_p"].toDouble();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
+  // (grad of the output) -> (x, w1, b1, w2, b2)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor input = x.unpack(), p = pre.unpack(), first = w1.unpack(), second = w2.unpack();
+    const Tensor sd = seed.unpack();
+    const auto bias1 = optional(b1.unpack()), bias2 = optional(b2.unpack());
     Tensor dx, dw1, db1, dw2, db2;
     if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("gelu_ffn", backend, p, "gelu_ffn", grads[0], s[0],
-                                            s[1], s[2], b1, s[4], b2, approximate, p, s[6]);
+      const auto taken = reference_backward("gelu_ffn", backend, dropout_p, "gelu_ffn", grads[0],
+                                            input, p, first, bias1, second, bias2, approximate,
+                                            dropout_p, sd);
       dx = taken[0], dw1 = taken[1], db1 = taken[2], dw2 = taken[3], db2 = taken[4];
     } else {
       std::tie(dx, dw1, db1, dw2, db2) = dispatched<kGeluFfnBackward, GeluFfnBackward>().call(
-          grads[0], s[0], s[1], s[2], b1, s[4], b2, approximate, p, s[6], backend);
+          grads[0], input, p, first, bias1, second, bias2, approximate, dropout_p, sd, backend);
     }
-    none[0] = dx, none[1] = dw1, none[2] = b1 ? db1 : Tensor(), none[3] = dw2;
-    none[4] = b2 ? db2 : Tensor();
-    return none;
+    return {dx, dw1, bias1 ? db1 : Tensor(), dw2, bias2 ? db2 : Tensor()};
   }
 };
 
@@ -120,13 +120,23 @@ std::tuple<Tensor, Tensor> gelu_ffn_autograd(const Tensor& x, const Tensor& w1,
                                              const OptionalTensor& b2, const std::string& approximate,
                                              double dropout_p, const Tensor& seed,
                                              c10::string_view backend) {
-  if (!recorded(x, w1, b1, w2, b2)) {
+  std::tuple<Tensor, Tensor> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kGeluFfn, GeluFfnForward>().call(x, w1, b1, w2, b2, approximate, dropout_p,
-                                                       seed, backend);
+    outputs = dispatched<kGeluFfn, GeluFfnForward>().call(x, w1, b1, w2, b2, approximate, dropout_p,
+                                                          seed, backend);
   }
-  auto out = GeluFfn::apply(x, w1, b1, w2, b2, approximate, dropout_p, seed, backend);
-  return {out[0], out[1]};
+  if (!recorded(x, w1, b1, w2, b2)) return outputs;
+  auto& [out, pre] = outputs;
+  auto node = recording_node<GeluFfnNode>(x, w1, b1, w2, b2);
+  record_outputs(node, out);  // (the pre-activation has no gradient)
+  node->x = SavedVariable(x, false), node->pre = SavedVariable(pre, false);
+  node->w1 = SavedVariable(w1, false), node->w2 = SavedVariable(w2, false);
+  if (b1) node->b1 = SavedVariable(*b1, false);
+  if (b2) node->b2 = SavedVariable(*b2, false);
+  node->seed = SavedVariable(seed, false);
+  node->approximate = approximate, node->dropout_p = dropout_p, node->backend = std::string(backend);
+  return outputs;
 }
 
 }  // namespace

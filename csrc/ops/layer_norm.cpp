@@ -21,50 +21,41 @@ constexpr char kForwardKernel[] = "add_layer_norm_forward";
 constexpr char kBackwardKernel[] = "add_layer_norm_backward";
 
 // Only summed, a mean and an rstd per row are saved; the dropout mask is regenerated from its seed.
-struct AddLayerNorm : torch::autograd::Function<AddLayerNorm> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptionalTensor& residual,
-                               const OptionalTensor& weight, const OptionalTensor& bias, double eps,
-                               double dropout_p, const Tensor& seed, c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, summed, mean, rstd] = dispatched<kOp, Forward>().call(
-        x, residual, weight, bias, eps, dropout_p, seed, backend);
-    ctx->save_for_backward({summed, mean, rstd, weight.value_or(Tensor()), seed});
-    ctx->saved_data["has_residual"] = residual.has_value() && residual->defined();
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["backend"] = std::string(backend);
-    ctx->mark_non_differentiable({mean, rstd});
-    // An output nobody used has no gradient (undefined), rather than zeros to read: post-LN
-    // stacks (BERT) never use summed's.
-    ctx->set_materialize_grads(false);
-    return {out, summed, mean, rstd};
+struct AddLayerNormNode : OpNode {
+  SavedVariable summed, mean, rstd, weight, seed;
+  bool has_residual = false, has_bias = false;
+  double dropout_p = 0.0;
+
+  std::string name() const override { return "fusedlm::AddLayerNormBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* saved : {&summed, &mean, &rstd, &weight, &seed}) saved->reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &summed = saved[0], &mean = saved[1], &rstd = saved[2], &seed = saved[4];
-    const auto weight = optional(saved[3]);
-    const bool has_residual = ctx->saved_data["has_residual"].toBool();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const double p = ctx->saved_data["dropout_p"].toDouble();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
+  // (grad of out, grad of summed) -> (x, residual, weight, bias)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const auto self = getptr();
+    const Tensor s = summed.unpack(self), m = mean.unpack(), r = rstd.unpack(), sd = seed.unpack();
+    const auto w = optional(weight.unpack());
     // Only summed was used: nothing flows back through the norm.
-    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(summed);
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(s);
     const auto grad_summed = optional(grads[1]);
     Tensor dsummed, dx, dweight, dbias;
     if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("add_layer_norm", backend, p, "add_layer_norm",
-                                            grad_out, grad_summed, summed, mean, rstd, weight,
-                                            has_bias, has_residual, p, seed);
+      const auto taken = reference_backward("add_layer_norm", backend, dropout_p, "add_layer_norm",
+                                            grad_out, grad_summed, s, m, r, w, has_bias,
+                                            has_residual, dropout_p, sd);
       dsummed = taken[0], dx = taken[1], dweight = taken[2], dbias = taken[3];
     } else {
       std::tie(dsummed, dx, dweight, dbias) = dispatched<kBackwardOp, Backward>().call(
-          grad_out, grad_summed, summed, mean, rstd, weight, has_bias, has_residual, p, seed,
-          backend);
+          grad_out, grad_summed, s, m, r, w, has_bias, has_residual, dropout_p, sd, backend);
     }
     // Without dropout x's gradient is summed's: one tensor serves both inputs.
-    return {p > 0 ? dx : dsummed, has_residual ? dsummed : Tensor(), weight ? dweight : Tensor(),
-            has_bias ? dbias : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dropout_p > 0 ? dx : dsummed, has_residual ? dsummed : Tensor(), w ? dweight : Tensor(),
+            has_bias ? dbias : Tensor()};
   }
 };
 
@@ -72,12 +63,23 @@ Outputs add_layer_norm_autograd(const Tensor& x, const OptionalTensor& residual,
                                 const OptionalTensor& weight, const OptionalTensor& bias,
                                 double eps, double dropout_p, const Tensor& seed,
                                 c10::string_view backend) {
-  if (!recorded(x, residual, weight, bias)) {
+  Outputs outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kOp, Forward>().call(x, residual, weight, bias, eps, dropout_p, seed, backend);
+    outputs = dispatched<kOp, Forward>().call(x, residual, weight, bias, eps, dropout_p, seed, backend);
   }
-  auto out = AddLayerNorm::apply(x, residual, weight, bias, eps, dropout_p, seed, backend);
-  return {out[0], out[1], out[2], out[3]};
+  if (!recorded(x, residual, weight, bias)) return outputs;
+  auto& [out, summed, mean, rstd] = outputs;
+  auto node = recording_node<AddLayerNormNode>(x, residual, weight, bias);
+  record_outputs(node, out, summed);  // (mean and rstd have no gradient)
+  node->summed = SavedVariable(summed, true);
+  node->mean = SavedVariable(mean, false);
+  node->rstd = SavedVariable(rstd, false);
+  if (weight) node->weight = SavedVariable(*weight, false);
+  node->seed = SavedVariable(seed, false);
+  node->has_residual = residual.has_value(), node->has_bias = bias.has_value();
+  node->dropout_p = dropout_p, node->backend = std::string(backend);
+  return outputs;
 }
 
 }  // namespace

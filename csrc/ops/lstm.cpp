@@ -18,44 +18,53 @@ constexpr char kLstmCellBackward[] = "fusedlm::lstm_cell_backward";
 constexpr char kForwardKernel[] = "lstm_cell_forward";
 constexpr char kBackwardKernel[] = "lstm_cell_backward";
 
-struct LstmCell : torch::autograd::Function<LstmCell> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& gates, const Tensor& c_prev,
-                               double cell_clip, c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [h, c] = dispatched<kLstmCell, Forward>().call(gates, c_prev, cell_clip, backend);
-    ctx->save_for_backward({gates, c_prev});
-    ctx->saved_data["cell_clip"] = cell_clip;
-    ctx->saved_data["backend"] = std::string(backend);
-    return {h, c};
+struct LstmCellNode : OpNode {
+  SavedVariable gates, c_prev;
+  double cell_clip = 0.0;
+
+  std::string name() const override { return "fusedlm::LstmCellBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    gates.reset_data(), c_prev.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const double cell_clip = ctx->saved_data["cell_clip"].toDouble();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
-    // (the kernels read the gradients as rows: a recurrence hands them over as views)
-    const Tensor grad_h = grads[0].contiguous(), grad_c = grads[1].contiguous();
+  // (grads of h and c) -> (gates, c_prev)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor g = gates.unpack(), c = c_prev.unpack();
+    // An output not used has a zero gradient; the kernels read the gradients as rows (a
+    // recurrence hands them over as views).
+    const Tensor grad_h = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(c);
+    const Tensor grad_c = grads[1].defined() ? grads[1].contiguous() : at::zeros_like(c);
     Tensor dgates, dc_prev;
     if (needs_reference_backward(grads)) {
       const auto taken = reference_backward("lstm_cell", backend, 0.0, "lstm_cell", grad_h, grad_c,
-                                            s[0], s[1], cell_clip);
+                                            g, c, cell_clip);
       dgates = taken[0], dc_prev = taken[1];
     } else {
       std::tie(dgates, dc_prev) = dispatched<kLstmCellBackward, Backward>().call(
-          grad_h, grad_c, s[0], s[1], cell_clip, backend);
+          grad_h, grad_c, g, c, cell_clip, backend);
     }
-    return {dgates, dc_prev, Tensor(), Tensor()};
+    return {dgates, dc_prev};
   }
 };
 
 std::tuple<Tensor, Tensor> lstm_cell_autograd(const Tensor& gates, const Tensor& c_prev,
                                               double cell_clip, c10::string_view backend) {
-  if (!recorded(gates, c_prev)) {
+  std::tuple<Tensor, Tensor> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kLstmCell, Forward>().call(gates, c_prev, cell_clip, backend);
+    outputs = dispatched<kLstmCell, Forward>().call(gates, c_prev, cell_clip, backend);
   }
-  auto out = LstmCell::apply(gates, c_prev, cell_clip, backend);
-  return {out[0], out[1]};
+  if (!recorded(gates, c_prev)) return outputs;
+  auto& [h, c] = outputs;
+  auto node = recording_node<LstmCellNode>(gates, c_prev);
+  record_outputs(node, h, c);
+  node->gates = SavedVariable(gates, false), node->c_prev = SavedVariable(c_prev, false);
+  node->cell_clip = cell_clip, node->backend = std::string(backend);
+  return outputs;
 }
 
 }  // namespace

@@ -21,33 +21,40 @@ constexpr char kPadBackward[] = "fusedlm::pad_backward";
 constexpr char kPadForwardKernel[] = "pad_forward";
 constexpr char kPadBackwardKernel[] = "pad_backward";
 
-struct Pad : torch::autograd::Function<Pad> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& packed, const Tensor& indices,
-                        c10::SymInt batch, c10::SymInt seqlen, c10::string_view backend) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    ctx->save_for_backward({indices});
-    ctx->saved_data["backend"] = std::string(backend);
-    return dispatched<kPad, SymPadForward>().call(packed, indices, batch, seqlen, backend);
+struct PadNode : OpNode {
+  SavedVariable indices;
+
+  std::string name() const override { return "fusedlm::PadBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    indices.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Tensor indices = ctx->get_saved_variables()[0];
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
-    const Tensor dpacked =
-        needs_reference_backward(grads)
-            ? reference_backward("pad", backend, 0.0, "pad", grads[0], indices)[0]
-            : dispatched<kPadBackward, PadBackward>().call(grads[0], indices, backend);
-    return {dpacked, Tensor(), Tensor(), Tensor(), Tensor()};
+  // (grad of the padded tensor) -> (packed)'s: its rows at indices.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor rows = indices.unpack();
+    if (needs_reference_backward(grads)) {
+      return {reference_backward("pad", backend, 0.0, "pad", grads[0], rows)[0]};
+    }
+    return {dispatched<kPadBackward, PadBackward>().call(grads[0], rows, backend)};
   }
 };
 
 Tensor pad_autograd(const Tensor& packed, const Tensor& indices, c10::SymInt batch,
                     c10::SymInt seqlen, c10::string_view backend) {
-  if (!recorded(packed)) {
+  Tensor out;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kPad, SymPadForward>().call(packed, indices, batch, seqlen, backend);
+    out = dispatched<kPad, SymPadForward>().call(packed, indices, batch, seqlen, backend);
   }
-  return Pad::apply(packed, indices, batch, seqlen, backend);
+  if (!recorded(packed)) return out;
+  auto node = recording_node<PadNode>(packed);
+  record_outputs(node, out);
+  node->indices = SavedVariable(indices, false), node->backend = std::string(backend);
+  return out;
 }
 
 // --- unpad ------------------------------------------------------------------------------------
@@ -58,33 +65,27 @@ using SymUnpadForward = std::tuple<Tensor, Tensor, Tensor, c10::SymInt>(const Te
 constexpr char kUnpad[] = "fusedlm::unpad";
 constexpr char kUnpadForwardKernel[] = "unpad_forward";
 
-// Records the packed rows' gradient; the longest length, not a tensor, leaves through
-// `max_seqlen`.
-struct Unpad : torch::autograd::Function<Unpad> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& mask,
-                               c10::string_view backend, c10::SymInt* max_seqlen) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [packed, indices, cu_seqlens, longest] =
-        dispatched<kUnpad, SymUnpadForward>().call(hidden, mask, backend);
-    *max_seqlen = longest;
-    ctx->save_for_backward({indices});
-    ctx->saved_data["batch"] = hidden.sym_size(0);
-    ctx->saved_data["seqlen"] = hidden.sym_size(1);
-    ctx->saved_data["backend"] = std::string(backend);
-    ctx->mark_non_differentiable({indices, cu_seqlens});
-    return {packed, indices, cu_seqlens};
+// unpad's gradient is pad: the packed rows' gradients back in their padded places.
+struct UnpadNode : OpNode {
+  SavedVariable indices;
+  c10::SymInt batch, seqlen;
+
+  std::string name() const override { return "fusedlm::UnpadBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    indices.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Tensor indices = ctx->get_saved_variables()[0];
-    const c10::SymInt batch = ctx->saved_data["batch"].toSymInt();
-    const c10::SymInt seqlen = ctx->saved_data["seqlen"].toSymInt();
-    const std::string backend = ctx->saved_data["backend"].toStringRef();
-    const Tensor dhidden =
-        needs_reference_backward(grads)
-            ? reference_backward("unpad", backend, 0.0, "unpad", grads[0], indices, batch, seqlen)[0]
-            : dispatched<kPad, SymPadForward>().call(grads[0], indices, batch, seqlen, backend);
-    return {dhidden, Tensor(), Tensor(), Tensor()};
+  // (grad of packed) -> (hidden)'s.
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (no_gradient(grads)) return variable_list(num_outputs());
+    const Tensor rows = indices.unpack();
+    if (needs_reference_backward(grads)) {
+      return {reference_backward("unpad", backend, 0.0, "unpad", grads[0], rows, batch, seqlen)[0]};
+    }
+    return {dispatched<kPad, SymPadForward>().call(grads[0], rows, batch, seqlen, backend)};
   }
 };
 
@@ -101,13 +102,19 @@ std::tuple<Tensor, Tensor, Tensor, c10::SymInt> unpad_kernel(const Tensor& hidde
 std::tuple<Tensor, Tensor, Tensor, c10::SymInt> unpad_autograd(const Tensor& hidden,
                                                                const Tensor& mask,
                                                                c10::string_view backend) {
-  if (!recorded(hidden)) {
+  std::tuple<Tensor, Tensor, Tensor, c10::SymInt> outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<kUnpad, SymUnpadForward>().call(hidden, mask, backend);
+    outputs = dispatched<kUnpad, SymUnpadForward>().call(hidden, mask, backend);
   }
-  c10::SymInt max_seqlen;
-  auto out = Unpad::apply(hidden, mask, backend, &max_seqlen);
-  return {out[0], out[1], out[2], max_seqlen};
+  if (!recorded(hidden)) return outputs;
+  auto& packed = std::get<0>(outputs);
+  auto node = recording_node<UnpadNode>(hidden);
+  record_outputs(node, packed);  // (indices and cu_seqlens have no gradient)
+  node->indices = SavedVariable(std::get<1>(outputs), false);
+  node->batch = hidden.sym_size(0), node->seqlen = hidden.sym_size(1);
+  node->backend = std::string(backend);
+  return outputs;
 }
 
 }  // namespace

@@ -29,8 +29,6 @@ int backend_index(c10::string_view name) {
   TORCH_CHECK_VALUE(false, "backend must be one of reference, cpu, triton or cuda, got '", name, "'");
 }
 
-const char* backend_name(int index) { return kBackendNames[index]; }
-
 KernelSlots& kernel_slots(const std::string& name) {
   std::lock_guard<std::mutex> lock(slots_mutex());
   auto& slots = all_slots()[name];
@@ -54,11 +52,5 @@ void set_python_kernel(const std::string& name, const std::string& backend, pybi
   slots.python[backend_index(backend)].store(kept, std::memory_order_release);
 }
 FUSEDLM_BIND(set_python_kernel, pybind11::arg("name"), pybind11::arg("backend"), pybind11::arg("function"));
-
-// Whether backend has a compiled kernel `name`.
-bool has_compiled_kernel(const std::string& name, const std::string& backend) {
-  return kernel_slots(name).compiled[backend_index(backend)] != nullptr;
-}
-FUSEDLM_BIND(has_compiled_kernel, pybind11::arg("name"), pybind11::arg("backend"));
 
 }  // namespace fusedlm

@@ -26,7 +26,6 @@ namespace fusedlm {
 // fusedlm.backends.BACKEND_NAMES, in order.
 constexpr int kBackends = 4;
 int backend_index(c10::string_view name);
-const char* backend_name(int index);
 
 // One kernel's implementations, by backend: a compiled function (with its type, checked when
 // it is called) or a Python callable (kept alive for good: a call may be using it).

@@ -421,7 +421,10 @@ class Choice:
 
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **features) -> Choice:
     """The backend that runs ``op`` on ``device`` for a call with these features."""
-    forced, source = _forced(backend)
+    if backend is None:  # (the usual call, without a function call: this runs on every call)
+        forced, source = _FORCING.backend, _FORCING.source
+    else:
+        forced, source = _forced(backend)
     # While torch.compile traces, nothing is memoised (the memo is state it would guard on)
     # nor checked: the graph it captures runs the kernels as configured (the eager calls
     # before it are checked).
