@@ -197,8 +197,7 @@ def assert_relative_error(actual, expected, dtype, name, bound=None):
 
 
 class Recorder(TorchDispatchMode):
-    """A dispatch mode that records the name of every op it sees (with it active, an op
-    takes the registered path rather than its eager shortcuts)."""
+    """A dispatch mode that records the name of every op it sees below autograd."""
 
     def __init__(self):
         super().__init__()
