@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 from fusedlm.backends import BACKEND_NAMES, FLOATS, _OPS, _REGISTRY, Emulated, Supports, choose
@@ -174,19 +175,87 @@ def test_an_emulated_backend_runs_only_when_named(monkeypatch):
     assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
 
 
+class BackendsCalled(TorchDispatchMode):
+    """The backend each fusedlm op called below autograd ran on (its last argument)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backends = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedlm":
+            self.backends.append(args[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def backend_of(call) -> str:
+    with BackendsCalled() as called:
+        call()
+    return called.backends[0]
+
+
 def test_a_change_to_a_backend_changes_the_choices_already_made(monkeypatch):
-    # choose() memoises its answers per kind of call: a backend switched off after a call
-    # (and back on) must change the next one's choice, automatic and asked for by name.
+    # The planners memoise their answers per call: a backend switched off after a call (and
+    # back on) must change the next one's choice, automatic and asked for by name.
     x = torch.randn(4, 8)
-    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> cpu")
-    assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
+    assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "cpu"
+    assert backend_of(lambda: fusedlm.ops.bias_gelu(x, backend="cpu")) == "cpu"
     with monkeypatch.context() as patched:
         patched.setattr(_REGISTRY["cpu"], "unavailable", "switched off")
+        assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "reference"
         assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
         with pytest.raises(RuntimeError, match="cannot run on backend 'cpu'.*switched off"):
-            fusedlm.explain("bias_gelu", x, None, backend="cpu")
-    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> cpu")
-    assert fusedlm.explain("bias_gelu", x, None, backend="cpu").startswith("bias_gelu -> cpu")
+            fusedlm.ops.bias_gelu(x, backend="cpu")
+    assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "cpu"
+    assert backend_of(lambda: fusedlm.ops.bias_gelu(x, backend="cpu")) == "cpu"
+    with fusedlm.use_backend("reference"):
+        assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "reference"
+    assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "cpu"
+
+
+def test_a_memoised_call_is_still_checked():
+    # A call whose arguments differ from a memoised one only in what its checks read (a
+    # shape, bool against int, the grad mode, an index tensor's values) is checked afresh.
+    x, r = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(2):
+        fusedlm.ops.add_layer_norm(x, r, None, None, 1)
+        with pytest.raises(ValueError, match="residual must have shape"):
+            fusedlm.ops.add_layer_norm(x, r[:, :4], None, None, 1)
+        with pytest.raises(ValueError, match="eps must be a finite float"):
+            fusedlm.ops.add_layer_norm(x, r, None, None, True)
+    student, teacher = torch.randn(3, 5), torch.randn(3, 5, requires_grad=True)
+    for _ in range(2):
+        with torch.no_grad():
+            fusedlm.ops.distillation_loss(student, teacher)
+        with pytest.raises(ValueError, match="teacher_logits"):
+            fusedlm.ops.distillation_loss(student, teacher)
+    logits, labels = torch.randn(3, 5), torch.tensor([0, 1, 2])
+    for backend in ("cpu", "reference"):
+        fusedlm.ops.cross_entropy(logits, labels, backend=backend)
+        with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 5\)"):
+            fusedlm.ops.cross_entropy(logits, torch.tensor([0, 7, 2]), backend=backend)
+
+
+def test_call_key_holds_what_a_planner_reads():
+    from fusedlm._extension import _C
+    x = torch.randn(4, 8)
+    key = _C.call_key((x, None, 1.0), {"backend": "cpu"})
+    assert key == _C.call_key((torch.randn(4, 8), None, 1.0), {"backend": "cpu"})
+    for other in ((x.t().contiguous().t(), None, 1.0), (x.double(), None, 1.0), (x, None, 1),
+                  (x, None, True), (x[:, :4], None, 1.0), (x.clone().requires_grad_(), None, 1.0)):
+        assert _C.call_key(other, {"backend": "cpu"}) != key
+    assert _C.call_key((x, None, 1.0), {"backend": None}) != key
+    with torch.no_grad():
+        assert _C.call_key((x, None, 1.0), {"backend": "cpu"}) != key
+    assert _C.call_key((torch.nn.Parameter(x),), {}) != _C.call_key((x,), {})
+    # What a key cannot hold exactly: the call is planned afresh.
+    for unkeyed in (x.as_subclass(_Subclass), object(), 2**80,
+                    torch.zeros(3).to_sparse()):
+        assert _C.call_key((unkeyed,), {}) is None
+
+
+class _Subclass(torch.Tensor):
+    pass
 
 
 @pytest.mark.cuda

@@ -390,23 +390,36 @@ void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::
   });
 }
 
-// The sum of the losses (contiguous, accumulation dtype) as a float64 scalar tensor,
-// summed in row order, so that it does not depend on the thread count.
-at::Tensor total(const at::Tensor& losses) {
+// The sum of the losses (contiguous, accumulation dtype), in row order, so that it does not
+// depend on the thread count.
+double sum_of(const at::Tensor& losses) {
   double sum = 0.0;
-  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "total", [&] {
+  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "sum_of", [&] {
     const scalar_t* l = losses.data_ptr<scalar_t>();
     for (int64_t i = 0; i < losses.numel(); ++i) sum += l[i];
   });
-  return at::scalar_tensor(sum, losses.options().dtype(at::kDouble));
+  return sum;
 }
 
-// The loss a reduction returns from the per-row losses.
+// `value` as a 0-dim tensor, written in place: a call's fixed cost counts at small sizes.
+at::Tensor scalar_of(double value, const at::TensorOptions& options) {
+  auto out = at::empty({}, options);
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "scalar_of",
+                             [&] { *out.data_ptr<scalar_t>() = static_cast<scalar_t>(value); });
+  return out;
+}
+
+at::Tensor total(const at::Tensor& losses) {
+  return scalar_of(sum_of(losses), losses.options().dtype(at::kDouble));
+}
+
+// The loss a reduction returns from the per-row losses (the mean and sum rounded once, from
+// float64, to the losses' dtype).
 at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
   if (reduction == Reduction::kNone) return losses;
-  auto sum = total(losses);
-  if (reduction == Reduction::kMean) sum = sum / double(std::max<int64_t>(labelled, 1));
-  return sum.to(losses.scalar_type());
+  double sum = sum_of(losses);
+  if (reduction == Reduction::kMean) sum /= double(std::max<int64_t>(labelled, 1));
+  return scalar_of(sum, losses.options());
 }
 
 // src * scale in src's dtype, rounded once. scale (accumulation dtype) holds one value,

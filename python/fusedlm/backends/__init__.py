@@ -24,6 +24,7 @@ Environment switches are read once, when fusedlm is imported.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -290,20 +291,24 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 _PLANNERS: dict[str, Callable] = {}
-# choose()'s answers, memoised by call: {(op, device, backend forced, what forced it,
-# *features): _worked_out's plan, or the Choice itself once the device checks of
-# fusedlm.backends.verify have passed it for good}. It depends only on the declared ops, the
-# backends and those checks, so declare(), register(), a change to a Backend and
-# verify.forget() empty it (forget_choices).
-_MEMO: dict = {}
-_MEMO_SIZE = 4096
+# The planners' answers, memoised by call (planner): {op: {fusedlm._C.call_key of the call,
+# forced backend, what forced it: Choice}}. An answer depends on the call's key, the forcing,
+# the declared ops, the backends and the device checks of fusedlm.backends.verify, so
+# declare(), register(), a change to a Backend and verify.forget() empty it (forget_choices).
+_PLANS: dict[str, dict] = {}
+_PLANS_SIZE = 4096  # calls per op (the key holds sizes, which vary from call to call)
+# How many plannings so far read more than their call's key: the values of index tensors
+# (check_index_data) or a device check not yet passed for good (choose). Such an answer is
+# not memoised.
+_unsettled = 0
 _selected: Optional[str] = None
 _pinned: list = []  # the use_backend() blocks being run, innermost last
 
 
 def forget_choices() -> None:
-    """Drops choose()'s memoised answers."""
-    _MEMO.clear()
+    """Drops the planners' memoised answers."""
+    for plans in _PLANS.values():
+        plans.clear()
 
 
 def register(backend: Backend) -> Backend:
@@ -421,32 +426,17 @@ class Choice:
 
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **features) -> Choice:
     """The backend that runs ``op`` on ``device`` for a call with these features."""
-    if backend is None:  # (the usual call, without a function call: this runs on every call)
-        forced, source = _FORCING.backend, _FORCING.source
-    else:
-        forced, source = _forced(backend)
-    # While torch.compile traces, nothing is memoised (the memo is state it would guard on)
-    # nor checked: the graph it captures runs the kernels as configured (the eager calls
-    # before it are checked).
+    global _unsettled
+    forced, source = _forced(backend)
+    plan = _worked_out(op, device, forced, source, features)
+    # While torch.compile traces, nothing is checked: the graph it captures runs the kernels
+    # as configured (the eager calls before it are checked).
     if torch.compiler.is_compiling():
-        return _decided(op, device, forced, source, features.get("dtype"),
-                        _worked_out(op, device, forced, source, features), _unchecked)[0]
-    key = (op, device, forced, source, *features.items())
-    try:
-        known = _MEMO[key]
-    except KeyError:
-        if len(_MEMO) >= _MEMO_SIZE:  # features such as rows vary from call to call
-            _MEMO.clear()
-        known = _MEMO[key] = _worked_out(op, device, forced, source, features)
-    except TypeError:  # a feature that cannot be a key
-        return _decided(op, device, forced, source, features.get("dtype"),
-                        _worked_out(op, device, forced, source, features), verify.failure)[0]
-    if known.__class__ is Choice:
-        return known
-    dtype = features.get("dtype")
-    choice, final = _decided(op, device, forced, source, dtype, known, verify.failure)
-    if final:  # the same answer until the backends or the checks change: memoised whole
-        _MEMO[key] = choice
+        return _decided(op, device, forced, source, features.get("dtype"), plan, _unchecked)[0]
+    choice, final = _decided(op, device, forced, source, features.get("dtype"), plan,
+                             verify.failure)
+    if not final:
+        _unsettled += 1
     return choice
 
 
@@ -514,11 +504,35 @@ def _automatic_choice(backend: str, device_type: str, skipped: list) -> Choice:
 
 
 def planner(op: str):
-    """Registers the function that validates a call to ``op`` and returns its Choice."""
+    """Registers the function that validates a call to ``op`` and returns its Choice, and
+    returns it memoised: a call whose arguments have the key of an earlier one
+    (fusedlm._C.call_key: their types and values, the tensors' metadata, the grad mode) under
+    the same forcing gets the earlier answer, unless its planning read more than that
+    (``_unsettled``). Not while torch.compile traces, which must see the planner run."""
 
-    def decorate(fn):
-        _PLANNERS[op] = fn
-        return fn
+    def decorate(plan):
+        _PLANNERS[op] = plan
+        plans = _PLANS[op] = {}
+
+        @functools.wraps(plan)
+        def planned(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return plan(*args, **kwargs)
+            key = _C.call_key(args, kwargs)
+            if key is not None:
+                key = (key, _FORCING.backend, _FORCING.source)
+                known = plans.get(key)
+                if known is not None:
+                    return known
+            unsettled = _unsettled
+            choice = plan(*args, **kwargs)
+            if key is not None and _unsettled == unsettled:
+                if len(plans) >= _PLANS_SIZE:
+                    plans.clear()
+                plans[key] = choice
+            return choice
+
+        return planned
 
     return decorate
 
@@ -553,15 +567,18 @@ def check_index_data(device: torch.device, backend: str, *, once_a_step: bool = 
     (fusedlm.ops.cross_entropy: a later call reads it). Never while torch.compile traces
     (the values are not known then), while a CUDA graph captures (it cannot synchronise)
     nor for meta tensors."""
+    global _unsettled
     if backend == "cpu":
         return False
     if torch.compiler.is_compiling() or device.type == "meta":
         return False
-    if device.type == "cpu":
-        return True
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _unsettled += 1  # (the next call, outside the capture, checks)
         return False
-    return once_a_step or DEBUG
+    checks = device.type == "cpu" or once_a_step or DEBUG
+    if checks:  # (the call's answer then rests on the values: not memoised)
+        _unsettled += 1
+    return checks
 
 
 from . import cpu, cuda, reference, triton  # noqa: E402,F401  (each registers itself)

@@ -34,15 +34,6 @@ from ..backends import OpInfo, declare, filled
 _DECLARED: dict = {}  # {name: Op}
 
 
-def transformed() -> bool:
-    """A torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap...) or forward-mode AD
-    (torch.autograd.forward_ad) is applied to the call, outside torch.compile's tracing.
-    The kernels have no forward-mode or batching rules: such a call runs the op's
-    plain-PyTorch composition, which every transform takes."""
-    return (peek_interpreter_stack() is not None or forward_ad._current_level >= 0) and \
-        not torch.compiler.is_compiling()
-
-
 def reference_backward(op: str, backend: str, dropout_p: float, *args,
                        caller: Optional[str] = None) -> tuple:
     """``op``'s backward where the backend's kernel cannot serve: for a gradient that is to be
@@ -90,6 +81,9 @@ class Op:
         self._reference_kernels = reference_kernels
         self._twice_differentiable = False
         self._op = getattr(torch.ops.fusedlm, name).default
+        # What the OpOverload calls, called directly by eager calls (a Python frame less);
+        # torch.compile traces the OpOverload.
+        self._builtin = getattr(self._op, "_op", self._op)
         _register_fake(name, fake)
         # The module of fusedlm.ops declaring the op (fusedlm.backends.triton finds its
         # kernels in the Triton module of the same name).
@@ -98,10 +92,15 @@ class Op:
                        tuple(replace(p, op=name) for p in probes)))
 
     def __call__(self, backend: str, *args):
-        """The op's outputs on ``backend``."""
-        if transformed():
-            return filled(self._reference_kernels[0](*args), args)
-        return self._op(*args, backend)
+        """The op's outputs on ``backend``; under a torch.func transform or forward-mode AD,
+        outside torch.compile's tracing, the reference backend's plain-PyTorch forward kernel
+        instead, which every transform takes (the kernels have no forward-mode or batching
+        rules)."""
+        if torch.compiler.is_compiling():
+            return self._op(*args, backend)
+        if peek_interpreter_stack() is None and forward_ad._current_level < 0:
+            return self._builtin(*args, backend)
+        return filled(self._reference_kernels[0](*args), args)
 
     def differentiable(self, fake: Optional[Callable], *, twice: bool = True) -> "Op":
         """Registers the fake of the backward op (None where the op has none: unpad's
