@@ -107,9 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_lm_loss_forwar
     loss = at::zeros(labels.sizes(), losses.options());
     loss.view(in.labels.sizes()).index_copy_(0, in.labelled, losses);
   } else {
-    auto total = backend.total(losses);
-    if (red == Reduction::kMean) total = total / double(std::max<int64_t>(labelled, 1));
-    loss = total.to(losses.scalar_type());
+    loss = backend.reduce(losses, red, labelled);
   }
   auto [dh, dw, db] = grads_out(g, hidden, weight, bias);
   return {loss, dh, dw, db};

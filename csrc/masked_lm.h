@@ -29,8 +29,9 @@ struct MlmBackend {
                       const at::Tensor& losses, bool with_grad, bool col_sum,
                       int64_t ignore_index, double label_smoothing, double grad_scale,
                       const at::Tensor& row_scale);
-  // The sum of losses (acc [n]) as a float64 scalar tensor.
-  at::Tensor (*total)(const at::Tensor& losses);
+  // The loss reduction "mean" or "sum" returns from the losses (acc [n]) of `labelled` rows:
+  // a scalar in acc, summed in float64.
+  at::Tensor (*reduce)(const at::Tensor& losses, Reduction reduction, int64_t labelled);
   // src * scale (one acc value) in src's dtype, rounded once; undefined for undefined src.
   at::Tensor (*scaled)(const at::Tensor& src, const at::Tensor& scale);
 };

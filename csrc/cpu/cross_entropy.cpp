@@ -409,10 +409,6 @@ at::Tensor scalar_of(double value, const at::TensorOptions& options) {
   return out;
 }
 
-at::Tensor total(const at::Tensor& losses) {
-  return scalar_of(sum_of(losses), losses.options().dtype(at::kDouble));
-}
-
 // The loss a reduction returns from the per-row losses (the mean and sum rounded once, from
 // float64, to the losses' dtype).
 at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
@@ -449,8 +445,13 @@ at::Tensor scaled(const at::Tensor& src, const at::Tensor& scale) {
 }
 
 at::Tensor labelled_positions(const at::Tensor& labels1, int64_t classes, int64_t ignore_index) {
-  count_labelled(labels1, classes, ignore_index);
-  return at::nonzero(labels1 != ignore_index).view(-1);
+  auto positions = at::empty({count_labelled(labels1, classes, ignore_index)}, labels1.options());
+  const int64_t* y = labels1.data_ptr<int64_t>();
+  int64_t* next = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < labels1.numel(); ++i) {
+    if (y[i] != ignore_index) *next++ = i;
+  }
+  return positions;
 }
 
 // The fused kernel on one chunk of masked_lm_loss, summing its gradient's columns per
@@ -467,7 +468,8 @@ at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& label
   return col_sum ? sum_partials(partial, acc) : at::Tensor();
 }
 
-const MlmBackend kCpuMlm{check_cpu, labelled_positions, chunk_cross_entropy, total, scaled};
+const MlmBackend kCpuMlm{check_cpu, labelled_positions, chunk_cross_entropy, reduce_losses,
+                         scaled};
 
 }  // namespace
 

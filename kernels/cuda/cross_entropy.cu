@@ -303,10 +303,15 @@ at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& label
   return col_sum ? logits.sum(0, false, at::kFloat) : at::Tensor();
 }
 
-at::Tensor total(const at::Tensor& losses) { return losses.sum(at::kDouble); }
+// masked_lm_loss's reduction, whose count of labelled rows the host already holds.
+at::Tensor reduce_labelled(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
+  auto total = losses.sum(at::kDouble);
+  if (reduction == Reduction::kMean) total = total / double(std::max<int64_t>(labelled, 1));
+  return total.to(losses.scalar_type());
+}
 
-const MlmBackend kCudaMlm{check_device_tensor, labelled_positions, chunk_cross_entropy, total,
-                          scaled};
+const MlmBackend kCudaMlm{check_device_tensor, labelled_positions, chunk_cross_entropy,
+                          reduce_labelled, scaled};
 
 }  // namespace
 
