@@ -49,9 +49,10 @@ inline at::ScalarType acc_dtype(at::ScalarType dtype) {
 // the next output (hundreds of page faults a call at BERT sizes).
 at::Tensor partial_sums(int64_t rows, int64_t cols, at::ScalarType dtype);
 
-// Sums a [blocks, cols] buffer of partial sums (in acc_dtype) over its blocks, in
-// block order, and returns it in `dtype`.
-at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype);
+// Sums rows [first, first + blocks) of a [*, cols] buffer of partial sums (in acc_dtype), in
+// block order, and returns the sum in `dtype`.
+at::Tensor sum_partials(const at::Tensor& partial, int64_t first, int64_t blocks,
+                        at::ScalarType dtype);
 
 // The dropout seed, drawn from torch's generator by the Python layer.
 inline uint64_t seed_value(const at::Tensor& seed) {

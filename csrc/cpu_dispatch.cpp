@@ -79,11 +79,12 @@ at::Tensor partial_sums(int64_t rows, int64_t cols, at::ScalarType dtype) {
   return at::from_blob(scratch.data(), {rows, cols}, options);
 }
 
-at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
-  const int64_t blocks = partial.size(0), cols = partial.size(1);
+at::Tensor sum_partials(const at::Tensor& partial, int64_t first, int64_t blocks,
+                        at::ScalarType dtype) {
+  const int64_t cols = partial.size(1);
   auto out = at::empty({cols}, partial.options());
   AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "sum_partials", [&] {
-    const scalar_t* src = partial.data_ptr<scalar_t>();
+    const scalar_t* src = partial.data_ptr<scalar_t>() + first * cols;
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, cols, 1024, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) dst[c] = 0;
@@ -91,7 +92,7 @@ at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
         for (int64_t c = begin; c < end; ++c) dst[c] += src[b * cols + c];
     });
   });
-  return out.to(dtype);
+  return dtype == out.scalar_type() ? out : out.to(dtype);
 }
 
 }  // namespace fusedlm

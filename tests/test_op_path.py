@@ -287,3 +287,20 @@ def test_an_eager_call_is_one_dispatcher_call_and_its_backward_another(op):
     ours = [name for name in recorder.ops if name.startswith("fusedlm.")]
     backward = {"unpad": "pad", "distillation_loss": "cross_entropy_backward"}.get(op, f"{op}_backward")
     assert ours == [f"fusedlm.{op}.default", f"fusedlm.{backward}.default"], ours
+
+
+def test_a_backward_op_autograd_would_record_raises():
+    # A backward op runs below autograd (its node calls it with grad mode off; a gradient to
+    # be differentiated again is the reference backward's): a call autograd would record has
+    # no derivative to record, and says so instead of returning gradients that silently
+    # have none.
+    summed = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(4, 8, dtype=torch.float64)
+    stats = torch.zeros(4, dtype=torch.float64)
+    op = torch.ops.fusedlm.add_layer_norm_backward
+    call = (grad, None, summed, stats, stats + 1, None, False, True, 0.0, next_seed(0.0), "cpu")
+    with pytest.raises(RuntimeError, match="add_layer_norm_backward has no derivative"):
+        op(*call)
+    with torch.no_grad():
+        dsummed, *_ = op(*call)
+    assert dsummed.shape == summed.shape

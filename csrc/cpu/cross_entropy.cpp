@@ -465,7 +465,7 @@ at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& label
   auto partial = col_sum ? partial_sums(blocks, logits.size(1), acc) : at::Tensor();
   run_kernel(logits, labels1, losses, with_grad ? logits : at::Tensor(), partial, ignore_index,
              label_smoothing, grad_scale, row_scale);
-  return col_sum ? sum_partials(partial, acc) : at::Tensor();
+  return col_sum ? sum_partials(partial, 0, blocks, acc) : at::Tensor();
 }
 
 const MlmBackend kCpuMlm{check_cpu, labelled_positions, chunk_cross_entropy, reduce_losses,

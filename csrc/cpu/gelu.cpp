@@ -264,7 +264,7 @@ at::Tensor gelu_rows_backward(const at::Tensor& grad, const at::Tensor& pre, con
                               keep_rows(keep, seed, begin, end, cols, p), p);
     }
   });
-  return has_bias ? sum_partials(partial, bias.scalar_type()) : at::Tensor();
+  return has_bias ? sum_partials(partial, 0, blocks, bias.scalar_type()) : at::Tensor();
 }
 
 }  // namespace

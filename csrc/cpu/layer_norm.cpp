@@ -474,18 +474,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   const bool has_weight = in.weight.defined();
   const int64_t dw_blocks = has_weight ? blocks : 0, db_blocks = has_bias ? blocks : 0;
+  // dweight's partial sums, then dbias's.
   auto partials = partial_sums(dw_blocks + db_blocks, cols, acc);
-  auto dw_part = partials.narrow(0, 0, dw_blocks), db_part = partials.narrow(0, dw_blocks, db_blocks);
 
   const size_t row_bytes = cols * in.summed.element_size(), stat_bytes = mean.element_size();
-  const size_t part_bytes = cols * dw_part.element_size();
+  const size_t part_bytes = cols * partials.element_size();
   const char *gp = bytes(in.grad_out), *sp = bytes(in.summed);
   const char* gsp = in.grad_summed.defined() ? bytes(in.grad_summed) : nullptr;
   const char *mp = bytes(mean), *vp = bytes(rstd);
   char* dsp = in.dsummed.defined() ? bytes_mut(in.dsummed) : nullptr;
   char* dxp = in.dx.defined() ? bytes_mut(in.dx) : nullptr;
-  char* dwp = has_weight ? bytes_mut(dw_part) : nullptr;
-  char* dbp = has_bias ? bytes_mut(db_part) : nullptr;
+  char* dwp = has_weight ? bytes_mut(partials) : nullptr;
+  char* dbp = has_bias ? bytes_mut(partials) + dw_blocks * part_bytes : nullptr;
   const void* wp = has_weight ? in.weight.data_ptr() : nullptr;
   for_blocks(rows, cols, s, dropout_p, [&](int64_t blk, int64_t begin, int64_t end,
                                            const uint8_t* keep) {
@@ -497,8 +497,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
         end - begin, cols, keep, dropout_p);
   });
   return {in.dsummed, in.dx,
-          has_weight ? sum_partials(dw_part, summed.scalar_type()) : at::Tensor(),
-          has_bias ? sum_partials(db_part, summed.scalar_type()) : at::Tensor()};
+          has_weight ? sum_partials(partials, 0, dw_blocks, summed.scalar_type()) : at::Tensor(),
+          has_bias ? sum_partials(partials, dw_blocks, db_blocks, summed.scalar_type())
+                   : at::Tensor()};
 }
 FUSEDLM_KERNEL(add_layer_norm_backward);
 

@@ -101,6 +101,23 @@ bool recorded(const Args&... args) {
   return at::GradMode::is_enabled() && (requires_grad(args) || ...);
 }
 
+// The Autograd kernel of a backward op (fusedlm::<op>_backward, named Name, whose kernels have
+// the signature Kernel), which autograd never records: a node's backward calls it with grad
+// mode off, and a gradient to be differentiated again is the reference backward's. It runs the
+// op below autograd, without the boxed fallback torch runs for an op with no Autograd kernel;
+// a call autograd would record raises.
+template <const char* Name, class Kernel>
+struct BelowAutograd;
+template <const char* Name, class Ret, class... Args>
+struct BelowAutograd<Name, Ret(Args...)> {
+  static Ret run(Args... args, c10::string_view backend) {
+    TORCH_CHECK(!recorded(args...), Name, " has no derivative: a gradient to be differentiated "
+                "again is fusedlm's reference backward (fusedlm.ops._op.reference_backward)");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return dispatched<Name, Ret(Args...)>().call(args..., backend);
+  }
+};
+
 inline std::optional<at::Tensor> optional(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }

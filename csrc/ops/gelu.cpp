@@ -160,6 +160,8 @@ FUSEDLM_ROUTE(gelu_ffn_backward, kGeluFfnBackwardKernel, GeluFfnBackward)
 TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("bias_gelu", &bias_gelu_autograd);
   m.impl("gelu_ffn", &gelu_ffn_autograd);
+  m.impl("bias_gelu_backward", &BelowAutograd<kBiasGeluBackward, BiasGeluBackward>::run);
+  m.impl("gelu_ffn_backward", &BelowAutograd<kGeluFfnBackward, GeluFfnBackward>::run);
 }
 
 }  // namespace fusedlm

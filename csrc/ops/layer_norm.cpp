@@ -95,6 +95,9 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
 FUSEDLM_ROUTE(add_layer_norm, kForwardKernel, Forward)
 FUSEDLM_ROUTE(add_layer_norm_backward, kBackwardKernel, Backward)
 
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) { m.impl("add_layer_norm", &add_layer_norm_autograd); }
+TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
+  m.impl("add_layer_norm", &add_layer_norm_autograd);
+  m.impl("add_layer_norm_backward", &BelowAutograd<kBackwardOp, Backward>::run);
+}
 
 }  // namespace fusedlm

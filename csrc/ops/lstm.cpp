@@ -78,6 +78,9 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
 FUSEDLM_ROUTE(lstm_cell, kForwardKernel, Forward)
 FUSEDLM_ROUTE(lstm_cell_backward, kBackwardKernel, Backward)
 
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) { m.impl("lstm_cell", &lstm_cell_autograd); }
+TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
+  m.impl("lstm_cell", &lstm_cell_autograd);
+  m.impl("lstm_cell_backward", &BelowAutograd<kLstmCellBackward, Backward>::run);
+}
 
 }  // namespace fusedlm

@@ -133,6 +133,7 @@ FUSEDLM_ROUTE(pad_backward, kPadBackwardKernel, PadBackward)
 TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("unpad", &unpad_autograd);
   m.impl("pad", &pad_autograd);
+  m.impl("pad_backward", &BelowAutograd<kPadBackward, PadBackward>::run);
 }
 
 }  // namespace fusedlm
