@@ -251,7 +251,7 @@ class Backend:
     _ops_seen: int = field(default=0, repr=False)
 
     def __setattr__(self, name, value):
-        # What a backend takes and runs decides choose()'s memoised answers: a change to it
+        # What a backend takes and runs decides the planners' memoised answers: a change to it
         # (a backend switched off, say) forgets them.
         object.__setattr__(self, name, value)
         if not name.startswith("_"):
