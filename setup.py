@@ -17,6 +17,7 @@ Environment:
 """
 import glob
 import os
+from concurrent.futures import ThreadPoolExecutor
 import platform
 import sysconfig
 from pathlib import Path
@@ -39,11 +40,15 @@ DEFAULT_CUDA_ARCHES = "8.0+PTX;9.0a"
 # code: without -fopenmp its `omp parallel` is ignored and every task runs on the calling
 # thread. (Apple's clang has no -fopenmp; there the host code stays single-threaded.)
 OPENMP_FLAGS = ["-fopenmp"] if torch._C.has_openmp and platform.system() != "Darwin" else []
+# No debug information: Python's compile flags ask for it (-g), and with torch's headers it
+# makes up a third of the compile time and most of the extension's size.
+NO_DEBUG_INFO = ["-g0"]
 # Host code takes the C++ standard torch's headers need; the kernels need C++17.
-HOST_FLAGS = ["-O3", "-fvisibility=hidden", *OPENMP_FLAGS]
+HOST_FLAGS = ["-O3", "-fvisibility=hidden", *OPENMP_FLAGS, *NO_DEBUG_INFO]
 # -fno-trapping-math: the kernels never enable floating-point exceptions, and without it
 # GCC will not turn a float ?: into a blend, so loops with one (clamps, selects) stay scalar.
-KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-trapping-math"]
+KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fno-trapping-math",
+                *NO_DEBUG_INFO]
 # Flags of each CPU kernel build. Never -march=native: the wheel must run on any x86-64.
 ISA_FLAGS = {
     "baseline": [],
@@ -134,7 +139,7 @@ def emulated_cuda_libraries(sources):
     every load and store of the kernels), then the emulator itself, uninstrumented."""
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     torch_flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-std=c++20", "-fPIC", "-O2",
-                   "-fvisibility=hidden"]
+                   "-fvisibility=hidden", *NO_DEBUG_INFO]
     # Python's headers too: entry points bind themselves (csrc/bind.h).
     include_dirs = [*CUDA_INCLUDE_DIRS, *cpp_extension.include_paths(),
                     sysconfig.get_paths()["include"]]
@@ -151,7 +156,7 @@ def emulated_cuda_libraries(sources):
         ("fusedlm_emulator", {
             "sources": sorted(glob.glob("csrc/emulator/*.cpp", root_dir=ROOT)),
             "macros": [],
-            "cflags": ["-std=c++17", "-fPIC", "-O2", "-fvisibility=hidden"],
+            "cflags": ["-std=c++17", "-fPIC", "-O2", "-fvisibility=hidden", *NO_DEBUG_INFO],
             "include_dirs": [str(ROOT / "csrc")],
             "depends": sorted(glob.glob("csrc/emulator/*.h", root_dir=ROOT)),
         }),
@@ -182,15 +187,17 @@ def extension(sources, with_cuda, emulated):
 
 
 class BuildIsaLibraries(build_clib):
-    """Compiles each instruction set's kernel library into its own object folder
-    (the same sources are compiled once per instruction set)."""
+    """Compiles each instruction set's kernel library into its own object folder (the same
+    sources are compiled once per instruction set), MAX_JOBS sources at a time across all
+    the libraries, as ninja compiles the extension (setuptools compiles one at a time)."""
 
     def build_libraries(self, libraries):
         if ".cu" not in self.compiler.src_extensions:  # the emulation build's CUDA sources
             self.compiler.src_extensions.append(".cu")
-        for name, info in libraries:
-            objects = self.compiler.compile(
-                info["sources"],
+
+        def compile_one(name, info, source):
+            return self.compiler.compile(
+                [source],
                 output_dir=os.path.join(self.build_temp, name),
                 macros=info["macros"],
                 include_dirs=info.get("include_dirs"),
@@ -198,7 +205,14 @@ class BuildIsaLibraries(build_clib):
                 extra_postargs=info["cflags"],
                 depends=info["depends"],
             )
-            self.compiler.create_static_lib(objects, name, output_dir=self.build_clib)
+
+        jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            compiled = {name: [pool.submit(compile_one, name, info, source)
+                               for source in info["sources"]] for name, info in libraries}
+            for name, objects in compiled.items():
+                objects = [obj for job in objects for obj in job.result()]
+                self.compiler.create_static_lib(objects, name, output_dir=self.build_clib)
 
 
 class BuildExtension(cpp_extension.BuildExtension.with_options(use_ninja=True)):
