@@ -187,7 +187,7 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("attention", &attention_autograd);
   m.impl("attention_varlen", &attention_varlen_autograd);
   m.impl("attention_backward", &BelowAutograd<kAttentionBackward, Backward>::run);
-  m.impl("attention_varlen_backward", &BelowAutograd<kVarlenBackward, VarlenBackward>::run);
+  m.impl("attention_varlen_backward", &BelowAutograd<kVarlenBackward, SymVarlenBackward>::run);
 }
 
 }  // namespace fusedlm

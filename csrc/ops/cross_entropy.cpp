@@ -221,7 +221,7 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("distillation_loss", &distillation_loss_autograd);
   m.impl("masked_lm_loss", &masked_lm_loss_autograd);
   m.impl("cross_entropy_backward", &BelowAutograd<kCrossEntropyBackward, ScaleBackward>::run);
-  m.impl("masked_lm_loss_backward", &BelowAutograd<kMlmBackward, MlmBackward>::run);
+  m.impl("masked_lm_loss_backward", &BelowAutograd<kMlmBackward, SymMlmBackward>::run);
 }
 
 }  // namespace fusedlm
