@@ -35,8 +35,6 @@ from fusedlm.ops.attention import _like
 
 from ._common import autotune, dot_precision, keep, seed_of, upcast_products
 
-# The largest head_dim of q and k, and of v, the kernels take (the backend layer checks it).
-MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Sequences up to this length (BERT's) tune over smaller query blocks: more programs.

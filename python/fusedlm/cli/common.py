@@ -99,11 +99,6 @@ def read_config(directory) -> dict:
     return values if isinstance(values, dict) else {}
 
 
-def read_model_type(directory) -> str:
-    """The model_type of a model folder, after checking it is one."""
-    return read_config(directory).get("model_type", "")
-
-
 def load_model(directory, command: str, device: torch.device, **config_changes):
     """(spec, model, tokenizer) of a model folder (transformers' layout, sharded or not),
     the model being the class that serves ``command``, chosen by config.json's
