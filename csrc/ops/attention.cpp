@@ -32,10 +32,7 @@ struct AttentionNode : OpNode {
 
   std::string name() const override { return "fusedlm::AttentionBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto* saved : {&q, &k, &v, &out, &lse, &mask, &bias, &seed}) saved->reset_data();
-  }
+  void release_variables() override { release(q, k, v, out, lse, mask, bias, seed); }
 
   // (grad of out) -> (q, k, v, attn_bias)'s.
   variable_list apply(variable_list&& grads) override {
@@ -112,10 +109,7 @@ struct AttentionVarlenNode : OpNode {
 
   std::string name() const override { return "fusedlm::AttentionVarlenBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto* saved : {&q, &k, &v, &out, &lse, &cu_q, &cu_k, &seed}) saved->reset_data();
-  }
+  void release_variables() override { release(q, k, v, out, lse, cu_q, cu_k, seed); }
 
   // (grad of out) -> (q, k, v)'s.
   variable_list apply(variable_list&& grads) override {

@@ -33,6 +33,15 @@ using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
 // backward takes Node::mutex_ while it reads the saved tensors, as torch's nodes do.)
 struct OpNode : torch::autograd::Node {
   std::string backend;
+
+ protected:
+  // Drops the data of the saved tensors, under the node's lock: what a node's
+  // release_variables does, once autograd will not run its backward again.
+  template <class... Saved>
+  void release(Saved&... saved) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    (saved.reset_data(), ...);
+  }
 };
 
 // A new node of type N whose next edges are those of `inputs` (tensors, or optional ones: an

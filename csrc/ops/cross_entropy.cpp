@@ -26,10 +26,7 @@ struct ScaledGradNode : OpNode {
 
   std::string name() const override { return node_name; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    saved.reset_data();
-  }
+  void release_variables() override { release(saved); }
 
   // (grad of the loss) -> (the logits')
   variable_list apply(variable_list&& grads) override {
@@ -133,10 +130,7 @@ struct MaskedLmLossNode : OpNode {
   std::string name() const override { return "fusedlm::MaskedLmLossBackward"; }
 
   void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto* saved : {&hidden, &weight, &bias, &labels, &dhidden, &dweight, &dbias}) {
-      saved->reset_data();
-    }
+    release(hidden, weight, bias, labels, dhidden, dweight, dbias);
   }
 
   // (grad of the loss) -> (hidden, weight, bias)'s.

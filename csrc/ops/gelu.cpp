@@ -28,10 +28,7 @@ struct BiasGeluNode : OpNode {
 
   std::string name() const override { return "fusedlm::BiasGeluBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    x.reset_data(), bias.reset_data();
-  }
+  void release_variables() override { release(x, bias); }
 
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -89,10 +86,7 @@ struct GeluFfnNode : OpNode {
 
   std::string name() const override { return "fusedlm::GeluFfnBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto* saved : {&x, &pre, &w1, &b1, &w2, &b2, &seed}) saved->reset_data();
-  }
+  void release_variables() override { release(x, pre, w1, b1, w2, b2, seed); }
 
   // (grad of the output) -> (x, w1, b1, w2, b2)'s.
   variable_list apply(variable_list&& grads) override {

@@ -28,10 +28,7 @@ struct AddLayerNormNode : OpNode {
 
   std::string name() const override { return "fusedlm::AddLayerNormBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto* saved : {&summed, &mean, &rstd, &weight, &seed}) saved->reset_data();
-  }
+  void release_variables() override { release(summed, mean, rstd, weight, seed); }
 
   // (grad of out, grad of summed) -> (x, residual, weight, bias)'s.
   variable_list apply(variable_list&& grads) override {

@@ -24,10 +24,7 @@ struct LstmCellNode : OpNode {
 
   std::string name() const override { return "fusedlm::LstmCellBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    gates.reset_data(), c_prev.reset_data();
-  }
+  void release_variables() override { release(gates, c_prev); }
 
   // (grads of h and c) -> (gates, c_prev)'s.
   variable_list apply(variable_list&& grads) override {

@@ -26,10 +26,7 @@ struct PadNode : OpNode {
 
   std::string name() const override { return "fusedlm::PadBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    indices.reset_data();
-  }
+  void release_variables() override { release(indices); }
 
   // (grad of the padded tensor) -> (packed)'s: its rows at indices.
   variable_list apply(variable_list&& grads) override {
@@ -72,10 +69,7 @@ struct UnpadNode : OpNode {
 
   std::string name() const override { return "fusedlm::UnpadBackward"; }
 
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    indices.reset_data();
-  }
+  void release_variables() override { release(indices); }
 
   // (grad of packed) -> (hidden)'s.
   variable_list apply(variable_list&& grads) override {
