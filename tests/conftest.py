@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-# Kernel checks at first use (fusedlm.backends.verify) keep their results in a folder of
+# Kernel checks at first use (fusedlm.verify) keep their results in a folder of
 # the test run's own, read when fusedlm is imported: never the user's cache. The child
 # processes the tests start inherit it; it is removed when the run ends.
 if "FUSEDLM_CACHE_DIR" not in os.environ:

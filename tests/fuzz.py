@@ -39,6 +39,7 @@ import pytest
 import torch
 
 import fusedlm
+from fusedlm.dtypes import FLOATS
 from helpers import backend_device
 
 CASES = int(os.environ.get("FUSEDLM_FUZZ_CASES", "200"))
@@ -55,7 +56,6 @@ SLACK = {torch.float64: 64 * torch.finfo(torch.float64).eps,
          torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps,
          torch.float16: 2 * torch.finfo(torch.float16).eps}
 JITTERED_RUNS = 2  # plain-PyTorch runs on moved inputs and scaled upstream gradients
-FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # An absolute difference too small to matter: the inputs drawn are at least 1e-3 in scale,
 # and below this lie only terms that underflowed (kernels may flush subnormals to zero, as
 # GPUs do) or the rounding noise of gradients that are zero by symmetry (v constant over

@@ -55,6 +55,10 @@ def test_info_names_versions_backends_and_device(capsys):
     for name in fusedlm.backends():
         assert f"backend {name}" in out
     assert "CUDA arches" in out and "device" in out
+    from fusedlm import switches
+
+    for switch in switches.SWITCHES:
+        assert switch.name in out and switch.what in out
 
 
 def test_default_corpus_is_english_and_deterministic():

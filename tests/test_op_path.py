@@ -8,6 +8,7 @@ import torch
 
 import fusedlm.ops as F
 from fusedlm.backends import kernel
+from fusedlm.dtypes import acc_dtype
 from fusedlm.ops._dropout import next_seed
 from fusedlm.ops.cross_entropy import LOGITS_CHUNK_BYTES
 from helpers import Recorder, backend_device, backends_for, fresh
@@ -122,17 +123,13 @@ def _attention_varlen(backend, device, dtype, p):
     return public, by_hand
 
 
-def _loss_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _labels(device):
     return torch.tensor([3, -100, 0, 7, 15, -100], device=device)
 
 
 def _cross_entropy(backend, device, dtype, p):
     (logits,) = _leaves(fresh((6, 16), dtype, device))
-    g = torch.tensor(0.7, dtype=_loss_dtype(dtype), device=device)
+    g = torch.tensor(0.7, dtype=acc_dtype(dtype), device=device)
 
     def public():
         return (F.cross_entropy(logits, _labels(device), label_smoothing=0.1, backend=backend),), (g,), (logits,)
@@ -148,7 +145,7 @@ def _cross_entropy(backend, device, dtype, p):
 def _distillation_loss(backend, device, dtype, p):
     student, = _leaves(fresh((6, 16), dtype, device))
     teacher = fresh((6, 16), dtype, device, requires_grad=False)
-    g = torch.tensor(0.7, dtype=_loss_dtype(dtype), device=device)
+    g = torch.tensor(0.7, dtype=acc_dtype(dtype), device=device)
 
     def public():
         return (F.distillation_loss(student, teacher, temperature=2.0, backend=backend),), (g,), (student,)
@@ -164,7 +161,7 @@ def _distillation_loss(backend, device, dtype, p):
 def _masked_lm_loss(backend, device, dtype, p):
     hidden, weight, bias = _leaves(fresh((6, 32), dtype, device), fresh((16, 32), dtype, device, 0.2),
                                    fresh((16,), dtype, device))
-    g = torch.tensor(0.7, dtype=_loss_dtype(dtype), device=device)
+    g = torch.tensor(0.7, dtype=acc_dtype(dtype), device=device)
 
     def public():
         return ((F.masked_lm_loss(hidden, weight, bias, _labels(device), backend=backend),), (g,),

@@ -1,4 +1,4 @@
-"""Verification at first use (fusedlm.backends.verify): a kernel that gives wrong numbers is
+"""Verification at first use (fusedlm.verify): a kernel that gives wrong numbers is
 caught before it runs a user's data, reported once, and its calls go to the next backend;
 the result is kept on disk; strict and off modes; never while something traces the call."""
 import dataclasses
@@ -15,7 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
 import fusedlm.ops as F
-from fusedlm.backends import _REGISTRY, probes, verify
+from fusedlm import verify
+from fusedlm.backends import _REGISTRY
+from fusedlm.verify import probes
 from fusedlm.backends import cuda as cuda_backend
 from fusedlm.ops import reference
 from cli_helpers import run_cli

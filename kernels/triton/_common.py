@@ -5,15 +5,14 @@ Dropout is a counter-based stream like the cpu backend's (not the same bits): el
 of a call is kept when Philox(seed, e) >= p, so a backward regenerates the forward's mask
 from the seed alone. ``keep_mask`` materialises it, for tests that replay it.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from fusedlm import switches
 
-# Read once, as Triton reads it: whether the kernels run in Triton's interpreter.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Whether the kernels run in Triton's interpreter (read once, as Triton reads it).
+_INTERPRETING = switches.value("TRITON_INTERPRET") == "1"
 
 
 def interpreting() -> bool:

@@ -7,11 +7,11 @@ pretraining era.
     fusedlm.explain("attention", q, k, v)   # which backend runs this call, and why
 """
 from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on a bad build)
+from ._version import __version__
 from . import nn, ops
+from . import verify  # noqa: F401  (above the ops it runs; it installs the device checks)
 from .backends import backends, explain, get_backend, set_backend, use_backend
 from .patching import patch, patch_report
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

@@ -5,7 +5,7 @@ calls without Python (csrc/ops/route.h). They take every floating dtype (float64
 gradcheck) and any shape.
 """
 from .._extension import _C
-from . import Backend, register
+from .registry import Backend, register
 
 
 def _find(op):

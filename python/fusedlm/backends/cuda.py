@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 from .._extension import _C, _build_info
-from . import GPU_FLOATS, Backend, Supports, register
+from ..dtypes import GPU_FLOATS
+from .registry import Backend, Supports, register
 
 # Whether the kernels run on the CPU emulator of CUDA (a FUSEDLM_CUDA=emulate build). An
 # extension compiled before it had the `cuda_emulated` attribute is not.

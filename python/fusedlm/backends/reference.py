@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import Backend, register
+from .registry import Backend, register
 
 
 def keep_mask(seed: torch.Tensor, shape, p: float, device) -> Optional[torch.Tensor]:

@@ -6,15 +6,16 @@ pad, for float32, bfloat16 and float16.
 """
 import importlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from . import GPU_FLOATS, Backend, Supports, register
+from .. import switches
+from ..dtypes import GPU_FLOATS
+from .registry import Backend, Supports, register
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
+INTERPRETED = switches.value("TRITON_INTERPRET") == "1"
 # The kernels in a source tree that was not installed (installed: fusedlm.triton_kernels).
 _SOURCE = Path(__file__).resolve().parents[3] / "kernels" / "triton"
 

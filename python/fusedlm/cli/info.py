@@ -8,7 +8,8 @@ import platform
 HELP = "versions, backends and devices"
 DESCRIPTION = """Prints fusedlm's version, which backends can run and why not, the CUDA
 architectures compiled in (or emulated), the torch and triton versions, the devices found
-(and why the cuda kernels cannot run on one), and where kernel checks keep their results."""
+(and why the cuda kernels cannot run on one), where kernel checks keep their results, and
+every environment switch fusedlm reads, with its value in effect (fusedlm.switches)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     import fusedlm
     from fusedlm import _build_info
     from fusedlm.backends import cuda as cuda_backend
-    from fusedlm.backends import verify
+    from fusedlm import switches, verify
 
     # A FUSEDLM_CUDA=emulate build compiles the CUDA kernels against a CPU emulator of CUDA.
     emulated = getattr(_build_info, "cuda_emulated", False)
@@ -40,6 +41,13 @@ def run(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         print(f"{name:<{width}}  {value}")
+    print("\nenvironment switches:")
+    table = [(s.name, value if value is not None else f"unset: {s.default}",
+              f"{s.what}; read by {s.read_by}")
+             for s, value in switches.in_effect()]
+    widths = [max(len(row[i]) for row in table) for i in range(2)]
+    for name, value, what in table:
+        print(f"  {name:<{widths[0]}}  {value:<{widths[1]}}  {what}")
     return 0
 
 

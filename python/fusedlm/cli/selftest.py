@@ -30,9 +30,11 @@ def add_arguments(p) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import fusedlm
-    from fusedlm.backends import KERNEL_BACKENDS, _REGISTRY, probes, verify
+    from fusedlm import verify
+    from fusedlm.backends import KERNEL_BACKENDS, _REGISTRY
     from fusedlm.backends import cuda as cuda_backend
     from fusedlm.bench.report import git_commit
+    from fusedlm.verify import probes
 
     device = resolve_device(args.device)
     known = probes.probed()
@@ -75,10 +77,11 @@ def _paths(backend: str, probe, cuda_backend) -> list:
 
 
 def _row(probe, size, backend, dtype, path, device, cuda_backend) -> dict:
-    from fusedlm.backends import probes
+    from fusedlm.dtypes import name as dtype_name
+    from fusedlm.verify import probes
 
     row = {"op": probe.op, "problem": probe.name, "size": size, "backend": backend,
-           "dtype": str(dtype).removeprefix("torch."), "path": f"no {path}" if path else "default"}
+           "dtype": dtype_name(dtype), "path": f"no {path}" if path else "default"}
     if path:
         cuda_backend.set_path(path, False)
     try:

@@ -73,7 +73,7 @@ class Op:
         (fusedlm.backends.reference), with the arguments of the op's kernels (its schema's,
         without the backend); ``supports``: {backend: Supports} where the op's kernels on a
         backend take less than that backend's default (fusedlm.backends); ``probes``: its
-        fusedlm.backends.probes.Probe problems."""
+        fusedlm.ops._probe.Probe problems."""
         self.name = name
         _DECLARED[name] = self
         # The plain-PyTorch kernels themselves (the reference backend's copy outputs that

@@ -3,18 +3,18 @@ from typing import Optional
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+from .. import dtypes as dtype_rules
 
 
-def tensor(name: str, t, *, ndim=None, min_ndim=None, dtypes=FLOAT_DTYPES, optional=False):
+def tensor(name: str, t, *, ndim=None, min_ndim=None, dtypes=dtype_rules.FLOATS, optional=False):
     """Checks that ``t`` is a tensor with an allowed dtype and number of dimensions."""
     if t is None and optional:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+        allowed = ", ".join(dtype_rules.name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {dtype_rules.name(t.dtype)}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:

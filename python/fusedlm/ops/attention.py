@@ -14,19 +14,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..backends import GPU_FLOATS, HALVES, Supports, check_index_data, choose, planner
-from ..backends.probes import RESIDENT, WGMMA, Probe, padding, randn
+from ..backends import Supports, check_index_data, choose, planner
 from ..backends.reference import keep_mask, laid_out_like, vjp
+from ..dtypes import GPU_FLOATS, HALVES, acc_dtype
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
-from .reference import acc_dtype, dropped
+from ._probe import RESIDENT, WGMMA, Probe, padding, randn
+from .reference import dropped
 
 __all__ = ["attention", "attention_varlen"]
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # The cuda kernels instantiate one tile width per head_dim (BERT's and GPT's 64, and 128)
@@ -142,7 +139,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 def _attention_fake(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
     batch, heads, seq_q, _ = q.shape
     return (_like(q, (batch, heads, seq_q, v.shape[3])),
-            q.new_empty((batch, heads, seq_q), dtype=_acc(q.dtype)))
+            q.new_empty((batch, heads, seq_q), dtype=acc_dtype(q.dtype)))
 
 
 def _attention_fake_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal,
@@ -314,7 +311,7 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                  dropout_p, scale, seed):
     total_q, heads, _ = q.shape
     return (_like(q, (total_q, heads, v.shape[2])),
-            q.new_empty((heads, total_q), dtype=_acc(q.dtype)))
+            q.new_empty((heads, total_q), dtype=acc_dtype(q.dtype)))
 
 
 def _varlen_fake_backward(grad, q, k, v, out, lse, *_options):

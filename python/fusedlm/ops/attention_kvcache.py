@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from ..backends import check_index_data, choose, planner
-from ..backends.probes import Probe, randn
 from . import _validate as check
 from ._op import Op
+from ._probe import Probe, randn
 from .attention import _check_head_dims, _resolve_scale, attend
 
 __all__ = ["attention_with_kvcache"]

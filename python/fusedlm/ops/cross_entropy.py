@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import check_index_data, choose, planner
-from ..backends.probes import Probe, randn
-from ..backends.probes import labels as probe_labels
 from ..backends.reference import vjp
+from ..dtypes import acc_dtype
 from . import _validate as check
 from ._op import Op
-from .reference import acc_dtype
+from ._probe import Probe, randn
+from ._probe import labels as probe_labels
 
 __all__ = ["cross_entropy", "distillation_loss", "masked_lm_loss"]
 
@@ -37,10 +37,6 @@ REDUCTIONS = ("mean", "sum", "none")
 # masked_lm_loss projects this many bytes of logits at a time (at least one row): large
 # enough for efficient matrix products, small next to full-vocabulary logits.
 LOGITS_CHUNK_BYTES = 32 * 2**20
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_labels(labels: Tensor, batch_shape, ignore_index) -> None:
@@ -168,7 +164,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
 
 def _cross_entropy_fake(logits, labels, ignore_index, label_smoothing, reduction, with_grad):
     shape = labels.shape if reduction == "none" else ()
-    loss = logits.new_empty(shape, dtype=_acc_dtype(logits.dtype))
+    loss = logits.new_empty(shape, dtype=acc_dtype(logits.dtype))
     return loss, logits.new_empty(logits.shape) if with_grad else None
 
 
@@ -264,7 +260,7 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, *, tempera
 
 def _distillation_fake(student_logits, teacher_logits, temperature, reduction, with_grad):
     shape = student_logits.shape[:-1] if reduction == "none" else ()
-    loss = student_logits.new_empty(shape, dtype=_acc_dtype(student_logits.dtype))
+    loss = student_logits.new_empty(shape, dtype=acc_dtype(student_logits.dtype))
     return loss, student_logits.new_empty(student_logits.shape) if with_grad else None
 
 
@@ -360,7 +356,7 @@ def _grads_like(hidden, weight, bias, needs, computed):
 def _masked_lm_loss_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, reduction,
                          chunk_rows, *needs):
     shape = labels.shape if reduction == "none" else ()
-    loss = hidden.new_empty(shape, dtype=_acc_dtype(hidden.dtype))
+    loss = hidden.new_empty(shape, dtype=acc_dtype(hidden.dtype))
     return (loss, *_grads_like(hidden, weight, bias, needs, reduction != "none"))
 
 

@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends import HALVES, Supports, choose, planner
-from ..backends.probes import FFN_WGMMA, Probe, randn
+from ..backends import Supports, choose, planner
 from ..backends.reference import keep_mask, vjp
+from ..dtypes import HALVES, acc_dtype
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
-from .reference import acc_dtype, dropped
+from ._probe import FFN_WGMMA, Probe, randn
+from .reference import dropped
 
 __all__ = ["bias_gelu", "gelu_ffn"]
 

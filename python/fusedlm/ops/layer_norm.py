@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends import GPU_FLOATS, Supports, choose, planner
-from ..backends.probes import Probe, randn
+from ..backends import Supports, choose, planner
 from ..backends.reference import keep_mask
+from ..dtypes import GPU_FLOATS, acc_dtype
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
-from .reference import acc_dtype, dropped
+from ._probe import Probe, randn
+from .reference import dropped
 
 __all__ = ["add_layer_norm"]
 
@@ -63,7 +64,7 @@ def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tenso
 
 def _fake(x, residual, weight, bias, eps, dropout_p, seed):
     rows = x.numel() // x.shape[-1]
-    stats = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stats = acc_dtype(x.dtype)
     return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((rows,), dtype=stats),
             x.new_empty((rows,), dtype=stats))
 
@@ -94,15 +95,11 @@ def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, *, dropout_p=0
     return out.to(x.dtype), summed.to(x.dtype)
 
 
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _reference_forward(x, residual, weight, bias, eps, dropout_p, seed):
     keep = keep_mask(seed, x.shape, dropout_p, x.device)
     out, summed = add_layer_norm_reference(x, residual, weight, bias, eps, dropout_p=dropout_p,
                                            dropout_mask=keep)
-    rows = summed.reshape(-1, summed.shape[-1]).to(_stats_dtype(x.dtype))
+    rows = summed.reshape(-1, summed.shape[-1]).to(acc_dtype(x.dtype))
     var, mean = torch.var_mean(rows, dim=-1, unbiased=False)
     return out, summed, mean, torch.rsqrt(var + eps)
 
@@ -111,7 +108,7 @@ def _reference_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_b
                         dropout_p, seed):
     """torch's LayerNorm backward from the saved statistics, in the accumulation dtype;
     the bias gradient is grad_out's column sum."""
-    acc = _stats_dtype(summed.dtype)
+    acc = acc_dtype(summed.dtype)
     hidden = summed.shape[-1]
     per_row = (-1, 1)
     dy = grad_out.reshape(-1, hidden).to(acc)

@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 from ..backends import choose, planner
-from ..backends.probes import Probe, randn
 from ..backends.reference import vjp
+from ..dtypes import acc_dtype
 from . import _validate as check
 from ._op import Op
-from .reference import acc_dtype
+from ._probe import Probe, randn
 
 __all__ = ["lstm_cell"]
 

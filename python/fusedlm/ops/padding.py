@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import check_index_data, choose, planner
-from ..backends.probes import Probe, padding, randn
 from . import _validate as check
 from ._op import Op
+from ._probe import Probe, padding, randn
 
 __all__ = ["unpad", "pad"]
 

@@ -13,11 +13,6 @@ import torch
 from ..backends import declared
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a reference computes in for inputs of ``dtype``."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def dropped(x: torch.Tensor, p: float, keep: Optional[torch.Tensor]) -> torch.Tensor:
     """x with the elements ``keep`` drops zeroed and the rest scaled by 1 / (1 - p); a
     fresh mask from torch's generator when keep is None."""

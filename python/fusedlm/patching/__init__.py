@@ -11,27 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Optional
 
 from torch import nn
 
 from ..backends import use_backend
+from .rules import _FINISHERS, _RULES, PATCHED, Rule, register  # noqa: F401
 
 
 def _modules(count: int, kind: str = "") -> str:
     return f"{count} {kind}module{'' if count == 1 else 's'}"
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Matches one exact class (a subclass may change what the module computes).
-
-    ``replace(module)`` returns the module to put in its place (the same
-    object when it patches it in place) or a string saying why it is left alone."""
-
-    name: str
-    matches: Callable[[nn.Module], bool]
-    replace: Callable[[nn.Module], Union[nn.Module, str]]
 
 
 @dataclass
@@ -46,19 +35,6 @@ class PatchReport:
             lines.append(f"left {_modules(len(self.left_alone), 'recognised ')} alone")
             lines += [f"  {path or '<model>'}: {why}" for path, why in self.left_alone.items()]
         return "\n".join(lines)
-
-
-_RULES: list[Rule] = []
-# (model) -> None, each run once :func:`patch` has replaced the model's modules.
-_FINISHERS: list[Callable[[nn.Module], None]] = []
-# Marks a module fusedlm built or patched, so that patching twice changes nothing.
-PATCHED = "_fusedlm_patched"
-
-
-def register(*rules: Rule, finish: Optional[Callable[[nn.Module], None]] = None) -> None:
-    _RULES.extend(rules)
-    if finish is not None:
-        _FINISHERS.append(finish)
 
 
 def _load_rules() -> None:

@@ -6,7 +6,7 @@ Parameters and submodules, so optimizers and anything else holding them keep wor
 from torch import nn
 
 from .. import nn as fused
-from . import Rule, register
+from .rules import Rule, register
 
 
 def _layer_norm(module: nn.LayerNorm):

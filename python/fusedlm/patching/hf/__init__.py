@@ -29,7 +29,7 @@ import transformers
 from torch import nn
 from transformers import activations
 
-from .. import PATCHED, Rule, register
+from ..rules import PATCHED, Rule, register
 from . import attention
 from .heads import LMHead, bind
 from .layers import (AddNormOutput, AlbertAttentionAddNorm, AlbertFusedLayer, DistilBertBlock,

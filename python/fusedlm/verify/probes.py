@@ -8,10 +8,11 @@ relative error ‖out − ref‖ / ‖ref‖ over the outputs and the gradients.
 nothing from torch's global generator and use no dropout (whose seed would), so running
 one does not change what a user's program computes.
 
-Each op declares its probes beside itself (fusedlm/ops/<op>.py). ``small`` probes take
+Each op declares its probes beside itself (fusedlm/ops/<op>.py, with fusedlm.ops._probe). ``small`` probes take
 each kernel path a backend has for the op (the cuda attention's resident and streamed
 K/V, head dims 64 and 128, the layer norm's vector and one-element rows, ...) and run in
-milliseconds; ``real`` ones have the shapes of BERT-base, GPT-2 small and ELMo. First-use verification (fusedlm.backends.verify) runs the small ones;
+milliseconds; ``real`` ones have the shapes of BERT-base, GPT-2 small and ELMo. First-use verification
+(fusedlm.verify) runs the small ones;
 ``fusedlm selftest`` runs both.
 """
 from __future__ import annotations
@@ -25,34 +26,13 @@ from typing import Callable, Optional
 
 import torch
 
-from . import declared
+from ..backends import declared
+from ..ops._probe import Probe, randn
 
 # Norm-wise relative error a correct kernel stays under, by the dtype it computes in: a few
 # roundings of that dtype over long reductions, with a wide margin (a wrong kernel is off
 # by order 1).
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-@dataclass(frozen=True)
-class Probe:
-    name: str
-    # make(generator) -> (args, kwargs) in float64 on the CPU; integer tensors as they are.
-    make: Callable[[torch.Generator], tuple]
-    size: str = "small"  # or "real"
-    differentiable: bool = True
-    constant: tuple = ()  # positions of floating arguments that take no gradient
-    # The cuda kernel paths (fusedlm.backends.cuda.paths()) this problem takes when they are
-    # on: where it fails, turning one off shows whether that path is the broken one.
-    paths: tuple = ()
-    op: str = ""  # set by the op's declaration (fusedlm.ops._op.Op)
-
-    @classmethod
-    def real(cls, name: str, make: Callable, **options) -> "Probe":
-        return cls(name, make, size="real", **options)
-
-
-# The cuda kernel paths probes name.
-RESIDENT, WGMMA, FFN_WGMMA = ("attention_resident",), ("attention_wgmma",), ("ffn_wgmma",)
 
 
 @dataclass
@@ -62,27 +42,6 @@ class Outcome:
 
     def within(self, dtype: torch.dtype) -> bool:
         return self.error <= TOLERANCE.get(dtype, 5e-2)
-
-
-# --- inputs probes draw -------------------------------------------------------------------------
-
-def randn(g, *shape, scale=1.0):
-    return torch.randn(shape, generator=g, dtype=torch.float64) * scale
-
-
-def padding(g, batch, seq):
-    """bool [batch, seq], True = padding; the first row whole, the others at least half."""
-    lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
-    lengths[0] = seq
-    return torch.arange(seq)[None, :] >= lengths[:, None]
-
-
-def labels(g, rows, classes, labelled=0.5):
-    """int64 [rows] in [0, classes), about ``labelled`` of them; the rest -100 (ignored)."""
-    y = torch.randint(0, classes, (rows,), generator=g)
-    y[torch.rand(rows, generator=g) >= labelled] = -100
-    y[0] = classes - 1
-    return y
 
 
 def probes(op: Optional[str] = None, size: str = "small") -> list:

@@ -2,7 +2,7 @@
 user's data there.
 
 The first time a call would run op X in dtype D on a device on backend B (cpu, triton or
-cuda; the reference is the yardstick), fusedlm runs X's small probes (fusedlm.backends.
+cuda; the reference is the yardstick), fusedlm runs X's small probes (fusedlm.verify.
 probes) on B against the float64 reference. A NaN, an error past the dtype's tolerance or
 an exception fails the check: the backend is then skipped for X in D on that device, with
 one warning naming it and the error measured, and the call runs on the next backend. A
@@ -35,13 +35,16 @@ from typing import Optional
 
 import torch
 
-from . import forget_choices, probes, unobserved
+from .. import switches
+from ..dtypes import name as dtype_name
+from ..backends import forget_choices, install_checks, unobserved
+from . import probes
 
-# Read once, at import.
-_MODE = (os.environ.get("FUSEDLM_VERIFY") or "1").strip().lower()
+# Read once, at import (fusedlm.switches).
+_MODE = (switches.value("FUSEDLM_VERIFY") or "1").strip().lower()
 if _MODE not in ("0", "1", "strict"):
-    raise ValueError(f"FUSEDLM_VERIFY must be 0, 1 or strict, got {os.environ['FUSEDLM_VERIFY']!r}")
-_CACHE_DIR = Path(os.environ.get("FUSEDLM_CACHE_DIR")
+    raise ValueError(f"FUSEDLM_VERIFY must be 0, 1 or strict, got {switches.value('FUSEDLM_VERIFY')!r}")
+_CACHE_DIR = Path(switches.value("FUSEDLM_CACHE_DIR")
                   or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusedlm")
 
 # Backends that imitate their GPU on the CPU (the cuda backend of an emulated build, triton
@@ -85,7 +88,7 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
     if not probes.probes(op):
         return None
     device_key = _device_key(device)
-    name = f"{op}/{backend}/{_dtype_name(dtype)}"
+    name = f"{op}/{backend}/{dtype_name(dtype)}"
     if device.type == "cpu" and backend != "cpu" and not CHECK_IMITATIONS:
         return None
     with _lock:
@@ -98,7 +101,7 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
         outcome = _decided[(op, backend, device, dtype)] = record["results"][name]
         if outcome is None:
             return None
-        message = (f"fusedlm: the {backend} backend's {op} in {_dtype_name(dtype)} failed its check "
+        message = (f"fusedlm: the {backend} backend's {op} in {dtype_name(dtype)} failed its check "
                    f"on {device_name(device)} ({outcome})")
         if _MODE == "strict":
             raise VerificationError(message)
@@ -186,7 +189,7 @@ def _run(probe, backend, device, dtype) -> Optional[str]:
 def _without_broken_path(probe, device, dtype, failed: str, record: dict) -> Optional[str]:
     """Turns off each cuda path the probe takes in turn; keeps off the first whose absence
     makes the probe pass, with a warning, and returns None then; else ``failed``."""
-    from . import cuda
+    from ..backends import cuda
 
     for path in probe.paths:
         if not cuda.paths().get(path):
@@ -202,10 +205,6 @@ def _without_broken_path(probe, device, dtype, failed: str, record: dict) -> Opt
     return failed
 
 
-def _dtype_name(dtype: Optional[torch.dtype]) -> str:
-    return str(dtype).removeprefix("torch.") if dtype is not None else "any"
-
-
 def device_name(device: torch.device) -> str:
     """The device as a report names it: cuda:0 (NVIDIA H100 80GB HBM3), cpu (x86_64)."""
     if device.type == "cuda":
@@ -217,7 +216,7 @@ def identity(device: torch.device) -> dict:
     """What a check's result holds for: the device and the software that ran it."""
     from importlib import metadata
 
-    from .. import __version__
+    from .._version import __version__
     from .._extension import _C, _build_info
 
     def version(module):
@@ -262,7 +261,7 @@ def _loaded(device_key: str, device: torch.device) -> dict:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         if record["paths_off"]:
-            from . import cuda
+            from ..backends import cuda
 
             for path in record["paths_off"]:
                 cuda.set_path(path, False)
@@ -289,3 +288,7 @@ def _save(record: dict) -> None:
         os.replace(temporary, path)
     except OSError:
         pass
+
+
+# Every choice of backend from now on asks these checks (fusedlm.backends.dispatch).
+install_checks(failure, passed_for_good)
