@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedlm.ops.attention import _like
+from fusedlm.dtypes import empty_like_layout
 
 from ._common import autotune, dot_precision, keep, seed_of, upcast_products
 
@@ -512,7 +512,7 @@ def _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed
 def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
     problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
     batch, heads, seq_q, _ = q.shape
-    out = _like(q, (batch, heads, seq_q, v.shape[3]))
+    out = empty_like_layout(q, (batch, heads, seq_q, v.shape[3]))
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     problem.forward(out, lse)
     return out, lse
@@ -521,7 +521,7 @@ def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, s
 def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p,
                        scale, seed, bias_grad):
     problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
-    dq, dk, dv = _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
+    dq, dk, dv = (empty_like_layout(t, t.shape) for t in (q, k, v))
     if not bias_grad:
         problem.backward(grad, out, lse, dq, dk, dv, None)
         return dq, dk, dv, None
@@ -553,7 +553,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       dropout_p, scale, seed)
     total_q, heads, _ = q.shape
-    out = _like(q, (total_q, heads, v.shape[2]))
+    out = empty_like_layout(q, (total_q, heads, v.shape[2]))
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     problem.forward(out, lse)
     return out, lse
@@ -564,6 +564,6 @@ def attention_varlen_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       dropout_p, scale, seed)
     # Zeros: rows of sequences with no keys (or no queries) are never written.
-    dq, dk, dv = (_like(t, t.shape).zero_() for t in (q, k, v))
+    dq, dk, dv = (empty_like_layout(t, t.shape).zero_() for t in (q, k, v))
     problem.backward(grad, out, lse, dq, dk, dv, None)
     return dq, dk, dv

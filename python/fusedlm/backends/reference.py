@@ -24,14 +24,6 @@ def keep_mask(seed: torch.Tensor, shape, p: float, device) -> Optional[torch.Ten
     return (torch.rand(shape, generator=generator) >= p).to(device)
 
 
-def laid_out_like(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """t laid out in memory in the order of ref's strides, as every backend returns it."""
-    order = sorted(range(ref.dim()), key=lambda d: -ref.stride(d))
-    back = sorted(range(ref.dim()), key=order.__getitem__)
-    # (out of place, so that torch.func's transforms and autograd pass through it)
-    return t.permute(order).contiguous().permute(back)
-
-
 def vjp(fn: Callable, inputs: tuple, grads: tuple, wrt: Optional[tuple] = None) -> tuple:
     """The gradients of fn(*inputs)'s outputs, weighted by grads (None: unused), with
     respect to the inputs ``wrt`` marks (default: every tensor); the others' are None.

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from ..backends import Supports, check_index_data, choose, planner
-from ..backends.reference import keep_mask, laid_out_like, vjp
-from ..dtypes import GPU_FLOATS, HALVES, acc_dtype
+from ..backends.reference import keep_mask, vjp
+from ..dtypes import GPU_FLOATS, HALVES, acc_dtype, empty_like_layout, laid_out_like
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
@@ -35,13 +35,6 @@ _SUPPORTS = {
                      max_counts=(("heads", 65535), ("sequences", 65535))),
     "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256),
 }
-
-
-def _like(ref: Tensor, shape, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """A new tensor of ``shape`` whose dimensions lie in memory in the order of ref's
-    strides: the rule the cpu backend allocates its outputs by (csrc/cpu/attention.cpp)."""
-    order = sorted(range(ref.dim()), key=lambda d: -ref.stride(d))
-    return torch.empty_permuted(shape, order, dtype=dtype or ref.dtype, device=ref.device)
 
 
 def _check_flag(name: str, value) -> None:
@@ -138,13 +131,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
 def _attention_fake(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
     batch, heads, seq_q, _ = q.shape
-    return (_like(q, (batch, heads, seq_q, v.shape[3])),
+    return (empty_like_layout(q, (batch, heads, seq_q, v.shape[3])),
             q.new_empty((batch, heads, seq_q), dtype=acc_dtype(q.dtype)))
 
 
 def _attention_fake_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal,
                              dropout_p, scale, seed, bias_grad):
-    return (_like(q, q.shape), _like(k, k.shape), _like(v, v.shape),
+    return (empty_like_layout(q, q.shape), empty_like_layout(k, k.shape),
+            empty_like_layout(v, v.shape),
             attn_bias.new_empty(attn_bias.shape) if bias_grad else None)
 
 
@@ -310,12 +304,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                  dropout_p, scale, seed):
     total_q, heads, _ = q.shape
-    return (_like(q, (total_q, heads, v.shape[2])),
+    return (empty_like_layout(q, (total_q, heads, v.shape[2])),
             q.new_empty((heads, total_q), dtype=acc_dtype(q.dtype)))
 
 
 def _varlen_fake_backward(grad, q, k, v, out, lse, *_options):
-    return _like(q, q.shape), _like(k, k.shape), _like(v, v.shape)
+    return tuple(empty_like_layout(t, t.shape) for t in (q, k, v))
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
