@@ -42,7 +42,7 @@ _PLANS_SIZE = 4096  # calls per op (the key holds sizes, which vary from call to
 # How many plannings so far read more than their call's key: the values of index tensors
 # (check_index_data) or a device check not yet passed for good (choose). Such an answer is
 # not memoised.
-_unsettled = 0
+_not_memoisable = 0
 
 
 def forget_choices() -> None:
@@ -96,27 +96,28 @@ class Choice:
 
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **features) -> Choice:
     """The backend that runs ``op`` on ``device`` for a call with these features."""
-    global _unsettled
+    global _not_memoisable
     forced, source = _forced(backend)
-    plan = _worked_out(op, device, forced, source, features)
+    candidates = _candidates(op, device, forced, source, features)
     # While torch.compile traces, nothing is checked: the graph it captures runs the kernels
     # as configured (the eager calls before it are checked).
     if torch.compiler.is_compiling():
-        return _decided(op, device, forced, source, features.get("dtype"), plan, _unchecked)[0]
-    choice, final = _decided(op, device, forced, source, features.get("dtype"), plan,
-                             _failure)
+        return _first_passing(op, device, forced, source, features.get("dtype"), candidates,
+                              _no_failure)[0]
+    choice, final = _first_passing(op, device, forced, source, features.get("dtype"), candidates,
+                                   _failure)
     if not final:
-        _unsettled += 1
+        _not_memoisable += 1
     return choice
 
 
-def _decided(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
-             dtype: Optional[torch.dtype], plan: tuple, failure: Callable) -> tuple:
-    """(the Choice, whether it is final) from _worked_out's plan and the device checks of
-    calls in ``dtype`` (``failure``: the installed checks' or none); raises where no
-    backend can run the call."""
+def _first_passing(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
+                   dtype: Optional[torch.dtype], candidates: tuple, failure: Callable) -> tuple:
+    """(the Choice, whether it is final): the first of the ``candidates`` (:func:`_candidates`)
+    that can take the call and passes the device checks of calls in ``dtype`` (``failure``:
+    the installed checks', or none); raises where no backend can run the call."""
     if forced is not None:
-        (_, reason, choice), = plan
+        (_, reason, choice), = candidates
         if reason:
             raise RuntimeError(f"fusedlm: {op} cannot run on backend {forced!r} (asked for by {source}): {reason}")
         failed = failure(op, forced, device, dtype)
@@ -126,10 +127,10 @@ def _decided(op: str, device: torch.device, forced: Optional[str], source: Optio
         return choice, _passed_for_good(op, forced, device, dtype)
 
     skipped, checks_failed = [], False
-    for name, reason, choice in plan:
+    for name, reason, choice in candidates:
         if reason is None:
             failed = failure(op, name, device, dtype)
-            if not failed:  # (the plan's Choice names only the backends it skipped)
+            if not failed:  # (a candidate's Choice names only the backends skipped before it)
                 if checks_failed:
                     return _automatic_choice(name, device.type, skipped), False
                 return choice, _passed_for_good(op, name, device, dtype)
@@ -138,18 +139,14 @@ def _decided(op: str, device: torch.device, forced: Optional[str], source: Optio
     raise RuntimeError(f"fusedlm: no backend can run {op} here: " + "; ".join(skipped))
 
 
-def _unchecked(*call) -> None:
-    return None
-
-
-def _worked_out(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
+def _candidates(op: str, device: torch.device, forced: Optional[str], source: Optional[str],
                 features: dict) -> tuple:
     """((backend, why it cannot take this call or None, its Choice), ...): the backend
     forced, else every backend in the automatic order."""
     if forced is not None:
         return ((forced, _REGISTRY[forced].cannot_run(op, device, features),
                  Choice(forced, f"asked for by {source}")),)
-    plan, skipped = [], []
+    candidates, skipped = [], []
     for name in _AUTO_ORDER.get(device.type, ("reference",)):
         candidate = _REGISTRY[name]
         reason = candidate.cannot_run(op, device, features)
@@ -160,10 +157,10 @@ def _worked_out(op: str, device: torch.device, forced: Optional[str], source: Op
             if slower:
                 reason = (f"measured slower than plain PyTorch for {slower} on {device.type}, "
                           "so only when asked for by name")
-        plan.append((name, reason, _automatic_choice(name, device.type, skipped)))
+        candidates.append((name, reason, _automatic_choice(name, device.type, skipped)))
         if reason is not None:
             skipped.append(f"{name}: {reason}")
-    return tuple(plan)
+    return tuple(candidates)
 
 
 def _automatic_choice(backend: str, device_type: str, skipped: list) -> Choice:
@@ -178,7 +175,7 @@ def planner(op: str):
     returns it memoised: a call whose arguments have the key of an earlier one
     (fusedlm._C.call_key: their types and values, the tensors' metadata, the grad mode) under
     the same forcing gets the earlier answer, unless its planning read more than that
-    (``_unsettled``). Not while torch.compile traces, which must see the planner run."""
+    (``_not_memoisable``). Not while torch.compile traces, which must see the planner run."""
 
     def decorate(plan):
         _PLANNERS[op] = plan
@@ -191,12 +188,12 @@ def planner(op: str):
             key = _C.call_key(args, kwargs)
             if key is not None:
                 key = (key, _FORCING.backend, _FORCING.source)
-                known = plans.get(key)
-                if known is not None:
-                    return known
-            unsettled = _unsettled
+                memoised = plans.get(key)
+                if memoised is not None:
+                    return memoised
+            before = _not_memoisable
             choice = plan(*args, **kwargs)
-            if key is not None and _unsettled == unsettled:
+            if key is not None and _not_memoisable == before:
                 if len(plans) >= _PLANS_SIZE:
                     plans.clear()
                 plans[key] = choice
@@ -237,15 +234,15 @@ def check_index_data(device: torch.device, backend: str, *, once_a_step: bool = 
     (fusedlm.ops.cross_entropy: a later call reads it). Never while torch.compile traces
     (the values are not known then), while a CUDA graph captures (it cannot synchronise)
     nor for meta tensors."""
-    global _unsettled
+    global _not_memoisable
     if backend == "cpu":
         return False
     if torch.compiler.is_compiling() or device.type == "meta":
         return False
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _unsettled += 1  # (the next call, outside the capture, checks)
+        _not_memoisable += 1  # (the next call, outside the capture, checks)
         return False
     checks = device.type == "cpu" or once_a_step or DEBUG
     if checks:  # (the call's answer then rests on the values: not memoised)
-        _unsettled += 1
+        _not_memoisable += 1
     return checks

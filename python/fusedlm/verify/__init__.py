@@ -57,8 +57,8 @@ _checking = threading.local()  # set while a check runs its probes (they are cal
 #               "paths_off": [cuda kernel paths turned off by a check]}}
 _records: dict = {}
 _warned: set = set()  # (device key, "op/backend/dtype") of the failures reported
-_decided: dict = {}  # {(op, backend, device, dtype): outcome}: the calls' fast path
-_UNDECIDED = object()
+_outcomes: dict = {}  # {(op, backend, device, dtype): outcome}: the calls' fast path
+_UNCHECKED = object()
 
 
 class VerificationError(RuntimeError):
@@ -82,8 +82,8 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
     (fusedlm.backends.choose)."""
     if _MODE == "0" or backend == "reference" or getattr(_checking, "active", False):
         return None
-    decided = _decided.get((op, backend, device, dtype), _UNDECIDED)
-    if decided is None or (decided is not _UNDECIDED and _MODE != "strict"):
+    decided = _outcomes.get((op, backend, device, dtype), _UNCHECKED)
+    if decided is None or (decided is not _UNCHECKED and _MODE != "strict"):
         return decided
     if not probes.probes(op):
         return None
@@ -98,7 +98,7 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
                 return None
             record["results"][name] = _check(op, backend, device, dtype or torch.float32, record)
             _save(record)
-        outcome = _decided[(op, backend, device, dtype)] = record["results"][name]
+        outcome = _outcomes[(op, backend, device, dtype)] = record["results"][name]
         if outcome is None:
             return None
         message = (f"fusedlm: the {backend} backend's {op} in {dtype_name(dtype)} failed its check "
@@ -117,7 +117,7 @@ def passed_for_good(op: str, backend: str, device: torch.device,
     """Whether failure() answers None for such calls until forget(): checks off, the
     reference backend, a check passed, or no probe to check with."""
     return (_MODE == "0" or backend == "reference"
-            or _decided.get((op, backend, device, dtype), _UNDECIDED) is None
+            or _outcomes.get((op, backend, device, dtype), _UNCHECKED) is None
             or not probes.probes(op))
 
 
@@ -127,7 +127,7 @@ def forget() -> None:
     with _lock:
         _records.clear()
         _warned.clear()
-        _decided.clear()
+        _outcomes.clear()
         forget_choices()  # choose()'s answers that rest on them
 
 
