@@ -1,9 +1,9 @@
-// attention and attention_varlen on the CPU: FlashAttention-2's tiling around ATen's
-// matrix products, with the softmax, masking, dropout and their backward fused in
+// attention and attention_varlen on the CPU: FlashAttention-2's tiling around matrix
+// products, with the softmax, masking, dropout and their backward fused in
 // between (the kernels of csrc/cpu/attention.cpp).
 //
 // Forward: one task per (sequence, group of kHeadGroup heads, block of kBlockQ queries).
-// For each block of kBlockK keys: S = Q K^T (at::bmm over the heads), the fused scale +
+// For each block of kBlockK keys: S = Q K^T (one product over the heads), the fused scale +
 // bias + mask + online-softmax step per head, O += P V. It writes O / l and each row's
 // log-sum-exp, the one statistic backward needs.
 //
@@ -14,8 +14,10 @@
 // Tasks go to ATen's threads costliest first, each thread taking the next when it is
 // done (run_balanced): sequences of unequal length make tasks of unequal cost.
 //
-// The products read float32/float64 inputs in place (any row stride); other dtypes and
-// layouts are first packed into dense float32 buffers, one read of each input.
+// The products are ATen's bmm, or plain loops where they are too small to pay for its
+// dispatch (a short sequence's). They read float32/float64 inputs in place (any row
+// stride); other dtypes and layouts are first packed into dense float32 buffers, one read
+// of each input.
 // Padding keys never enter a tile: each sequence's valid keys are gathered when K and
 // V are packed (or, when they are consecutive, read in place), so the work follows the
 // real lengths, and a causal row's allowed keys stay a prefix of the gathered ones (the
@@ -25,7 +27,7 @@
 // shapes, so results do not depend on the number of threads.
 //
 // The fused steps of attention on the CPU, between the matrix products that the
-// host role (below) runs with ATen.
+// host role (below) runs.
 //
 // Algorithm: FlashAttention-2 on one core. The host walks a block of queries over
 // blocks of keys; for each tile of products S = Q K^T (an AttnTile, below)
@@ -57,6 +59,7 @@
 #else
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -711,6 +714,54 @@ struct Operand {
   int64_t head_ld, ld;
 };
 
+// Matrices of a group of heads, in the accumulation type: element (h, i, j) at
+// data + (h * head + i * row + j * col) elements.
+struct Mats {
+  void* data;
+  int64_t head, row, col;
+
+  Mats t() const { return {data, head, col, row}; }  // the transposes
+};
+
+// Products of at most this many multiply-adds (all heads together) run as plain loops: at
+// the sizes of a short sequence, ATen's bmm costs more in its dispatch and the views it
+// takes than in arithmetic.
+constexpr int64_t kLoopProduct = 4096;
+
+template <typename A>
+void loop_product(int64_t heads, int64_t m, int64_t n, int64_t k, const Mats& a, const Mats& b,
+                  const Mats& c, bool accumulate, A alpha) {
+  const A* pa = static_cast<const A*>(a.data);
+  const A* pb = static_cast<const A*>(b.data);
+  A* pc = static_cast<A*>(c.data);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        A sum = 0;
+        for (int64_t p = 0; p < k; ++p)
+          sum += pa[h * a.head + i * a.row + p * a.col] * pb[h * b.head + p * b.row + j * b.col];
+        A& out = pc[h * c.head + i * c.row + j * c.col];
+        out = accumulate ? out + alpha * sum : alpha * sum;
+      }
+}
+
+// c = alpha * a b, or c += alpha * a b, for each of `heads`: a [m, k], b [k, n], c [m, n].
+// The products take the softmax scale, which Q K^T left out, as their alpha.
+void product(const at::TensorOptions& options, int64_t heads, int64_t m, int64_t n, int64_t k,
+             const Mats& a, const Mats& b, const Mats& c, bool accumulate, double alpha) {
+  if (heads * m * n * k <= kLoopProduct) {
+    if (options.dtype() == at::kDouble) loop_product<double>(heads, m, n, k, a, b, c, accumulate, alpha);
+    else loop_product<float>(heads, m, n, k, a, b, c, accumulate, static_cast<float>(alpha));
+    return;
+  }
+  auto view = [&](const Mats& x, int64_t rows, int64_t cols) {
+    return at::from_blob(x.data, {heads, rows, cols}, {x.head, x.row, x.col}, options);
+  };
+  auto out = view(c, m, n);
+  if (!accumulate && alpha == 1.0) at::bmm_out(out, view(a, m, k), view(b, k, n));
+  else at::baddbmm_out(out, out, view(a, m, k), view(b, k, n), accumulate ? 1.0 : 0.0, alpha);
+}
+
 // One thread's buffers, in the accumulation type. Sized for `group` heads of a query
 // block and of all the keys of the longest sequence.
 struct Workspace {
@@ -752,13 +803,16 @@ struct Workspace {
     return at::from_blob(data, {rows, cols}, options);
   }
   // Dense [heads, rows, cols] matrices over an acc buffer.
-  at::Tensor mats(void* data, int64_t heads, int64_t rows, int64_t cols) const {
-    return at::from_blob(data, {heads, rows, cols}, options);
+  Mats dense(void* data, int64_t rows, int64_t cols) const { return {data, rows * cols, cols, 1}; }
+  // Rows [first, ...) of the heads of an operand.
+  Mats rows_of(const Operand& x, int64_t first) const {
+    return {x.data + first * x.ld * acc_size, x.head_ld, x.ld, 1};
   }
-  // Rows [first, first + rows) of `heads` heads of an operand.
-  at::Tensor mats(const Operand& x, int64_t heads, int64_t first, int64_t rows, int64_t cols) const {
-    return at::from_blob(x.data + first * x.ld * acc_size, {heads, rows, cols}, {x.head_ld, x.ld, 1},
-                         options);
+  // Zeroes rows [from, to) of `heads` heads of an operand, `cols` elements each.
+  void zero(const Operand& x, int64_t heads, int64_t from, int64_t to, int64_t cols) const {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = from; r < to; ++r)
+        std::memset(x.data + (h * x.head_ld + r * x.ld) * acc_size, 0, cols * acc_size);
   }
 
   // Rows [row, row + n) of heads h0 .. h0 + heads of sequence b of `src` (or, with
@@ -815,23 +869,21 @@ void forward_query_block(const Problem& pb, Workspace& ws, int64_t b, int64_t h0
                          int64_t i0, const Rows& out, const Rows& lse) {
   const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
   const int64_t reach = ws.set_limits(pb, b, i0, rows);
-  const auto q = ws.mats(ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q),
-                         heads, 0, rows, pb.dk);
+  const Mats q = ws.rows_of(
+      ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q), 0);
   const Operand k = ws.keys(pb, pb.k, b, h0, heads, reach, pb.dk, ws.k);
   const Operand v = ws.keys(pb, pb.v, b, h0, heads, reach, pb.dv, ws.v);
-  auto o = ws.mats(ws.o, heads, rows, pb.dv);
+  const Mats o = ws.dense(ws.o, rows, pb.dv);
   for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, reach - k0);
-    auto s = ws.mats(ws.s, heads, rows, cols);
-    at::bmm_out(s, q, ws.mats(k, heads, k0, cols, pb.dk).transpose(1, 2));
+    const Mats s = ws.dense(ws.s, rows, cols);
+    product(ws.options, heads, rows, cols, pb.dk, q, ws.rows_of(k, k0).t(), s, false, 1.0);
     for (int64_t j = 0; j < heads; ++j) {
       const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
       cpu::attn_forward_block(&tile, k0 == 0, ws.at(ws.s, j * rows * cols), ws.at(ws.m, j * rows),
                               ws.at(ws.l, j * rows), ws.at(ws.o, j * rows * pb.dv), pb.dv);
     }
-    const auto vb = ws.mats(v, heads, k0, cols, pb.dv);
-    if (k0 == 0) at::bmm_out(o, s, vb);
-    else o.baddbmm_(s, vb);
+    product(ws.options, heads, rows, pb.dv, cols, s, ws.rows_of(v, k0), o, k0 > 0, 1.0);
   }
   if (reach == 0) {  // no key at all: every row is empty
     ws.mat(ws.m, 1, heads * rows).fill_(-std::numeric_limits<double>::infinity());
@@ -866,14 +918,6 @@ struct Grads {
   const Rows* dbias;  // null without a bias gradient; strides 0 where it is broadcast
 };
 
-// out = alpha * a b, or out += alpha * a b: the products take the softmax scale, which
-// Q K^T left out, as their alpha.
-void product(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate,
-             double alpha) {
-  auto result = out;
-  at::baddbmm_out(result, out, a, b, accumulate ? 1.0 : 0.0, alpha);
-}
-
 void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
                     const Grads& g) {
   const int64_t n = pb.keys(b);
@@ -896,18 +940,17 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
                                   : Operand{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
   int64_t filled = 0;
   auto zero_rows = [&](const Operand& dk, const Operand& dv, int64_t from, int64_t to) {
-    if (to <= from) return;
-    ws.mats(dk, heads, from, to - from, pb.dk).zero_();
-    ws.mats(dv, heads, from, to - from, pb.dv).zero_();
+    ws.zero(dk, heads, from, to, pb.dk);
+    ws.zero(dv, heads, from, to, pb.dv);
   };
   for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) {
     const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
     const int64_t reach = ws.set_limits(pb, b, i0, rows);
-    const auto q = ws.mats(ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q),
-                           heads, 0, rows, pb.dk);
+    const Mats q = ws.rows_of(
+        ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q), 0);
     const Operand dout_rows =
         ws.operand(pb, g.grad, b, h0, heads, row, nullptr, true, rows, pb.dv, ws.dout);
-    const auto dout = ws.mats(dout_rows, heads, 0, rows, pb.dv);
+    const Mats dout = ws.rows_of(dout_rows, 0);
     // With one key block the tile holds whole rows, and the kernel derives delta from it
     // (exactly, and without reading O); otherwise delta comes from O before the walk.
     const bool own_delta = reach <= kBlockK;
@@ -916,14 +959,15 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
         cpu::attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
                         dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
                         pb.dv, ws.at(ws.delta, j * rows));
-    const auto dq = in_place ? ws.mats(in_grad(g.dq, row), heads, 0, rows, pb.dk)
-                             : ws.mats(ws.o, heads, rows, pb.dk);
+    const Operand dq_rows = in_place ? in_grad(g.dq, row)
+                                     : Operand{static_cast<char*>(ws.o), rows * pb.dk, pb.dk};
+    const Mats dq = ws.rows_of(dq_rows, 0);
     for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
       const int64_t cols = std::min(kBlockK, reach - k0);
-      const auto kb = ws.mats(k, heads, k0, cols, pb.dk);
-      auto s = ws.mats(ws.s, heads, rows, cols), dp = ws.mats(ws.dp, heads, rows, cols);
-      at::bmm_out(s, q, kb.transpose(1, 2));
-      at::bmm_out(dp, dout, ws.mats(v, heads, k0, cols, pb.dv).transpose(1, 2));
+      const Mats kb = ws.rows_of(k, k0);
+      const Mats s = ws.dense(ws.s, rows, cols), dp = ws.dense(ws.dp, rows, cols);
+      product(ws.options, heads, rows, cols, pb.dk, q, kb.t(), s, false, 1.0);
+      product(ws.options, heads, rows, cols, pb.dv, dout, ws.rows_of(v, k0).t(), dp, false, 1.0);
       for (int64_t j = 0; j < heads; ++j) {
         const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
         cpu::attn_backward_block(&tile, ws.at(ws.s, j * rows * cols), ws.at(ws.dp, j * rows * cols),
@@ -935,12 +979,14 @@ void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int
       // s now holds the weights that multiplied V, dp holds dS.
       const bool fresh = k0 >= filled;
       if (!fresh) zero_rows(dk_acc, dv_acc, filled, k0 + cols);
-      product(ws.mats(dv_acc, heads, k0, cols, pb.dv), s.transpose(1, 2), dout, !fresh, 1.0);
-      product(ws.mats(dk_acc, heads, k0, cols, pb.dk), dp.transpose(1, 2), q, !fresh, pb.scale);
-      product(dq, dp, kb, k0 > 0, pb.scale);
+      product(ws.options, heads, cols, pb.dv, rows, s.t(), dout, ws.rows_of(dv_acc, k0), !fresh,
+              1.0);
+      product(ws.options, heads, cols, pb.dk, rows, dp.t(), q, ws.rows_of(dk_acc, k0), !fresh,
+              pb.scale);
+      product(ws.options, heads, rows, pb.dk, cols, dp, kb, dq, k0 > 0, pb.scale);
     }
     filled = std::max(filled, reach);
-    if (reach == 0) dq.zero_();
+    if (reach == 0) ws.zero(dq_rows, heads, 0, rows, pb.dk);
     if (!in_place)
       cpu::attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, g.dq.at(b, h0, row), g.dq.row,
                        g.dq.col, heads, rows * pb.dk, g.dq.head);
