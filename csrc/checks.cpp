@@ -68,8 +68,10 @@ void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* 
 
 at::Tensor as_rows(const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.dim() >= 1, "expected a tensor of at least one dimension, got a scalar");
+  auto rows = t.contiguous();
+  if (rows.dim() == 2) return rows;  // (a view costs a dispatch, which small calls feel)
   const auto sizes = t.sizes();
-  return t.contiguous().view({c10::multiply_integers(sizes.begin(), sizes.end() - 1), sizes.back()});
+  return rows.view({c10::multiply_integers(sizes.begin(), sizes.end() - 1), sizes.back()});
 }
 
 at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options()); }
@@ -82,11 +84,13 @@ LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<a
   LayerNormInputs in;
   if (present(residual)) {
     check_like(*residual, x, "residual", "x", device);
-    in.residual = as_rows(*residual);
+    in.residual = residual->contiguous();
   }
   in.weight = param(weight, x, "weight", device);
   in.bias = param(bias, x, "bias", device);
-  in.x = as_rows(x);
+  in.x = x.contiguous();
+  in.cols = x.size(-1);
+  in.rows = x.numel() / in.cols;  // (check_rows: cols > 0)
   return in;
 }
 
@@ -230,7 +234,8 @@ CrossEntropyInputs cross_entropy_inputs(const at::Tensor& logits, const at::Tens
                     logits.sizes());
   check_labels(labels, logits, batch_shape(logits), device);
   const auto red = parse_reduction(reduction);
-  return {as_rows(logits), labels.contiguous().view(-1), red};
+  return {as_rows(logits), labels.dim() == 1 ? labels.contiguous() : labels.contiguous().view(-1),
+          red};
 }
 
 void check_cross_entropy_grad(const at::Tensor& grad, const at::Tensor& saved_grad,

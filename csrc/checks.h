@@ -22,7 +22,7 @@ void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* 
                        const char* other);
 
 // t [..., cols] as contiguous [rows, cols], rows the product of the other dimensions (a
-// view when t is contiguous: for inputs, never for outputs).
+// view when t is contiguous, t itself when it is already so: for inputs, never for outputs).
 at::Tensor as_rows(const at::Tensor& t);
 
 // An empty tensor: what a custom op returns for a result nobody asked for.
@@ -32,8 +32,11 @@ at::Tensor nothing(const at::Tensor& like);
 
 // x and residual as [rows, hidden], weight and bias [hidden], contiguous; the optional
 // ones undefined when absent.
+// x and residual contiguous (read as [rows, cols] through their data; no views, whose
+// dispatch a small call would pay for); weight and bias [cols] or undefined.
 struct LayerNormInputs {
   at::Tensor x, residual, weight, bias;
+  int64_t rows, cols;
 };
 LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                       const std::optional<at::Tensor>& weight,

@@ -431,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   const auto dtype = kernel_dtype(x);
   const uint64_t s = dropout_p > 0 ? seed_value(seed) : 0;
 
-  const int64_t rows = in.x.size(0), cols = in.x.size(1);
+  const int64_t rows = in.rows, cols = in.cols;
   // Outputs in x's shape, contiguous, so they are written as [rows, cols] and returned as
   // they are: an op's output must not be a view.
   auto out = at::empty(x.sizes(), in.x.options()), summed = at::empty(x.sizes(), in.x.options());

@@ -285,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
   const DeviceGuard guard(x);
   const Dropout dropout = dropout_stream(seed, dropout_p);
 
-  const int64_t rows = in.x.size(0), cols = in.x.size(1);
+  const int64_t rows = in.rows, cols = in.cols;
   // Outputs in x's shape (contiguous, so the kernels see [rows, cols]): an op's output
   // must not be a view.
   auto out = at::empty(x.sizes(), in.x.options()), summed = at::empty(x.sizes(), in.x.options());
