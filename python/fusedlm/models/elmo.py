@@ -26,7 +26,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .. import ops
-from ..ops.lstm import lstm_cell
+from ..ops.lstm_cell import lstm_cell
 
 # The character ids of AllenNLP's ELMoCharacterMapper: bytes are 0-255, then the markers.
 # Every id is stored plus one, so that 0 is the padding of tokens past a sentence's end.

@@ -1,4 +1,4 @@
-// lstm_cell (fusedlm/ops/lstm.py): its schemas, its kernels' routing and its autograd. Only the
+// lstm_cell (fusedlm/ops/lstm_cell.py): its schemas, its kernels' routing and its autograd. Only the
 // gate pre-activations and c_prev are saved; the backward recomputes the activations.
 #include <torch/library.h>
 
