@@ -239,19 +239,27 @@ def test_a_memoised_call_is_still_checked():
 def test_call_key_holds_what_a_planner_reads():
     from fusedlm._extension import _C
     x = torch.randn(4, 8)
-    key = _C.call_key((x, None, 1.0), {"backend": "cpu"})
-    assert key == _C.call_key((torch.randn(4, 8), None, 1.0), {"backend": "cpu"})
+    free = (None, None)  # the forcing: no backend forced
+
+    def key_of(args, kwargs, forcing=free):
+        return _C.call_key(args, kwargs, forcing)
+
+    key = key_of((x, None, 1.0), {"backend": "cpu"})
+    assert key == key_of((torch.randn(4, 8), None, 1.0), {"backend": "cpu"})
     for other in ((x.t().contiguous().t(), None, 1.0), (x.double(), None, 1.0), (x, None, 1),
                   (x, None, True), (x[:, :4], None, 1.0), (x.clone().requires_grad_(), None, 1.0)):
-        assert _C.call_key(other, {"backend": "cpu"}) != key
-    assert _C.call_key((x, None, 1.0), {"backend": None}) != key
+        assert key_of(other, {"backend": "cpu"}) != key
+    assert key_of((x, None, 1.0), {"backend": None}) != key
+    assert key_of((x, None, 1.0), {"backend": "cpu"}, ("cpu", "fusedlm.set_backend()")) != key
     with torch.no_grad():
-        assert _C.call_key((x, None, 1.0), {"backend": "cpu"}) != key
-    assert _C.call_key((torch.nn.Parameter(x),), {}) != _C.call_key((x,), {})
+        assert key_of((x, None, 1.0), {"backend": "cpu"}) != key
+    assert key_of((torch.nn.Parameter(x),), {}) != key_of((x,), {})
     # What a key cannot hold exactly: the call is planned afresh.
     for unkeyed in (x.as_subclass(_Subclass), object(), 2**80,
                     torch.zeros(3).to_sparse()):
-        assert _C.call_key((unkeyed,), {}) is None
+        assert key_of((unkeyed,), {}) is None
+    with pytest.raises(TypeError, match="call_key takes"):
+        _C.call_key((x,), {})
 
 
 class _Subclass(torch.Tensor):

@@ -301,3 +301,57 @@ def test_a_backward_op_autograd_would_record_raises():
     with torch.no_grad():
         dsummed, *_ = op(*call)
     assert dsummed.shape == summed.shape
+
+
+class _Watching(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Watched(torch.Tensor):
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_calls_watched_by_torch_function_reach_it_through_the_op():
+    # The compiled entry hands a call a torch function mode or a tensor's own
+    # __torch_function__ watches to the OpOverload, which shows it to them; the answer is
+    # the entry's.
+    logits = torch.randn(6, 10, dtype=torch.float64)
+    labels = torch.randint(10, (6,))
+    expected = F.cross_entropy(logits, labels, backend="cpu")
+    with _Watching() as mode:
+        got = F.cross_entropy(logits, labels, backend="cpu")
+    assert "fusedlm.cross_entropy.default" in mode.seen
+    assert torch.equal(got, expected)
+    _Watched.seen.clear()
+    got = F.cross_entropy(logits.as_subclass(_Watched), labels, backend="cpu")
+    assert "fusedlm.cross_entropy.default" in _Watched.seen
+    assert torch.equal(got.as_subclass(torch.Tensor), expected)
+    # A Parameter's __torch_function__ is torch's disabled one: the entry takes it.
+    w = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+    x = torch.randn(4, 8, dtype=torch.float64)
+    out, _ = F.add_layer_norm(x, None, w, None, 1e-5, backend="cpu")
+    assert out.grad_fn.name() == "fusedlm::AddLayerNormBackward"
+
+
+def test_the_compiled_entry_checks_its_arguments():
+    from fusedlm.ops.cross_entropy import CROSS_ENTROPY
+    logits, labels = torch.randn(4, 8), torch.randint(8, (4,))
+    with pytest.raises(TypeError, match="fusedlm::cross_entropy takes 7 arguments, got 2"):
+        CROSS_ENTROPY.call("cpu", logits)
+    with pytest.raises(TypeError, match="fusedlm::cross_entropy: argument 1 has an unexpected type"):
+        CROSS_ENTROPY.call("cpu", logits, "labels", -100, 0.0, "mean", False)
+    with pytest.raises(RuntimeError, match="op nonesuch has no eager entry"):
+        from fusedlm._extension import _C
+        _C.op_entry("nonesuch", print)

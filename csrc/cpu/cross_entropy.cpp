@@ -350,20 +350,21 @@ int64_t count_labelled(const at::Tensor& labels1, int64_t classes, int64_t ignor
   return count;
 }
 
-// The fused kernel over logits2 [rows, classes] (contiguous). loss (rows elements,
-// contiguous) receives the losses; grad is undefined (loss only) or the contiguous memory of
+// The fused kernel over logits2 [rows, classes] (contiguous). loss (memory for rows values of
+// the accumulation dtype) receives the losses; grad is undefined (loss only) or the contiguous memory of
 // rows * classes elements, possibly logits2 itself; col_partial, when defined, is [ceil(rows / kReduceBlockRows), classes] and
 // receives the column sums of grad per block of rows; row_scale is undefined or [rows].
-// loss, col_partial and row_scale are in the accumulation dtype.
-void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::Tensor& loss,
+// col_partial and row_scale are in the accumulation dtype.
+void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, void* loss,
                 const at::Tensor& grad, const at::Tensor& col_partial, int64_t ignore_index,
                 double label_smoothing, double grad_scale, const at::Tensor& row_scale) {
   const int64_t rows = logits2.size(0), classes = logits2.size(1);
   const auto dtype = kernel_dtype(logits2);
-  const size_t elem = logits2.element_size(), acc = loss.element_size();
+  const size_t elem = logits2.element_size();
+  const size_t acc = c10::elementSize(acc_dtype(logits2.scalar_type()));
   const char* x = static_cast<const char*>(logits2.data_ptr());
   const int64_t* y = labels1.data_ptr<int64_t>();
-  char* l = static_cast<char*>(loss.data_ptr());
+  char* l = static_cast<char*>(loss);
   char* g = grad.defined() ? static_cast<char*>(grad.data_ptr()) : nullptr;
   char* part = col_partial.defined() ? static_cast<char*>(col_partial.data_ptr()) : nullptr;
   const char* rs = row_scale.defined() ? static_cast<const char*>(row_scale.data_ptr()) : nullptr;
@@ -390,32 +391,34 @@ void run_kernel(const at::Tensor& logits2, const at::Tensor& labels1, const at::
   });
 }
 
-// The sum of the losses (contiguous, accumulation dtype), in row order, so that it does not
-// depend on the thread count.
-double sum_of(const at::Tensor& losses) {
+// The sum of n losses (contiguous, of dtype), in row order, so that it does not depend on the
+// thread count.
+double sum_of(const void* losses, at::ScalarType dtype, int64_t n) {
   double sum = 0.0;
-  AT_DISPATCH_FLOATING_TYPES(losses.scalar_type(), "sum_of", [&] {
-    const scalar_t* l = losses.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < losses.numel(); ++i) sum += l[i];
+  AT_DISPATCH_FLOATING_TYPES(dtype, "sum_of", [&] {
+    const auto* l = static_cast<const scalar_t*>(losses);
+    for (int64_t i = 0; i < n; ++i) sum += l[i];
   });
   return sum;
 }
 
-// `value` as a 0-dim tensor, written in place: a call's fixed cost counts at small sizes.
-at::Tensor scalar_of(double value, const at::TensorOptions& options) {
+// The loss a mean or a sum returns, from the sum of the losses (rounded once, from float64,
+// to the losses' dtype), as a 0-dim tensor written in place: a call's fixed cost counts at
+// small sizes.
+at::Tensor reduced(double sum, Reduction reduction, int64_t labelled,
+                   const at::TensorOptions& options) {
+  if (reduction == Reduction::kMean) sum /= double(std::max<int64_t>(labelled, 1));
   auto out = at::empty({}, options);
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "scalar_of",
-                             [&] { *out.data_ptr<scalar_t>() = static_cast<scalar_t>(value); });
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "reduced",
+                             [&] { *out.data_ptr<scalar_t>() = static_cast<scalar_t>(sum); });
   return out;
 }
 
-// The loss a reduction returns from the per-row losses (the mean and sum rounded once, from
-// float64, to the losses' dtype).
+// The loss a reduction returns from the per-row losses (contiguous, accumulation dtype).
 at::Tensor reduce_losses(const at::Tensor& losses, Reduction reduction, int64_t labelled) {
   if (reduction == Reduction::kNone) return losses;
-  double sum = sum_of(losses);
-  if (reduction == Reduction::kMean) sum /= double(std::max<int64_t>(labelled, 1));
-  return scalar_of(sum, losses.options());
+  return reduced(sum_of(losses.data_ptr(), losses.scalar_type(), losses.numel()), reduction,
+                 labelled, losses.options());
 }
 
 // src * scale in src's dtype, rounded once. scale (accumulation dtype) holds one value,
@@ -463,7 +466,7 @@ at::Tensor chunk_cross_entropy(const at::Tensor& logits, const at::Tensor& label
   const auto acc = losses.scalar_type();
   const int64_t blocks = (logits.size(0) + kReduceBlockRows - 1) / kReduceBlockRows;
   auto partial = col_sum ? partial_sums(blocks, logits.size(1), acc) : at::Tensor();
-  run_kernel(logits, labels1, losses, with_grad ? logits : at::Tensor(), partial, ignore_index,
+  run_kernel(logits, labels1, losses.data_ptr(), with_grad ? logits : at::Tensor(), partial, ignore_index,
              label_smoothing, grad_scale, row_scale);
   return col_sum ? sum_partials(partial, 0, blocks, acc) : at::Tensor();
 }
@@ -488,13 +491,26 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logit
   const int64_t labelled = count_labelled(in.labels, in.logits.size(1), ignore_index);
   // Outputs in their final shapes, contiguous (the kernel writes them as rows): an op's
   // output must not be a view.
-  auto losses = at::empty(labels.sizes(), in.logits.options().dtype(acc_dtype(logits.scalar_type())));
+  const auto acc_options = in.logits.options().dtype(acc_dtype(logits.scalar_type()));
   auto grad = with_grad ? at::empty(logits.sizes(), in.logits.options()) : at::Tensor();
   const double grad_scale =
       in.reduction == Reduction::kMean ? 1.0 / std::max<int64_t>(labelled, 1) : 1.0;
-  run_kernel(in.logits, in.labels, losses, grad, at::Tensor(), ignore_index, label_smoothing,
-             grad_scale, at::Tensor());
-  return {reduce_losses(losses, in.reduction, labelled), with_grad ? grad : nothing(logits)};
+  auto run = [&](void* losses) {
+    run_kernel(in.logits, in.labels, losses, grad, at::Tensor(), ignore_index, label_smoothing,
+               grad_scale, at::Tensor());
+  };
+  at::Tensor loss;
+  if (in.reduction == Reduction::kNone) {
+    loss = at::empty(labels.sizes(), acc_options);
+    run(loss.data_ptr());
+  } else {  // (the rows' losses, only summed, need no tensor)
+    const int64_t rows = in.logits.size(0);
+    std::vector<char> losses(rows * c10::elementSize(acc_options.dtype().toScalarType()));
+    run(losses.data());
+    loss = reduced(sum_of(losses.data(), acc_options.dtype().toScalarType(), rows), in.reduction,
+                   labelled, acc_options);
+  }
+  return {loss, with_grad ? grad : nothing(logits)};
 }
 FUSEDLM_KERNEL(cross_entropy_forward);
 

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/autograd.h"
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -183,5 +184,8 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("attention_backward", &BelowAutograd<kAttentionBackward, Backward>::run);
   m.impl("attention_varlen_backward", &BelowAutograd<kVarlenBackward, SymVarlenBackward>::run);
 }
+
+FUSEDLM_ENTRY(attention, kAttention, decltype(attention_autograd));
+FUSEDLM_ENTRY(attention_varlen, kVarlen, decltype(attention_varlen_autograd));
 
 }  // namespace fusedlm

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -13,6 +14,7 @@ using OptionalTensor = std::optional<Tensor>;
 
 using Forward = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double);
+constexpr char kOp[] = "fusedlm::attention_with_kvcache";
 constexpr char kForwardKernel[] = "attention_with_kvcache_forward";
 
 }  // namespace
@@ -32,5 +34,7 @@ TORCH_LIBRARY_IMPL(fusedlm, ADInplaceOrView, m) {
 TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("attention_with_kvcache", torch::autograd::autogradNotImplementedFallback());
 }
+
+FUSEDLM_ENTRY(attention_with_kvcache, kOp, decltype(Routed<kForwardKernel, Forward>::run));
 
 }  // namespace fusedlm

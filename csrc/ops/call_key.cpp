@@ -90,22 +90,35 @@ bool put_value(std::string& key, PyObject* obj, int depth) {
   return true;
 }
 
-// bytes, or None where an argument is of a kind the key cannot hold (the call is then
-// planned afresh).
-py::object call_key(py::tuple args, py::dict kwargs) {
+// call_key(args, kwargs, forcing): bytes, or None where an argument is of a kind the key cannot
+// hold (the call is then planned afresh). `forcing` (a value of the kinds above) joins the key:
+// the backend calls are forced to and what forced it. A fast-call function: it runs on every
+// eager call.
+PyObject* call_key(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(args[0]) || !PyDict_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "call_key takes (args: tuple, kwargs: dict, forcing)");
+    return nullptr;
+  }
   std::string key;
   key.reserve(256);
   key.push_back(torch::autograd::GradMode::is_enabled() ? 'G' : 'g');
-  for (auto arg : args) {
-    if (!put_value(key, arg.ptr(), 0)) return py::none();
+  if (!put_value(key, args[2], 0)) Py_RETURN_NONE;
+  for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(args[0]); i < n; ++i) {
+    if (!put_value(key, PyTuple_GET_ITEM(args[0], i), 0)) Py_RETURN_NONE;
   }
-  for (auto item : kwargs) {
-    if (!put_value(key, item.first.ptr(), 0) || !put_value(key, item.second.ptr(), 0))
-      return py::none();
+  PyObject *name = nullptr, *value = nullptr;
+  for (Py_ssize_t position = 0; PyDict_Next(args[1], &position, &name, &value);) {
+    if (!put_value(key, name, 0) || !put_value(key, value, 0)) Py_RETURN_NONE;
   }
-  return py::bytes(key);
+  return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
 }
-FUSEDLM_BIND(call_key, py::arg("args"), py::arg("kwargs"));
+
+PyMethodDef call_key_def = {"call_key", reinterpret_cast<PyCFunction>(
+                                            reinterpret_cast<void (*)(void)>(&call_key)),
+                            METH_FASTCALL, "call_key(args, kwargs, forcing) -> bytes or None"};
+const Bound bound_call_key(kBindingSubmodule, [](py::module_& m) {
+  m.add_object("call_key", py::reinterpret_steal<py::object>(PyCFunction_New(&call_key_def, nullptr)));
+});
 
 }  // namespace
 }  // namespace fusedlm

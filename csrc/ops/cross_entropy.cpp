@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/autograd.h"
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -217,5 +218,9 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("cross_entropy_backward", &BelowAutograd<kCrossEntropyBackward, ScaleBackward>::run);
   m.impl("masked_lm_loss_backward", &BelowAutograd<kMlmBackward, SymMlmBackward>::run);
 }
+
+FUSEDLM_ENTRY(cross_entropy, kCrossEntropy, decltype(cross_entropy_autograd));
+FUSEDLM_ENTRY(distillation_loss, kDistillation, decltype(distillation_loss_autograd));
+FUSEDLM_ENTRY(masked_lm_loss, kMlm, decltype(masked_lm_loss_autograd));
 
 }  // namespace fusedlm

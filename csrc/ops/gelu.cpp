@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/autograd.h"
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -157,5 +158,8 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("bias_gelu_backward", &BelowAutograd<kBiasGeluBackward, BiasGeluBackward>::run);
   m.impl("gelu_ffn_backward", &BelowAutograd<kGeluFfnBackward, GeluFfnBackward>::run);
 }
+
+FUSEDLM_ENTRY(bias_gelu, kBiasGelu, decltype(bias_gelu_autograd));
+FUSEDLM_ENTRY(gelu_ffn, kGeluFfn, decltype(gelu_ffn_autograd));
 
 }  // namespace fusedlm

@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "ops/autograd.h"
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -96,5 +97,7 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("add_layer_norm_backward", &BelowAutograd<kBackwardOp, Backward>::run);
 }
+
+FUSEDLM_ENTRY(add_layer_norm, kOp, decltype(add_layer_norm_autograd));
 
 }  // namespace fusedlm

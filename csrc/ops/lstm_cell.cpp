@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/autograd.h"
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -79,5 +80,7 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("lstm_cell", &lstm_cell_autograd);
   m.impl("lstm_cell_backward", &BelowAutograd<kLstmCellBackward, Backward>::run);
 }
+
+FUSEDLM_ENTRY(lstm_cell, kLstmCell, decltype(lstm_cell_autograd));
 
 }  // namespace fusedlm

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/autograd.h"
+#include "ops/entry.h"
 #include "ops/route.h"
 
 namespace fusedlm {
@@ -129,5 +130,8 @@ TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
   m.impl("pad", &pad_autograd);
   m.impl("pad_backward", &BelowAutograd<kPadBackward, PadBackward>::run);
 }
+
+FUSEDLM_ENTRY(unpad, kUnpad, decltype(unpad_autograd));
+FUSEDLM_ENTRY(pad, kPad, decltype(pad_autograd));
 
 }  // namespace fusedlm

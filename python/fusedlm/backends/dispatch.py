@@ -33,8 +33,8 @@ from .registry import _AUTO_ORDER, _REGISTRY
 DEBUG = switches.value("FUSEDLM_DEBUG") == "1"
 
 _PLANNERS: dict[str, Callable] = {}
-# The planners' answers, memoised by call (planner): {op: {fusedlm._C.call_key of the call,
-# forced backend, what forced it: Choice}}. An answer depends on the call's key, the forcing,
+# The planners' answers, memoised by call (planner): {op: {fusedlm._C.call_key of the call and
+# the forcing: Choice}}. An answer depends on the call's key, the forcing,
 # the declared ops, the backends and the device checks (install_checks), so a change to the
 # registry and the checks' own forgetting empty it (forget_choices).
 _PLANS: dict[str, dict] = {}
@@ -180,14 +180,14 @@ def planner(op: str):
     def decorate(plan):
         _PLANNERS[op] = plan
         plans = _PLANS[op] = {}
+        is_compiling = torch.compiler.is_compiling
 
         @functools.wraps(plan)
         def planned(*args, **kwargs):
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 return plan(*args, **kwargs)
-            key = _C.call_key(args, kwargs)
+            key = _C.call_key(args, kwargs, _FORCING.key)
             if key is not None:
-                key = (key, _FORCING.backend, _FORCING.source)
                 memoised = plans.get(key)
                 if memoised is not None:
                     return memoised

@@ -57,19 +57,22 @@ class _Forcing:
     it (None, None: chosen automatically); brought up to date by set_backend and use_backend,
     so that a call reads it in one step."""
 
-    __slots__ = ("backend", "source")
+    __slots__ = ("backend", "source", "key")
 
     def update(self) -> None:
+        self.backend, self.source = self._now()
+        self.key = (self.backend, self.source)  # (part of a memoised choice's key)
+
+    @staticmethod
+    def _now() -> tuple:
         for pinned in reversed(_pinned):
             if pinned is not None:
-                self.backend, self.source = pinned, "fusedlm.use_backend()"
-                return
+                return pinned, "fusedlm.use_backend()"
         if _selected is not None:
-            self.backend, self.source = _selected, "fusedlm.set_backend()"
-        elif _ENV_BACKEND is not None:
-            self.backend, self.source = _ENV_BACKEND, "FUSEDLM_BACKEND"
-        else:
-            self.backend, self.source = None, None
+            return _selected, "fusedlm.set_backend()"
+        if _ENV_BACKEND is not None:
+            return _ENV_BACKEND, "FUSEDLM_BACKEND"
+        return None, None
 
 
 _FORCING = _Forcing()

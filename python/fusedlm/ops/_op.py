@@ -5,7 +5,8 @@ op is registered with torch's dispatcher, its kernel for CPU and CUDA tensors ha
 the backend its last argument names (a compiled kernel of the cpu or cuda backend, a Python
 one of the triton or reference backend), and its autograd node, for the Autograd key, calls
 the backward op through the dispatcher. An eager call is thus the public function (its
-checks and the memoised choice of backend), then one call into the dispatcher.
+checks and the memoised choice of backend), then one call into the dispatcher, through the
+op's compiled entry (csrc/ops/entry.h).
 
 An op file states here what the C++ cannot: its plain-PyTorch reference and the reference
 backend's kernels, its probes, the fakes that give the outputs' shapes under torch.compile,
@@ -29,6 +30,7 @@ import torch
 from torch._C._functorch import peek_interpreter_stack
 from torch.autograd import forward_ad
 
+from .._extension import _C
 from ..backends import OpInfo, declare, filled
 
 _DECLARED: dict = {}  # {name: Op}
@@ -81,9 +83,11 @@ class Op:
         self._reference_kernels = reference_kernels
         self._twice_differentiable = False
         self._op = getattr(torch.ops.fusedlm, name).default
-        # What the OpOverload calls, called directly by eager calls (a Python frame less);
-        # torch.compile traces the OpOverload.
-        self._builtin = getattr(self._op, "_op", self._op)
+        # Eager calls enter the op through its compiled entry, which converts the arguments
+        # by their C++ types (csrc/ops/entry.h) and hands the calls it does not take to
+        # _fallback; torch.compile traces the OpOverload.
+        self._eager = _C.op_entry(name, self._fallback)
+        self.call = self._caller()
         _register_fake(name, fake)
         # The module of fusedlm.ops declaring the op (fusedlm.backends.triton finds its
         # kernels in the Triton module of the same name).
@@ -91,16 +95,27 @@ class Op:
         declare(OpInfo(name, module, supports or {}, reference, reference_kernels,
                        tuple(replace(p, op=name) for p in probes)))
 
-    def __call__(self, backend: str, *args):
-        """The op's outputs on ``backend``; under a torch.func transform or forward-mode AD,
-        outside torch.compile's tracing, the reference backend's plain-PyTorch forward kernel
-        instead, which every transform takes (the kernels have no forward-mode or batching
-        rules)."""
-        if torch.compiler.is_compiling():
-            return self._op(*args, backend)
+    def _caller(self) -> Callable:
+        """``call(backend, *args)``: the op's outputs on ``backend``. A function of its own
+        rather than a method: it runs on every call, and a plain function costs Python least."""
+        op, eager, is_compiling = self._op, self._eager, torch.compiler.is_compiling
+
+        def call(backend: str, *args):
+            if is_compiling():
+                return op(*args, backend)
+            return eager(*args, backend)
+
+        return call
+
+    def _fallback(self, *args):
+        """A call the compiled entry does not take (the backend last). Under a torch.func
+        transform or forward-mode AD, the reference backend's plain-PyTorch forward kernel,
+        which every transform takes (the kernels have no forward-mode or batching rules);
+        otherwise the OpOverload, which honours torch function modes and tensors'
+        __torch_function__."""
         if peek_interpreter_stack() is None and forward_ad._current_level < 0:
-            return self._builtin(*args, backend)
-        return filled(self._reference_kernels[0](*args), args)
+            return self._op(*args)
+        return filled(self._reference_kernels[0](*args[:-1]), args[:-1])
 
     def differentiable(self, fake: Optional[Callable], *, twice: bool = True) -> "Op":
         """Registers the fake of the backward op (None where the op has none: unpad's

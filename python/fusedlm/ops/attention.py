@@ -124,7 +124,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     choice = plan_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                             attn_bias=attn_bias, dropout_p=dropout_p, scale=scale, backend=backend)
-    out, _ = ATTENTION(choice.backend, q, k, v, key_padding_mask, attn_bias, causal,
+    out, _ = ATTENTION.call(choice.backend, q, k, v, key_padding_mask, attn_bias, causal,
                        float(dropout_p), _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
     return out
 
@@ -294,7 +294,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     choice = plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal=causal, dropout_p=dropout_p, scale=scale, backend=backend)
-    out, _ = ATTENTION_VARLEN(choice.backend, q, k, v, cu_seqlens_q.contiguous(),
+    out, _ = ATTENTION_VARLEN.call(choice.backend, q, k, v, cu_seqlens_q.contiguous(),
                               cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, causal,
                               float(dropout_p),
                               _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))

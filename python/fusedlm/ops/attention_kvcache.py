@@ -102,7 +102,7 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     """
     choice = plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                          cache_leftpad=cache_leftpad, scale=scale, backend=backend)
-    return ATTENTION_WITH_KVCACHE(choice.backend, q, k_cache, v_cache, cache_seqlens.contiguous(),
+    return ATTENTION_WITH_KVCACHE.call(choice.backend, q, k_cache, v_cache, cache_seqlens.contiguous(),
                                   k_new, v_new, None if cache_leftpad is None else cache_leftpad.contiguous(),
                                   _resolve_scale(scale, q.shape[-1]))
 

@@ -126,11 +126,6 @@ def _check_options(label_smoothing, reduction) -> None:
     check.choice("reduction", reduction, REDUCTIONS)
 
 
-def _wants_grad(*tensors: Optional[Tensor]) -> list[bool]:
-    enabled = torch.is_grad_enabled()
-    return [enabled and t is not None and t.requires_grad for t in tensors]
-
-
 # --- cross_entropy -------------------------------------------------------------------------------
 
 @planner("cross_entropy")
@@ -156,8 +151,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
     """
     choice = plan_cross_entropy(logits, labels, ignore_index=ignore_index,
                                 label_smoothing=label_smoothing, reduction=reduction, backend=backend)
-    (with_grad,) = _wants_grad(logits)
-    loss, _ = CROSS_ENTROPY(choice.backend, logits, labels, ignore_index, float(label_smoothing),
+    with_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, _ = CROSS_ENTROPY.call(choice.backend, logits, labels, ignore_index, float(label_smoothing),
                             reduction, with_grad)
     return loss
 
@@ -252,8 +247,8 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, *, tempera
     """
     choice = plan_distillation_loss(student_logits, teacher_logits, temperature=temperature,
                                     reduction=reduction, backend=backend)
-    (with_grad,) = _wants_grad(student_logits)
-    loss, _ = DISTILLATION_LOSS(choice.backend, student_logits, teacher_logits, float(temperature),
+    with_grad = torch.is_grad_enabled() and student_logits.requires_grad
+    loss, _ = DISTILLATION_LOSS.call(choice.backend, student_logits, teacher_logits, float(temperature),
                                 reduction, with_grad)
     return loss
 
@@ -340,9 +335,11 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], label
     choice = plan_masked_lm_loss(hidden, weight, bias, labels, ignore_index=ignore_index,
                                  label_smoothing=label_smoothing, reduction=reduction, backend=backend)
     chunk_rows = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * hidden.element_size()))
-    loss, *_ = MASKED_LM_LOSS(choice.backend, hidden, weight, bias, labels, ignore_index,
+    grad = torch.is_grad_enabled()
+    loss, *_ = MASKED_LM_LOSS.call(choice.backend, hidden, weight, bias, labels, ignore_index,
                               float(label_smoothing), reduction, chunk_rows,
-                              *_wants_grad(hidden, weight, bias))
+                              grad and hidden.requires_grad, grad and weight.requires_grad,
+                              grad and bias is not None and bias.requires_grad)
     return loss
 
 

@@ -42,7 +42,7 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none
               backend: Optional[str] = None) -> Tensor:
     """gelu(x + bias), bias over the last dimension; approximate is "none" (erf) or "tanh"."""
     choice = plan_bias_gelu(x, bias, approximate, backend=backend)
-    return BIAS_GELU(choice.backend, x, bias, approximate)
+    return BIAS_GELU.call(choice.backend, x, bias, approximate)
 
 
 def bias_gelu_reference(x, bias=None, approximate="none"):
@@ -114,7 +114,7 @@ def gelu_ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     """Linear(w1, b1) -> GELU -> dropout -> Linear(w2, b2), weights as in nn.Linear."""
     choice = plan_gelu_ffn(x, w1, b1, w2, b2, approximate=approximate, dropout_p=dropout_p,
                            backend=backend)
-    out, _ = GELU_FFN(choice.backend, x, w1, b1, w2, b2, approximate, float(dropout_p),
+    out, _ = GELU_FFN.call(choice.backend, x, w1, b1, w2, b2, approximate, float(dropout_p),
                       next_seed(dropout_p))
     return out
 

@@ -57,7 +57,7 @@ def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Optional[Tenso
     """
     choice = plan_add_layer_norm(x, residual, weight, bias, eps, dropout_p=dropout_p,
                                  backend=backend)
-    out, summed, _, _ = ADD_LAYER_NORM(choice.backend, x, residual, weight, bias, float(eps),
+    out, summed, _, _ = ADD_LAYER_NORM.call(choice.backend, x, residual, weight, bias, float(eps),
                                        float(dropout_p), next_seed(dropout_p))
     return out, summed
 

@@ -51,7 +51,7 @@ def lstm_cell(gates: Tensor, c_prev: Tensor, *, cell_clip: Optional[float] = Non
     to [-cell_clip, cell_clip] when cell_clip is set, and h = o * tanh(c).
     """
     choice = plan_lstm_cell(gates, c_prev, cell_clip=cell_clip, backend=backend)
-    return LSTM_CELL(choice.backend, gates, c_prev, _clip_value(cell_clip))
+    return LSTM_CELL.call(choice.backend, gates, c_prev, _clip_value(cell_clip))
 
 
 # --- reference ---------------------------------------------------------------------------------

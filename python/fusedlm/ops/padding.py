@@ -59,7 +59,7 @@ def unpad(hidden: Tensor, key_padding_mask: Tensor, *, backend: Optional[str] = 
     synchronise the host with the device.
     """
     choice = plan_unpad(hidden, key_padding_mask, backend=backend)
-    return UNPAD(choice.backend, hidden, key_padding_mask)
+    return UNPAD.call(choice.backend, hidden, key_padding_mask)
 
 
 def _unpad_fake(hidden, key_padding_mask):
@@ -126,7 +126,7 @@ def pad(packed: Tensor, indices: Tensor, batch: int, seqlen: int, *,
     """The inverse of unpad: [batch, seqlen, ...] with packed's rows at ``indices`` (positions
     in the flattened batch * seqlen) and zeros elsewhere."""
     choice = plan_pad(packed, indices, batch, seqlen, backend=backend)
-    return PAD(choice.backend, packed, indices.contiguous(), batch, seqlen)
+    return PAD.call(choice.backend, packed, indices.contiguous(), batch, seqlen)
 
 
 def pad_reference(packed, indices, batch, seqlen):
