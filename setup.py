@@ -19,6 +19,7 @@ import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 import platform
+import re
 import sysconfig
 from pathlib import Path
 
@@ -35,6 +36,8 @@ except ImportError as e:  # pragma: no cover - message for users
     ) from e
 
 ROOT = Path(__file__).parent.resolve()
+# The version, stated once, in the package (python/fusedlm/_version.py).
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "python/fusedlm/_version.py").read_text())[1]
 DEFAULT_CUDA_ARCHES = "8.0+PTX;9.0a"
 # at::parallel_for's OpenMP backend is a template in ATen's headers, compiled into the host
 # code: without -fopenmp its `omp parallel` is ignored and every task runs on the calling
@@ -235,7 +238,7 @@ TRANSFORMERS = "transformers>=5.17,<6"
 
 setup(
     name="fusedlm",
-    version="0.1.0",
+    version=VERSION,
     description="Fused CUDA, Triton and CPU kernels for BERT, GPT, ELECTRA and ELMo in PyTorch",
     python_requires=">=3.10",
     package_dir={"": "python", "fusedlm.triton_kernels": "kernels/triton"},

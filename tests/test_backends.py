@@ -1,4 +1,5 @@
 """Backend registry and dispatch: automatic choice, overrides, and clear errors."""
+import contextlib
 import os
 import re
 import subprocess
@@ -162,10 +163,21 @@ def test_cuda_gelu_ffn_refusal_falls_through_to_triton():
                            None).startswith("gelu_ffn -> cuda")
 
 
-def test_an_emulated_backend_runs_only_when_named(monkeypatch):
+@contextlib.contextmanager
+def _changed(backend, **fields):
+    """Backend ``backend`` with these fields, through Backend.change, which forgets the
+    choices made with the old ones; restored after."""
+    old = _REGISTRY[backend].change(**fields)
+    try:
+        yield
+    finally:
+        _REGISTRY[backend].change(**old)
+
+
+@_changed("cpu", emulated=lambda: "emulated on the CPU as a test")
+def test_an_emulated_backend_runs_only_when_named():
     # The cpu backend posing as an emulation: reported as one, never chosen automatically,
     # and still run when named.
-    monkeypatch.setattr(_REGISTRY["cpu"], "emulated", lambda: "emulated on the CPU as a test")
     status = fusedlm.backends()["cpu"]
     assert isinstance(status, Emulated) and status == "emulated on the CPU as a test"
     x = torch.randn(4, 8)
@@ -194,14 +206,13 @@ def backend_of(call) -> str:
     return called.backends[0]
 
 
-def test_a_change_to_a_backend_changes_the_choices_already_made(monkeypatch):
+def test_a_change_to_a_backend_changes_the_choices_already_made():
     # The planners memoise their answers per call: a backend switched off after a call (and
     # back on) must change the next one's choice, automatic and asked for by name.
     x = torch.randn(4, 8)
     assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "cpu"
     assert backend_of(lambda: fusedlm.ops.bias_gelu(x, backend="cpu")) == "cpu"
-    with monkeypatch.context() as patched:
-        patched.setattr(_REGISTRY["cpu"], "unavailable", "switched off")
+    with _changed("cpu", unavailable="switched off"):
         assert backend_of(lambda: fusedlm.ops.bias_gelu(x)) == "reference"
         assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
         with pytest.raises(RuntimeError, match="cannot run on backend 'cpu'.*switched off"):
@@ -296,8 +307,8 @@ def test_emulated_cuda_is_never_chosen_automatically(monkeypatch):
     choice = choose("bias_gelu", torch.device("cuda"), dtype=torch.bfloat16)
     assert choice.backend != "cuda" and "skipped cuda: runs on cpu tensors (emulated" in choice.why
     # With the cpu backend out of the running, still not: reference.
-    monkeypatch.setattr(_REGISTRY["cpu"], "unavailable", "switched off")
-    assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
+    with _changed("cpu", unavailable="switched off"):
+        assert fusedlm.explain("bias_gelu", x, None).startswith("bias_gelu -> reference")
 
 
 @pytest.mark.cuda
@@ -380,9 +391,8 @@ def test_the_cuda_backend_refuses_a_gpu_it_has_no_code_for(monkeypatch, capabili
     assert refused == reason if reason is None else refused.startswith(reason)
 
 
-def test_a_device_a_backend_refuses_falls_through_with_the_reason(monkeypatch):
-    monkeypatch.setattr(_REGISTRY["cpu"], "refuses_device",
-                        lambda device: "compute capability 7.5: too old")
+@_changed("cpu", refuses_device=lambda device: "compute capability 7.5: too old")
+def test_a_device_a_backend_refuses_falls_through_with_the_reason():
     x = torch.randn(3, 8)
     why = fusedlm.explain("bias_gelu", x)
     assert why.startswith("bias_gelu -> reference") and "skipped cpu: compute capability 7.5" in why

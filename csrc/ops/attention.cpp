@@ -1,11 +1,7 @@
 // attention and attention_varlen (fusedlm/ops/attention.py): their schemas, their kernels'
 // routing and their autograd. Both save q, k, v, the output and each row's log-sum-exp, and
 // regenerate the dropout mask from its seed.
-#include <torch/library.h>
-
-#include "ops/autograd.h"
-#include "ops/entry.h"
-#include "ops/route.h"
+#include "ops/register.h"
 
 namespace fusedlm {
 namespace {
@@ -23,8 +19,6 @@ using Backward = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     const OptionalTensor&, const OptionalTensor&, bool, double, double, const Tensor&, bool);
 constexpr char kAttention[] = "fusedlm::attention";
 constexpr char kAttentionBackward[] = "fusedlm::attention_backward";
-constexpr char kForwardKernel[] = "attention_forward";
-constexpr char kBackwardKernel[] = "attention_backward";
 
 struct AttentionNode : OpNode {
   SavedVariable q, k, v, out, lse, mask, bias, seed;
@@ -89,18 +83,8 @@ using VarlenForward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c
 using VarlenBackward = std::tuple<Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, int64_t, int64_t, bool, double, double, const Tensor&);
-// The same with the maximum lengths as the schema's SymInts (unbacked under torch.compile,
-// from unpad): what autograd passes on.
-using SymVarlenForward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                    const Tensor&, const Tensor&, c10::SymInt,
-                                                    c10::SymInt, bool, double, double, const Tensor&);
-using SymVarlenBackward = std::tuple<Tensor, Tensor, Tensor>(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&, c10::SymInt, c10::SymInt, bool, double, double, const Tensor&);
 constexpr char kVarlen[] = "fusedlm::attention_varlen";
 constexpr char kVarlenBackward[] = "fusedlm::attention_varlen_backward";
-constexpr char kVarlenForwardKernel[] = "attention_varlen_forward";
-constexpr char kVarlenBackwardKernel[] = "attention_varlen_backward";
 
 struct AttentionVarlenNode : OpNode {
   SavedVariable q, k, v, out, lse, cu_q, cu_k, seed;
@@ -125,7 +109,7 @@ struct AttentionVarlenNode : OpNode {
                                             ck, max_q, max_k, causal, dropout_p, scale, sd);
       dq = taken[0], dk = taken[1], dv = taken[2];
     } else {
-      std::tie(dq, dk, dv) = dispatched<kVarlenBackward, SymVarlenBackward>().call(
+      std::tie(dq, dk, dv) = dispatched<kVarlenBackward, VarlenBackward>().call(
           grads[0], tq, tk, tv, to, tl, cq, ck, max_q, max_k, causal, dropout_p, scale, sd,
           backend);
     }
@@ -140,8 +124,8 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(
   std::tuple<Tensor, Tensor> outputs;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kVarlen, SymVarlenForward>().call(q, k, v, cu_q, cu_k, max_q, max_k, causal,
-                                                           dropout_p, scale, seed, backend);
+    outputs = dispatched<kVarlen, VarlenForward>().call(q, k, v, cu_q, cu_k, max_q, max_k, causal,
+                                                        dropout_p, scale, seed, backend);
   }
   if (!recorded(q, k, v)) return outputs;
   auto& [out, lse] = outputs;
@@ -173,19 +157,9 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
         "str backend) -> (Tensor, Tensor, Tensor)");
 }
 
-FUSEDLM_ROUTE(attention, kForwardKernel, Forward)
-FUSEDLM_ROUTE(attention_backward, kBackwardKernel, Backward)
-FUSEDLM_ROUTE(attention_varlen, kVarlenForwardKernel, VarlenForward)
-FUSEDLM_ROUTE(attention_varlen_backward, kVarlenBackwardKernel, VarlenBackward)
-
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
-  m.impl("attention", &attention_autograd);
-  m.impl("attention_varlen", &attention_varlen_autograd);
-  m.impl("attention_backward", &BelowAutograd<kAttentionBackward, Backward>::run);
-  m.impl("attention_varlen_backward", &BelowAutograd<kVarlenBackward, SymVarlenBackward>::run);
-}
-
-FUSEDLM_ENTRY(attention, kAttention, decltype(attention_autograd));
-FUSEDLM_ENTRY(attention_varlen, kVarlen, decltype(attention_varlen_autograd));
+FUSEDLM_OP(attention, Forward, attention_autograd);
+FUSEDLM_BACKWARD_OP(attention_backward, Backward)
+FUSEDLM_OP(attention_varlen, VarlenForward, attention_varlen_autograd);
+FUSEDLM_BACKWARD_OP(attention_varlen_backward, VarlenBackward)
 
 }  // namespace fusedlm

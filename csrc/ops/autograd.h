@@ -77,12 +77,24 @@ void record_outputs(const N& node, Outputs&... outputs) {
   (torch::autograd::set_history(outputs, base), ...);
 }
 
-// An op's signature from its kernels' (Kernel): the same arguments, then the backend.
+// An argument's type in an op's schema, from its kernels' type: every integer is a SymInt
+// (symbolic under torch.compile, as a maximum length unpad returns), the rest as they are.
+template <class T>
+struct SchemaArg {
+  using type = T;
+};
+template <>
+struct SchemaArg<int64_t> {
+  using type = c10::SymInt;
+};
+
+// An op's signature from its kernels' (Kernel): the same arguments as the schema types them,
+// then the backend.
 template <class Kernel>
 struct WithBackend;
 template <class Ret, class... Args>
 struct WithBackend<Ret(Args...)> {
-  using type = Ret(Args..., c10::string_view);
+  using type = Ret(typename SchemaArg<Args>::type..., c10::string_view);
 };
 
 // The op of qualified name Name ("fusedlm::add_layer_norm"), whose kernels have the signature
@@ -119,7 +131,7 @@ template <const char* Name, class Kernel>
 struct BelowAutograd;
 template <const char* Name, class Ret, class... Args>
 struct BelowAutograd<Name, Ret(Args...)> {
-  static Ret run(Args... args, c10::string_view backend) {
+  static Ret run(typename SchemaArg<Args>::type... args, c10::string_view backend) {
     TORCH_CHECK(!recorded(args...), Name, " has no derivative: a gradient to be differentiated "
                 "again is fusedlm's reference backward (fusedlm.ops._op.reference_backward)");
     at::AutoDispatchBelowADInplaceOrView below;

@@ -1,11 +1,7 @@
 // cross_entropy, distillation_loss and masked_lm_loss (fusedlm/ops/cross_entropy.py): their
 // schemas, their kernels' routing and their autograd. Each forward also returns the gradient
 // for grad_output 1 where autograd records the call; the backward scales it by grad_output.
-#include <torch/library.h>
-
-#include "ops/autograd.h"
-#include "ops/entry.h"
-#include "ops/route.h"
+#include "ops/register.h"
 
 namespace fusedlm {
 namespace {
@@ -15,7 +11,6 @@ using OptionalTensor = std::optional<Tensor>;
 
 using ScaleBackward = Tensor(const Tensor&, const Tensor&, const std::string&);
 constexpr char kCrossEntropyBackward[] = "fusedlm::cross_entropy_backward";
-constexpr char kCrossEntropyBackwardKernel[] = "cross_entropy_backward";
 
 // The backward of cross_entropy and distillation_loss: the gradient for grad_output 1, which
 // the forward took with the loss and which has no gradient itself, scaled by grad_output.
@@ -58,10 +53,7 @@ void record_loss(const Tensor& logits, std::tuple<Tensor, Tensor>& outputs,
 
 using CrossEntropyForward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, int64_t, double,
                                                        const std::string&, bool);
-using SymCrossEntropyForward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, c10::SymInt,
-                                                          double, const std::string&, bool);
 constexpr char kCrossEntropy[] = "fusedlm::cross_entropy";
-constexpr char kCrossEntropyForwardKernel[] = "cross_entropy_forward";
 
 std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Tensor& labels,
                                                   c10::SymInt ignore_index, double label_smoothing,
@@ -70,7 +62,7 @@ std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Te
   std::tuple<Tensor, Tensor> outputs;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kCrossEntropy, SymCrossEntropyForward>().call(
+    outputs = dispatched<kCrossEntropy, CrossEntropyForward>().call(
         logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend);
   }
   if (recorded(logits)) record_loss(logits, outputs, reduction, backend, "cross_entropy",
@@ -83,7 +75,6 @@ std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Te
 using DistillationForward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double,
                                                        const std::string&, bool);
 constexpr char kDistillation[] = "fusedlm::distillation_loss";
-constexpr char kDistillationForwardKernel[] = "distillation_loss_forward";
 
 std::tuple<Tensor, Tensor> distillation_loss_autograd(const Tensor& student, const Tensor& teacher,
                                                       double temperature,
@@ -109,17 +100,8 @@ using MlmForward = MlmOutputs(const Tensor&, const Tensor&, const OptionalTensor
 using MlmBackward = MlmGrads(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&,
                              const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                              double, const std::string&, int64_t, bool, bool, bool);
-using SymMlmForward = MlmOutputs(const Tensor&, const Tensor&, const OptionalTensor&, const Tensor&,
-                                 c10::SymInt, double, const std::string&, c10::SymInt, bool, bool,
-                                 bool);
-using SymMlmBackward = MlmGrads(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&,
-                                const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                c10::SymInt, double, const std::string&, c10::SymInt, bool, bool,
-                                bool);
 constexpr char kMlm[] = "fusedlm::masked_lm_loss";
 constexpr char kMlmBackward[] = "fusedlm::masked_lm_loss_backward";
-constexpr char kMlmForwardKernel[] = "masked_lm_loss_forward";
-constexpr char kMlmBackwardKernel[] = "masked_lm_loss_backward";
 
 struct MaskedLmLossNode : OpNode {
   SavedVariable hidden, weight, bias, labels, dhidden, dweight, dbias;
@@ -150,7 +132,7 @@ struct MaskedLmLossNode : OpNode {
           need_dbias);
       dh = taken[0], dw = taken[1], db = taken[2];
     } else {
-      std::tie(dh, dw, db) = dispatched<kMlmBackward, SymMlmBackward>().call(
+      std::tie(dh, dw, db) = dispatched<kMlmBackward, MlmBackward>().call(
           grads[0], h, w, b, y, dh, dw, db, ignore_index, label_smoothing, reduction, chunk_rows,
           need_dhidden, need_dweight, need_dbias, backend);
     }
@@ -167,7 +149,7 @@ MlmOutputs masked_lm_loss_autograd(const Tensor& hidden, const Tensor& weight,
   MlmOutputs outputs;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kMlm, SymMlmForward>().call(hidden, weight, bias, labels, ignore_index,
+    outputs = dispatched<kMlm, MlmForward>().call(hidden, weight, bias, labels, ignore_index,
                                                      label_smoothing, reduction, chunk_rows,
                                                      need_dhidden, need_dweight, need_dbias, backend);
   }
@@ -205,22 +187,10 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
         "bool need_dweight, bool need_dbias, str backend) -> (Tensor, Tensor, Tensor)");
 }
 
-FUSEDLM_ROUTE(cross_entropy, kCrossEntropyForwardKernel, CrossEntropyForward)
-FUSEDLM_ROUTE(cross_entropy_backward, kCrossEntropyBackwardKernel, ScaleBackward)
-FUSEDLM_ROUTE(distillation_loss, kDistillationForwardKernel, DistillationForward)
-FUSEDLM_ROUTE(masked_lm_loss, kMlmForwardKernel, MlmForward)
-FUSEDLM_ROUTE(masked_lm_loss_backward, kMlmBackwardKernel, MlmBackward)
-
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
-  m.impl("cross_entropy", &cross_entropy_autograd);
-  m.impl("distillation_loss", &distillation_loss_autograd);
-  m.impl("masked_lm_loss", &masked_lm_loss_autograd);
-  m.impl("cross_entropy_backward", &BelowAutograd<kCrossEntropyBackward, ScaleBackward>::run);
-  m.impl("masked_lm_loss_backward", &BelowAutograd<kMlmBackward, SymMlmBackward>::run);
-}
-
-FUSEDLM_ENTRY(cross_entropy, kCrossEntropy, decltype(cross_entropy_autograd));
-FUSEDLM_ENTRY(distillation_loss, kDistillation, decltype(distillation_loss_autograd));
-FUSEDLM_ENTRY(masked_lm_loss, kMlm, decltype(masked_lm_loss_autograd));
+FUSEDLM_OP(cross_entropy, CrossEntropyForward, cross_entropy_autograd);
+FUSEDLM_BACKWARD_OP(cross_entropy_backward, ScaleBackward)
+FUSEDLM_OP(distillation_loss, DistillationForward, distillation_loss_autograd);
+FUSEDLM_OP(masked_lm_loss, MlmForward, masked_lm_loss_autograd);
+FUSEDLM_BACKWARD_OP(masked_lm_loss_backward, MlmBackward)
 
 }  // namespace fusedlm

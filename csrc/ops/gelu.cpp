@@ -1,10 +1,6 @@
 // bias_gelu and gelu_ffn (fusedlm/ops/gelu.py): their schemas, their kernels' routing and their
 // autograd.
-#include <torch/library.h>
-
-#include "ops/autograd.h"
-#include "ops/entry.h"
-#include "ops/route.h"
+#include "ops/register.h"
 
 namespace fusedlm {
 namespace {
@@ -19,8 +15,6 @@ using BiasGeluBackward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&
                                                     const OptionalTensor&, const std::string&);
 constexpr char kBiasGelu[] = "fusedlm::bias_gelu";
 constexpr char kBiasGeluBackward[] = "fusedlm::bias_gelu_backward";
-constexpr char kBiasGeluForwardKernel[] = "bias_gelu_forward";
-constexpr char kBiasGeluBackwardKernel[] = "bias_gelu_backward";
 
 // Saves x and bias; the backward recomputes the activation's slope.
 struct BiasGeluNode : OpNode {
@@ -75,8 +69,6 @@ using GeluFfnBackward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const OptionalTensor&, const std::string&, double, const Tensor&);
 constexpr char kGeluFfn[] = "fusedlm::gelu_ffn";
 constexpr char kGeluFfnBackward[] = "fusedlm::gelu_ffn_backward";
-constexpr char kGeluFfnForwardKernel[] = "gelu_ffn_forward";
-constexpr char kGeluFfnBackwardKernel[] = "gelu_ffn_backward";
 
 // Saves the pre-activation (the second output) rather than the activation, which the backward
 // recomputes; the dropout mask is regenerated from its seed.
@@ -147,19 +139,9 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-FUSEDLM_ROUTE(bias_gelu, kBiasGeluForwardKernel, BiasGeluForward)
-FUSEDLM_ROUTE(bias_gelu_backward, kBiasGeluBackwardKernel, BiasGeluBackward)
-FUSEDLM_ROUTE(gelu_ffn, kGeluFfnForwardKernel, GeluFfnForward)
-FUSEDLM_ROUTE(gelu_ffn_backward, kGeluFfnBackwardKernel, GeluFfnBackward)
-
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
-  m.impl("bias_gelu", &bias_gelu_autograd);
-  m.impl("gelu_ffn", &gelu_ffn_autograd);
-  m.impl("bias_gelu_backward", &BelowAutograd<kBiasGeluBackward, BiasGeluBackward>::run);
-  m.impl("gelu_ffn_backward", &BelowAutograd<kGeluFfnBackward, GeluFfnBackward>::run);
-}
-
-FUSEDLM_ENTRY(bias_gelu, kBiasGelu, decltype(bias_gelu_autograd));
-FUSEDLM_ENTRY(gelu_ffn, kGeluFfn, decltype(gelu_ffn_autograd));
+FUSEDLM_OP(bias_gelu, BiasGeluForward, bias_gelu_autograd);
+FUSEDLM_BACKWARD_OP(bias_gelu_backward, BiasGeluBackward)
+FUSEDLM_OP(gelu_ffn, GeluFfnForward, gelu_ffn_autograd);
+FUSEDLM_BACKWARD_OP(gelu_ffn_backward, GeluFfnBackward)
 
 }  // namespace fusedlm

@@ -1,9 +1,5 @@
 // add_layer_norm (fusedlm/ops/layer_norm.py): its schemas, its kernels' routing and its autograd.
-#include <torch/library.h>
-
-#include "ops/autograd.h"
-#include "ops/entry.h"
-#include "ops/route.h"
+#include "ops/register.h"
 
 namespace fusedlm {
 namespace {
@@ -18,8 +14,6 @@ using Backward = Outputs(const Tensor&, const OptionalTensor&, const Tensor&, co
 
 constexpr char kOp[] = "fusedlm::add_layer_norm";
 constexpr char kBackwardOp[] = "fusedlm::add_layer_norm_backward";
-constexpr char kForwardKernel[] = "add_layer_norm_forward";
-constexpr char kBackwardKernel[] = "add_layer_norm_backward";
 
 // Only summed, a mean and an rstd per row are saved; the dropout mask is regenerated from its seed.
 struct AddLayerNormNode : OpNode {
@@ -90,14 +84,7 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
         "float dropout_p, Tensor seed, str backend) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-FUSEDLM_ROUTE(add_layer_norm, kForwardKernel, Forward)
-FUSEDLM_ROUTE(add_layer_norm_backward, kBackwardKernel, Backward)
-
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
-  m.impl("add_layer_norm", &add_layer_norm_autograd);
-  m.impl("add_layer_norm_backward", &BelowAutograd<kBackwardOp, Backward>::run);
-}
-
-FUSEDLM_ENTRY(add_layer_norm, kOp, decltype(add_layer_norm_autograd));
+FUSEDLM_OP(add_layer_norm, Forward, add_layer_norm_autograd);
+FUSEDLM_BACKWARD_OP(add_layer_norm_backward, Backward)
 
 }  // namespace fusedlm

@@ -1,10 +1,6 @@
 // lstm_cell (fusedlm/ops/lstm_cell.py): its schemas, its kernels' routing and its autograd. Only the
 // gate pre-activations and c_prev are saved; the backward recomputes the activations.
-#include <torch/library.h>
-
-#include "ops/autograd.h"
-#include "ops/entry.h"
-#include "ops/route.h"
+#include "ops/register.h"
 
 namespace fusedlm {
 namespace {
@@ -16,8 +12,6 @@ using Backward = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const 
                                             const Tensor&, double);
 constexpr char kLstmCell[] = "fusedlm::lstm_cell";
 constexpr char kLstmCellBackward[] = "fusedlm::lstm_cell_backward";
-constexpr char kForwardKernel[] = "lstm_cell_forward";
-constexpr char kBackwardKernel[] = "lstm_cell_backward";
 
 struct LstmCellNode : OpNode {
   SavedVariable gates, c_prev;
@@ -73,14 +67,7 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
         "float cell_clip, str backend) -> (Tensor, Tensor)");
 }
 
-FUSEDLM_ROUTE(lstm_cell, kForwardKernel, Forward)
-FUSEDLM_ROUTE(lstm_cell_backward, kBackwardKernel, Backward)
-
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
-  m.impl("lstm_cell", &lstm_cell_autograd);
-  m.impl("lstm_cell_backward", &BelowAutograd<kLstmCellBackward, Backward>::run);
-}
-
-FUSEDLM_ENTRY(lstm_cell, kLstmCell, decltype(lstm_cell_autograd));
+FUSEDLM_OP(lstm_cell, Forward, lstm_cell_autograd);
+FUSEDLM_BACKWARD_OP(lstm_cell_backward, Backward)
 
 }  // namespace fusedlm

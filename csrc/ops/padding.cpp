@@ -1,11 +1,7 @@
 // unpad and pad (fusedlm/ops/padding.py): their schemas, their kernels' routing and their
 // autograd. Each is the other's backward: unpad's gradient is pad, and pad's is a gather
 // (pad_backward).
-#include <torch/library.h>
-
-#include "ops/autograd.h"
-#include "ops/entry.h"
-#include "ops/route.h"
+#include "ops/register.h"
 
 namespace fusedlm {
 namespace {
@@ -15,12 +11,9 @@ using at::Tensor;
 // --- pad --------------------------------------------------------------------------------------
 
 using PadForward = Tensor(const Tensor&, const Tensor&, int64_t, int64_t);
-using SymPadForward = Tensor(const Tensor&, const Tensor&, c10::SymInt, c10::SymInt);
 using PadBackward = Tensor(const Tensor&, const Tensor&);
 constexpr char kPad[] = "fusedlm::pad";
 constexpr char kPadBackward[] = "fusedlm::pad_backward";
-constexpr char kPadForwardKernel[] = "pad_forward";
-constexpr char kPadBackwardKernel[] = "pad_backward";
 
 struct PadNode : OpNode {
   SavedVariable indices;
@@ -46,7 +39,7 @@ Tensor pad_autograd(const Tensor& packed, const Tensor& indices, c10::SymInt bat
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    out = dispatched<kPad, SymPadForward>().call(packed, indices, batch, seqlen, backend);
+    out = dispatched<kPad, PadForward>().call(packed, indices, batch, seqlen, backend);
   }
   if (!recorded(packed)) return out;
   auto node = recording_node<PadNode>(packed);
@@ -80,7 +73,7 @@ struct UnpadNode : OpNode {
     if (needs_reference_backward(grads)) {
       return {reference_backward("unpad", backend, 0.0, "unpad", grads[0], rows, batch, seqlen)[0]};
     }
-    return {dispatched<kPad, SymPadForward>().call(grads[0], rows, batch, seqlen, backend)};
+    return {dispatched<kPad, PadForward>().call(grads[0], rows, batch, seqlen, backend)};
   }
 };
 
@@ -122,16 +115,9 @@ TORCH_LIBRARY_FRAGMENT(fusedlm, m) {
 
 TORCH_LIBRARY_IMPL(fusedlm, CPU, m) { m.impl("unpad", &unpad_kernel); }
 TORCH_LIBRARY_IMPL(fusedlm, CUDA, m) { m.impl("unpad", &unpad_kernel); }
-FUSEDLM_ROUTE(pad, kPadForwardKernel, PadForward)
-FUSEDLM_ROUTE(pad_backward, kPadBackwardKernel, PadBackward)
-
-TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) {
-  m.impl("unpad", &unpad_autograd);
-  m.impl("pad", &pad_autograd);
-  m.impl("pad_backward", &BelowAutograd<kPadBackward, PadBackward>::run);
-}
-
+TORCH_LIBRARY_IMPL(fusedlm, Autograd, m) { m.impl("unpad", &unpad_autograd); }
 FUSEDLM_ENTRY(unpad, kUnpad, decltype(unpad_autograd));
-FUSEDLM_ENTRY(pad, kPad, decltype(pad_autograd));
+FUSEDLM_OP(pad, PadForward, pad_autograd);
+FUSEDLM_BACKWARD_OP(pad_backward, PadBackward)
 
 }  // namespace fusedlm

@@ -228,12 +228,15 @@ class Backend:
     _kernels: dict = field(default_factory=dict, repr=False)
     _ops_seen: int = field(default=0, repr=False)
 
-    def __setattr__(self, name, value):
-        # What a backend takes and runs decides the planners' memoised answers: a change to it
-        # (a backend switched off, say) tells those who keep them.
-        object.__setattr__(self, name, value)
-        if not name.startswith("_"):
-            _changed()
+    def change(self, **fields) -> dict:
+        """Sets these fields (``unavailable="why"`` switches the backend off) and tells those
+        who keep answers that rest on them (the planners' memo); returns the fields' old
+        values, which a later ``change(**old)`` restores."""
+        old = {name: getattr(self, name) for name in fields}
+        for name, value in fields.items():
+            setattr(self, name, value)
+        _changed()
+        return old
 
     @property
     def kernels(self) -> dict:
