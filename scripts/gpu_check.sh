@@ -3,7 +3,15 @@
 # triton (no network, no virtual environment).
 #
 #   scripts/gpu_check.sh STAGE [OUTDIR]
-#   STAGE: build | test | bench | bench-models | sanitize | all
+#   STAGE: quick | build | test | bench | bench-models | sanitize | all
+#
+# quick     a short lease's run, in QUICK_TIMEOUT seconds (default 540) for all its steps,
+#           in the order of what users decide on: the build for sm_90a alone, the model
+#           steps (bench --models bert-base gpt2-small), the op rows at BERT-base's shapes
+#           (bench --shapes bert), the record (benchmarks/results), then the cuda cases of
+#           the op tests. Each bench step rewrites its JSON after every case, so a step cut
+#           off keeps its rows. Without a GPU it is a dry run: a CPU build, the bench steps
+#           with --device cpu --quick (checking them, measuring nothing) and no record.
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
 #           ptxas's resource report of every kernel (OUTDIR/ptxas.txt)
@@ -77,6 +85,28 @@ print(json.dumps(info, indent=2))
 PYEOF
 }
 
+write_record() {  # prints the name of the record written from OUT's bench*.json and variant-*.json
+  # One record a device and day: the parts measured so far, rows and skips together.
+  "$PY" - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+from fusedlm.bench.report import slug
+out = Path(sys.argv[1])
+parts = [json.loads(p.read_text()) for p in sorted(out.glob("bench*.json"))]
+record = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
+              skipped=[s for p in parts for s in p["skipped"]],
+              complete=all(p.get("complete", True) for p in parts))
+for path in sorted(out.glob("variant-*.json")):  # their fusedlm[cuda] rows, named for it
+    variant = path.stem.removeprefix("variant-")
+    record["rows"] += [dict(r, impl=f"{r['impl']} {variant}")
+                       for r in json.loads(path.read_text())["rows"] if r["impl"] == "fusedlm[cuda]"]
+name = slug(record["device"]) + "-" + record["date"] + ".json"
+Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
+Path("benchmarks/results", name).write_text(json.dumps(record, indent=2) + "\n")
+print(name)
+PYEOF
+}
+
 stage_test() {
   # The op tests' cuda cases first (small shapes, no compiling: quick), then the gpu-marked
   # tests (every op's real shapes, BERT-base and GPT-2 small, on each GPU backend) and the
@@ -121,27 +151,8 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
         FUSEDLM_FFN_WGMMA=0 "$PY" -m fusedlm bench --device cuda --ops attention gelu_ffn \
         --json "$OUT/variant-mma-sync.json" || status=$?
   fi
-  # One record a device and day: the parts measured so far, rows and skips together.
   local name
-  name=$("$PY" - "$OUT" <<'PYEOF'
-import json, sys
-from pathlib import Path
-from fusedlm.bench.report import slug
-out = Path(sys.argv[1])
-parts = [json.loads(p.read_text()) for p in sorted(out.glob("bench*.json"))]
-record = dict(parts[0], rows=[r for p in parts for r in p["rows"]],
-              skipped=[s for p in parts for s in p["skipped"]],
-              complete=all(p.get("complete", True) for p in parts))
-for path in sorted(out.glob("variant-*.json")):  # their fusedlm[cuda] rows, named for it
-    variant = path.stem.removeprefix("variant-")
-    record["rows"] += [dict(r, impl=f"{r['impl']} {variant}")
-                       for r in json.loads(path.read_text())["rows"] if r["impl"] == "fusedlm[cuda]"]
-name = slug(record["device"]) + "-" + record["date"] + ".json"
-Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
-Path("benchmarks/results", name).write_text(json.dumps(record, indent=2) + "\n")
-print(name)
-PYEOF
-  ) || return
+  name=$(write_record) || return
   echo "results: $OUT/$stage.json, benchmarks/results/$name"
   return "$status"
 }
@@ -165,13 +176,39 @@ stage_sanitize() {
   return "$status"
 }
 
+stage_quick() {
+  local status=0 device=(--device cuda) ops
+  ops=$("$PY" -c "import fusedlm.bench as b; print(*b.OPS)") || return
+  if [ "$HAVE_GPU" = 1 ]; then
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} stage_build || return
+  else
+    echo "quick: no GPU here: a dry run (CPU build, bench --device cpu --quick, no record)"
+    FUSEDLM_CUDA=0 stage_build || return
+    device=(--device cpu --quick)
+  fi
+  run_stage bench-models env -u TRITON_INTERPRET "$PY" -m fusedlm bench "${device[@]}" \
+      --models bert-base gpt2-small --json "$OUT/bench-models.json" || status=$?
+  # shellcheck disable=SC2086  # ops is a list of words
+  run_stage bench env -u TRITON_INTERPRET "$PY" -m fusedlm bench "${device[@]}" --ops $ops \
+      --shapes bert --json "$OUT/bench.json" || status=$?
+  local name
+  if [ "$HAVE_GPU" = 1 ] && compgen -G "$OUT/bench*.json" > /dev/null; then
+    if name=$(write_record); then echo "results: benchmarks/results/$name"; else status=1; fi
+  fi
+  run_stage test-cuda "$PY" -m pytest -q -p no:cacheprovider tests -m "not gpu and not triton" \
+      -k "cuda" --junitxml="$OUT/test-cuda.xml" -rfE || status=$?
+  return "$status"
+}
+
 staged() {  # stage function, arguments: runs it with STAGE_TIMEOUT seconds for all its steps
   DEADLINE=$((SECONDS + LIMIT))
   "$@"
 }
 
+HAVE_GPU=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2> /dev/null || echo 0)
 status=0
 case "$STAGE" in
+  quick) LIMIT=${QUICK_TIMEOUT:-540} staged stage_quick || status=$? ;;
   build|test|bench|sanitize) staged "stage_$STAGE" || status=$? ;;
   bench-models) staged stage_bench models || status=$? ;;
   all) if staged stage_build; then
@@ -180,14 +217,14 @@ case "$STAGE" in
        else
          status=1
        fi ;;
-  *) echo "usage: $0 build|test|bench|bench-models|sanitize|all [OUTDIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 quick|build|test|bench|bench-models|sanitize|all [OUTDIR]" >&2; exit 2 ;;
 esac
 
 echo
 printf '%-9s %-12s %6s  %s\n' stage result time log
 printf '%s\n' "${SUMMARY[@]}"
 for log in "$OUT/bench.log" "$OUT/bench-models.log"; do
-  if [ -f "$log" ] && [[ "$STAGE" == bench* || "$STAGE" == all ]]; then
+  if [ -f "$log" ] && [[ "$STAGE" == bench* || "$STAGE" == all || "$STAGE" == quick ]]; then
     echo
     sed -n '/^benchmark /,$p' "$log"
   fi

@@ -24,6 +24,7 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedlm
@@ -196,13 +197,27 @@ def assert_relative_error(actual, expected, dtype, name, bound=None):
     assert error <= bound, f"{name}: relative error {error:.3g} > {bound:g} ({dtype})"
 
 
-class Recorder(TorchDispatchMode):
-    """A dispatch mode that records the name of every op it sees below autograd."""
+class _Recording:
+    """A mode that records the name of every function or op it sees (``ops``)."""
 
     def __init__(self):
         super().__init__()
         self.ops = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def _seen(self, func, args, kwargs):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+class Recorder(_Recording, TorchDispatchMode):
+    """What a dispatch mode sees: the ops below autograd."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._seen(func, args, kwargs)
+
+
+class FunctionRecorder(_Recording, TorchFunctionMode):
+    """What a torch function mode sees: the functions and ops Python calls."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._seen(func, args, kwargs)

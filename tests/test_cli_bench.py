@@ -295,3 +295,74 @@ def test_host_compares_each_op_with_a_composition_of_the_same_values(op):
     if op != "attention_varlen":  # (its padded queries send gradients to the keys too)
         for a, b in zip(*grads, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_the_gpu_model_steps_run_at_quick_sizes_and_say_where_they_run(capsys):
+    # BERT-base and GPT-2 small under bfloat16 autocast: at --quick's sizes anywhere, against
+    # transformers' models of the same weights; without --quick, a GPU's (a row that says so).
+    code, table, err = run_cli(capsys, "bench", "--quick", "--device", "cpu",
+                               "--models", "bert-base", "gpt2-small")
+    assert code == 0, err
+    for case in ("BERT-base (quick sizes) MLM training step, bf16 autocast [",
+                 "BERT-base (quick sizes) MLM training step, bf16 autocast, model FLOPs [",
+                 "BERT-base (quick sizes) MLM inference, bf16 autocast [",
+                 "GPT-2 small (quick sizes) LM training step, bf16 autocast ["):
+        rows = [line for line in table.splitlines() if line.startswith(case)]
+        assert rows and "transformers " in rows[0] and "transformers-compiled " in rows[0], table
+    code, table, err = run_cli(capsys, "bench", "--device", "cpu", "--models", "bert-base",
+                               "gpt2-small")
+    assert code == 0, err
+    assert table.count("a GPU case (--device cuda)") == 2, table
+
+
+def test_the_training_flops_count_what_the_model_must_compute():
+    import torch
+    import transformers
+
+    from fusedlm import models
+    from fusedlm.bench.models import _training_flops
+
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=32)
+    model = models.BertForMaskedLM(config)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    labels = torch.tensor([[5, -100, 7, -100], [-100, 3, -100, -100]])
+    tables = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    dense = sum(p.numel() for p in model.parameters()) - tables
+    expected = 6 * dense * 5 + 12 * 2 * 16 * (3 ** 2 + 2 ** 2) + 6 * 50 * 16 * 3
+    got = _training_flops(model, {"attention_mask": mask, "labels": labels}, 2, 16, 50)
+    assert got == expected
+
+
+def test_bert_shapes_keep_bert_base_alone():
+    import torch
+
+    from fusedlm.bench.case import Bench
+    from fusedlm.bench.ops import shapes_for
+
+    for device in ("cpu", "cuda"):
+        everything = shapes_for(Bench(torch.device(device), quick=False))
+        bert = shapes_for(Bench(torch.device(device), quick=False, bert_shapes=True))
+        assert bert.layer_norm == ((everything.tokens, 768),) and bert.long_seqs == ()
+        assert bert.cross_entropy == ((everything.tokens, 30522),) and bert.bert_seqs == (128,)
+        assert bert.ffn_tokens == (everything.tokens,)
+
+
+def test_the_model_steps_are_held_to_the_gpu_targets():
+    from fusedlm.bench.report import targets
+
+    step = "BERT-base MLM training step, bf16 autocast"
+    rows = [{"benchmark": step, "shape": "32x128", "impl": "fusedlm", "time_ms": 1.0,
+             "speedups": {"transformers": 1.7, "transformers-compiled": 1.1, "reference": 3.0}},
+            {"benchmark": f"{step}, model FLOPs", "shape": "256x128", "impl": "fusedlm",
+             "time_ms": 1.0, "of_peak": 0.5, "speedups": {"transformers": 1.5}},
+            {"benchmark": "GPT-2 small LM training step, bf16 autocast", "shape": "8x1024",
+             "impl": "fusedlm", "time_ms": 1.0, "speedups": {"transformers": 1.2}}]
+    verdicts = {(v["benchmark"].split(" [")[0], v["against"], v["target"]): v["met"]
+                for v in targets(rows)}
+    assert verdicts == {
+        (step, "transformers", 1.6): True, (step, "transformers-compiled", 1.2): False,
+        (f"{step}, model FLOPs", "transformers", 1.6): False,
+        (f"{step}, model FLOPs", "the ceiling", 0.45): True,
+        ("GPT-2 small LM training step, bf16 autocast", "transformers", 1.2): True,
+    }

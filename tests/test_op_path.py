@@ -11,7 +11,7 @@ from fusedlm.backends import kernel
 from fusedlm.dtypes import acc_dtype
 from fusedlm.ops._dropout import next_seed
 from fusedlm.ops.cross_entropy import LOGITS_CHUNK_BYTES
-from helpers import Recorder, backend_device, backends_for, fresh
+from helpers import FunctionRecorder, Recorder, backend_device, backends_for, fresh
 
 SEED = 1234
 
@@ -303,16 +303,6 @@ def test_a_backward_op_autograd_would_record_raises():
     assert dsummed.shape == summed.shape
 
 
-class _Watching(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 class _Watched(torch.Tensor):
     seen = []
 
@@ -330,9 +320,9 @@ def test_calls_watched_by_torch_function_reach_it_through_the_op():
     logits = torch.randn(6, 10, dtype=torch.float64)
     labels = torch.randint(10, (6,))
     expected = F.cross_entropy(logits, labels, backend="cpu")
-    with _Watching() as mode:
+    with FunctionRecorder() as mode:
         got = F.cross_entropy(logits, labels, backend="cpu")
-    assert "fusedlm.cross_entropy.default" in mode.seen
+    assert "fusedlm.cross_entropy.default" in mode.ops
     assert torch.equal(got, expected)
     _Watched.seen.clear()
     got = F.cross_entropy(logits.as_subclass(_Watched), labels, backend="cpu")

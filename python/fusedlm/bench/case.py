@@ -39,11 +39,13 @@ class Case:
 
 @dataclass
 class Bench:
-    """What cases are built for: the device, and --quick (tiny shapes, and torch.compile
-    without code generation, whose compile time would dominate)."""
+    """What cases are built for: the device, --quick (tiny shapes, and torch.compile
+    without code generation, whose compile time would dominate) and --shapes bert (the
+    ops at BERT-base's shapes alone)."""
 
     device: torch.device
     quick: bool
+    bert_shapes: bool = False
 
     def tensor(self, *shape, dtype, scale: float = 1.0) -> torch.Tensor:
         """A random leaf that takes a gradient."""

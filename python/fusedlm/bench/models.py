@@ -344,5 +344,127 @@ def hf_bert(bench: Bench) -> Iterator[Case]:
     yield _case("transformers BERT MLM training step, patched", shape, steps, ids.numel(), {})
 
 
+# --- the steps a GPU user decides on ------------------------------------------------------------
+
+BERT_BASE = dict(hidden=768, layers=12, heads=12, ffn=3072, vocab=30522)
+GPT2_SMALL = dict(hidden=768, layers=12, heads=12, ffn=3072, vocab=50257)
+
+
+def _on_a_gpu(bench: Bench, benchmark: str, shape: str) -> Iterator[Case]:
+    """What a GPU-size case yields where it does not run: on the CPU, without --quick."""
+    if bench.device.type == "cuda" or bench.quick:
+        return
+    yield Case(benchmark, shape, {}, skipped={
+        "fusedlm": "a GPU case (--device cuda); on the CPU the same steps run at the sizes of "
+                   "the models' own cases"})
+
+
+def _mixed_train_step(bench: Bench, batch: dict) -> Callable:
+    """A training step with the forward under bfloat16 autocast, as a GPU user trains."""
+    def step(model):
+        model.train().zero_grad(set_to_none=True)
+        with torch.autocast(bench.device.type, dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+
+    return step
+
+
+def _padded(bench: Bench, batch: int, seq: int, vocab: int) -> dict:
+    return _padded_batch(bench, Sizes(**{**sizes_for(bench).__dict__, "batch": batch, "seq": seq,
+                                         "vocab": vocab}))
+
+
+def _training_flops(model, batch: dict, layers: int, hidden: int, vocab: int) -> float:
+    """A training step's model FLOPs, whatever computes them: 6 x the parameters outside the
+    embedding tables x the real tokens, attention's two products on each sequence's real
+    length (12 x layers x hidden x the sum of the squared lengths, forward and backward) and
+    the vocabulary projection on the labelled tokens only (6 x vocab x hidden each)."""
+    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    dense = sum(p.numel() for p in model.parameters()) - embeddings
+    lengths = batch["attention_mask"].sum(1).double()
+    labelled = int((batch["labels"] != -100).sum())
+    return (6 * dense * float(lengths.sum()) + 12 * layers * hidden * float((lengths ** 2).sum())
+            + 6 * vocab * hidden * labelled)
+
+
+def bert_base(bench: Bench) -> Iterator[Case]:
+    """BERT-base (hidden 768, 12 layers, 12 heads, FFN 3072, vocabulary 30522) under bfloat16
+    autocast: the MLM training step at 32x128 and at 256x128 (the larger as model FLOPs per
+    second, against the device's measured bfloat16 matrix rate) and inference at 64x128,
+    padded (lengths uniform in [64, 128], 15% of the real tokens labelled), against
+    transformers' BertForMaskedLM of the same weights with SDPA, eager and compiled. On a
+    GPU; --quick runs it at the quick sizes anywhere."""
+    import transformers
+
+    z = sizes_for(bench)
+    big = dict(BERT_BASE) if not bench.quick else dict(hidden=z.hidden, layers=z.layers,
+                                                        heads=z.heads, ffn=z.ffn, vocab=z.vocab)
+    shapes = ((32, 128), (256, 128), (64, 128)) if not bench.quick else ((2, 16), (4, 16), (2, 16))
+    title = "BERT-base" if not bench.quick else "BERT-base (quick sizes)"
+    skipped = list(_on_a_gpu(bench, f"{title} MLM training step, bf16 autocast", "32x128 padded"))
+    if skipped:
+        yield from skipped
+        return
+    config = transformers.BertConfig(vocab_size=big["vocab"], hidden_size=big["hidden"],
+                                     num_hidden_layers=big["layers"],
+                                     num_attention_heads=big["heads"], intermediate_size=big["ffn"])
+    model = models.BertForMaskedLM(config).to(bench.device)
+    twin, why_not = _transformers_twin(model, "BertForMaskedLM", bench)
+    for (batch_size, seq), flops in zip(shapes[:2], (False, True)):
+        batch = _padded(bench, batch_size, seq, big["vocab"])
+        step = _mixed_train_step(bench, batch)
+        steps = _ours(model, step) | {name: _step(lambda m=m: step(m)) for name, m in twin.items()}
+        shape = f"{batch_size}x{seq} padded, {LABELLED:.0%} labelled"
+        if flops:
+            work = _training_flops(model, batch, big["layers"], big["hidden"], big["vocab"])
+            yield Case(f"{title} MLM training step, bf16 autocast, model FLOPs", shape, steps,
+                       unit="TFLOP/s", work=work, skipped=dict(why_not), slow=True)
+        else:
+            yield _case(f"{title} MLM training step, bf16 autocast", shape, steps,
+                        int(batch["attention_mask"].sum()), why_not)
+    batch_size, seq = shapes[2]
+    batch = _padded(bench, batch_size, seq, big["vocab"])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    @torch.no_grad()
+    def infer(m):
+        with torch.autocast(bench.device.type, dtype=torch.bfloat16):
+            m.eval()(**inputs)
+
+    steps = _ours(model, infer) | {name: _step(lambda m=m: infer(m)) for name, m in twin.items()}
+    yield _case(f"{title} MLM inference, bf16 autocast", f"{batch_size}x{seq} padded, logits",
+                steps, int(batch["attention_mask"].sum()), why_not)
+
+
+def gpt2_small(bench: Bench) -> Iterator[Case]:
+    """GPT-2 small (hidden 768, 12 layers, 12 heads, vocabulary 50257) under bfloat16
+    autocast: the LM training step at 8x1024, against transformers' GPT2LMHeadModel of the
+    same weights with SDPA, eager and compiled. On a GPU; --quick runs it at the quick
+    sizes anywhere."""
+    import transformers
+
+    z = sizes_for(bench)
+    small = dict(GPT2_SMALL) if not bench.quick else dict(hidden=z.hidden, layers=z.layers,
+                                                           heads=z.heads, ffn=z.ffn, vocab=z.vocab)
+    batch_size, seq = (8, 1024) if not bench.quick else (2, 16)
+    title = "GPT-2 small" if not bench.quick else "GPT-2 small (quick sizes)"
+    skipped = list(_on_a_gpu(bench, f"{title} LM training step, bf16 autocast", f"{batch_size}x{seq}"))
+    if skipped:
+        yield from skipped
+        return
+    config = transformers.GPT2Config(vocab_size=small["vocab"], n_positions=seq, n_embd=small["hidden"],
+                                     n_layer=small["layers"], n_head=small["heads"],
+                                     n_inner=small["ffn"], bos_token_id=None, eos_token_id=None)
+    model = models.GPT2LMHeadModel(config).to(bench.device)
+    twin, why_not = _transformers_twin(model, "GPT2LMHeadModel", bench)
+    ids = torch.randint(0, small["vocab"], (batch_size, seq), device=bench.device)
+    step = _mixed_train_step(bench, {"input_ids": ids, "labels": ids})
+    steps = _ours(model, step) | {name: _step(lambda m=m: step(m)) for name, m in twin.items()}
+    yield _case(f"{title} LM training step, bf16 autocast", f"{batch_size}x{seq}", steps,
+                ids.numel(), why_not)
+
+
 MODELS = {"bert": bert, "roberta": roberta, "albert": albert, "distilbert": distilbert, "gpt": gpt,
-          "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer, "hf-bert": hf_bert}
+          "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer, "hf-bert": hf_bert,
+          "bert-base": bert_base, "gpt2-small": gpt2_small}

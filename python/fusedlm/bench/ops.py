@@ -15,7 +15,7 @@ fused implementation needs; a baseline's rate is the same work over its own time
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
@@ -65,7 +65,15 @@ LABELLED = 0.15
 def shapes_for(bench: Bench) -> Shapes:
     if bench.quick:
         return QUICK
-    return GPU if bench.device.type == "cuda" else CPU
+    shapes = GPU if bench.device.type == "cuda" else CPU
+    return _bert_base(shapes) if bench.bert_shapes else shapes
+
+
+def _bert_base(s: Shapes) -> Shapes:
+    """BERT-base's shapes alone: its batch of tokens at its width and vocabulary, padded
+    batches of 128-token sequences, and no long causal ones."""
+    return replace(s, layer_norm=((s.tokens, s.hidden),), ffn_tokens=(s.tokens,),
+                   cross_entropy=((s.tokens, s.vocab),), bert_seqs=(128,), long_seqs=())
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -41,6 +41,13 @@ TARGETS = (
     Target("attention padded forward+backward", "speedup", 1.3, "sdpa", shape=r"x64 ", impl=CUDA),
     Target("attention causal forward+backward", "speedup", 1.0, "sdpa", impl=CUDA),
     Target("attention causal forward", "of_peak", 0.75, shape=r"x128 ", impl=CUDA),
+    # The model steps a GPU user decides on (fusedlm.bench.models: bert-base, gpt2-small).
+    *(Target(f"BERT-base MLM training step, bf16 autocast{flops}", "speedup", least, baseline)
+      for flops in ("", ", model FLOPs")
+      for baseline, least in (("transformers", 1.6), ("transformers-compiled", 1.2))),
+    Target("BERT-base MLM training step, bf16 autocast, model FLOPs", "of_peak", 0.45),
+    Target("BERT-base MLM inference, bf16 autocast", "speedup", 1.5, "transformers"),
+    Target("GPT-2 small LM training step, bf16 autocast", "speedup", 1.2, "transformers"),
 )
 
 

@@ -35,6 +35,10 @@ def add_arguments(p) -> None:
                    "early keeps the rows it measured)")
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="a bar chart of the speed-ups (needs matplotlib)")
+    p.add_argument("--shapes", choices=("all", "bert"), default="all",
+                   help="the ops' shapes: all (default), or bert, BERT-base's alone (its "
+                   "batch of 32 x 128 tokens on a GPU, 8 x 128 on the CPU, at width 768, "
+                   "vocabulary 30522 and sequences of 128): the op rows a short GPU run records")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and few rounds: checks the benchmarks, measures nothing")
 
@@ -75,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     # The log named now: bench's default is the stderr of when it was first imported. The
     # JSON is rewritten after every case: a run stopped early keeps the rows it measured.
-    result = bench.run(device, ops, models, quick=args.quick, log=sys.stderr, progress=save)
+    result = bench.run(device, ops, models, quick=args.quick, bert_shapes=args.shapes == "bert",
+                       log=sys.stderr, progress=save)
     print(report.table(result))
     save(result)
     if args.plot is not None:
