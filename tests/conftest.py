@@ -13,6 +13,10 @@ import torch
 if "FUSEDLM_CACHE_DIR" not in os.environ:
     _cache = tempfile.TemporaryDirectory(prefix="fusedlm-tests-")
     os.environ["FUSEDLM_CACHE_DIR"] = _cache.name
+# On a GPU, automatic choices are timed at first use (fusedlm.verify.tuning): a test of
+# which backend a call takes would then rest on the machine's measurements. The tests of
+# the timing turn it on with a timer of their own.
+os.environ.setdefault("FUSEDLM_TUNE", "0")
 
 
 def _interpreter_rounds_bfloat16_to_nearest():

@@ -10,6 +10,7 @@ from ._extension import _C  # noqa: F401  (fails early, with a rebuild hint, on 
 from ._version import __version__
 from . import nn, ops
 from . import verify  # noqa: F401  (above the ops it runs; it installs the device checks)
+from .verify import tuning  # noqa: F401  (the same for the timing of automatic choices)
 from .backends import backends, explain, get_backend, set_backend, use_backend
 from .patching import patch, patch_report
 

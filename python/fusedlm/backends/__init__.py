@@ -19,7 +19,7 @@ CUDA). Either runs only when named, never by automatic choice.
 Environment switches are read once, when fusedlm is imported (fusedlm.switches).
 """
 from .dispatch import (Choice, check_index_data, choose, explain, forget_choices,  # noqa: F401
-                       install_checks, planner, unobserved)
+                       install_checks, install_tuner, planner, unobserved)
 from .forcing import get_backend, set_backend, use_backend  # noqa: F401
 from .registry import (_OPS, _REGISTRY, BACKEND_NAMES, FLOATS, GPU_FLOATS, HALVES,  # noqa: F401
                        KERNEL_BACKENDS, Backend, Emulated, Kernel, OpInfo, Supports, backends,

@@ -10,8 +10,10 @@ A backend may also have to pass a check on the device before it runs there: veri
 at first use (fusedlm.verify), which sits above the ops it runs and installs its checks here
 (:func:`install_checks`). Without it, no call is checked.
 
-Each op's planner (its argument checks and its choice) is memoised by call
-(:func:`planner`); :func:`check_index_data` is the policy on reading index tensors' values.
+An automatic choice may also be timed against the other backends that can run the call
+(fusedlm.verify.tuning, which installs itself with :func:`install_tuner`). Each op's planner
+(its argument checks and its choice) is memoised by call (:func:`planner`);
+:func:`check_index_data` is the policy on reading index tensors' values.
 """
 from __future__ import annotations
 
@@ -73,6 +75,20 @@ def install_checks(failure: Callable, passed_for_good: Callable) -> None:
     call may run on (fusedlm.verify)."""
     global _failure, _passed_for_good
     _failure, _passed_for_good = failure, passed_for_good
+    forget_choices()
+
+
+# The timing of automatic choices: tune(op, choice, args, kwargs), the Choice of the
+# backend measured fastest for such a call among those that can run it (or ``choice``),
+# given an automatic choice and the public function's arguments. None until
+# fusedlm.verify.tuning installs it.
+_tune: Optional[Callable] = None
+
+
+def install_tuner(tune: Callable) -> None:
+    """Makes ``tune`` time the automatic choices (fusedlm.verify.tuning)."""
+    global _tune
+    _tune = tune
     forget_choices()
 
 
@@ -192,7 +208,7 @@ def planner(op: str):
                 if memoised is not None:
                     return memoised
             before = _not_memoisable
-            choice = plan(*args, **kwargs)
+            choice = _decided(op, plan, args, kwargs)
             if key is not None and _not_memoisable == before:
                 if len(plans) >= _PLANS_SIZE:
                     plans.clear()
@@ -204,11 +220,21 @@ def planner(op: str):
     return decorate
 
 
+def _decided(op: str, plan: Callable, args: tuple, kwargs: dict) -> Choice:
+    """The planner's Choice for a call, timed against the other backends that can run it
+    where the choice is automatic (neither asked for by name nor forced) and a tuner is
+    installed."""
+    choice = plan(*args, **kwargs)
+    if _tune is None or kwargs.get("backend") is not None or _FORCING.backend is not None:
+        return choice
+    return _tune(op, choice, args, kwargs)
+
+
 def explain(op: str, *args, **kwargs) -> str:
     """Which backend ``fusedlm.ops.<op>(*args, **kwargs)`` would run on, and why."""
     if op not in _PLANNERS:
         raise ValueError(f"op must be one of {sorted(_PLANNERS)}, got {op!r}")
-    return f"{op} -> {_PLANNERS[op](*args, **kwargs)}"
+    return f"{op} -> {_decided(op, _PLANNERS[op], args, kwargs)}"
 
 
 def unobserved() -> bool:
