@@ -13,12 +13,13 @@ forward 114 ms against 72 ms in its steady state, the state of a loop that repea
 from __future__ import annotations
 
 import ctypes
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from ..verify.tuning import events_median_ms
 
 
 @dataclass(frozen=True)
@@ -84,15 +85,7 @@ def _events_median_ms(step, rounds: int = 50) -> float:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return events_median_ms(step, rounds)
 
 
 def keep_freed_memory() -> Optional[str]:

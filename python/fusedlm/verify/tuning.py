@@ -45,10 +45,11 @@ if _MODE not in ("0", "1"):
 WARM_UP, ROUNDS = 2, 5  # calls before timing, and timed calls (the median counts)
 
 
-def _cuda_ms(step: Callable[[], None]) -> float:
-    """The median of ROUNDS timed calls of ``step`` on the current CUDA stream, in ms."""
+def events_median_ms(step: Callable[[], None], rounds: int) -> float:
+    """The median of ``rounds`` calls of ``step``, each timed by CUDA events on the current
+    stream, in ms (the caller warms the step up)."""
     times = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
@@ -65,7 +66,7 @@ class _Tuner:
     def __init__(self):
         self.device_types = ("cuda",)
         # timer(step, device, backend): ms of one call of step, which runs the backend's call
-        self.timer: Callable = lambda step, device, backend: _cuda_ms(step)
+        self.timer: Callable = lambda step, device, backend: events_median_ms(step, ROUNDS)
         self.winners: dict = {}  # {device key: {class key: {"backend": b, "ms": {b: t}}}}
         self.on_disk = True  # winners read from and written to the cache folder
         self.enabled = _MODE != "0"
