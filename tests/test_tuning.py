@@ -125,3 +125,17 @@ def test_the_timing_applies_to_gpus_by_default():
     with contextlib.nullcontext():
         assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> cpu: fastest backend")
     assert tuning._TUNER.device_types == ("cuda",)
+
+
+def test_a_winner_that_cannot_run_a_call_of_its_class_leaves_it_to_the_order():
+    x, b = _inputs()
+    timer = Timer(cpu=1.0, reference=2.0)
+    with tuning.timing_on(("cpu",), timer):
+        assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> cpu: measured")
+        old = _REGISTRY["cpu"].change(unavailable="switched off")
+        try:
+            assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> reference: fastest")
+            torch.testing.assert_close(fusedlm.ops.bias_gelu(x, b),
+                                       torch.nn.functional.gelu(x + b))
+        finally:
+            _REGISTRY["cpu"].change(**old)

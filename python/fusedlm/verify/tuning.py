@@ -121,7 +121,8 @@ def tune(op: str, choice: Choice, args: tuple, kwargs: dict) -> Choice:
                 return choice
             found = winners[key] = {"backend": min(times, key=times.get), "ms": times}
             _save(device, winners)
-    if found["backend"] not in _REGISTRY or _REGISTRY[found["backend"]].unavailable:
+    # A winner holds for its class; this call of the class it must still be able to run.
+    if found["backend"] != choice.backend and not _can_run(op, found["backend"], args, kwargs):
         return choice
     quoted = ", ".join(f"{name} {ms:.3g} ms" for name, ms in sorted(found["ms"].items(),
                                                                     key=lambda item: item[1]))
@@ -167,19 +168,22 @@ def _may_time(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _can_run(op: str, backend: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the op's planner accepts the call with ``backend`` named (the backend can
+    take it and passed its checks on the device), an emulation (a test vehicle) aside."""
+    if backend not in _REGISTRY or _REGISTRY[backend].emulated():
+        return False
+    try:
+        _PLANNERS[op](*args, **{**kwargs, "backend": backend})
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
 def _runnable(op: str, args: tuple, kwargs: dict, device: torch.device) -> list:
-    """The backends that can run the call on ``device``, automatic order first: those the
-    planner accepts when named, but emulations (test vehicles)."""
-    names = []
-    for name in _AUTO_ORDER.get(device.type, ("reference",)):
-        if _REGISTRY[name].emulated():
-            continue
-        try:
-            _PLANNERS[op](*args, **{**kwargs, "backend": name})
-        except (RuntimeError, ValueError, TypeError):
-            continue
-        names.append(name)
-    return names
+    """The backends that can run the call on ``device``, in the automatic order."""
+    return [name for name in _AUTO_ORDER.get(device.type, ("reference",))
+            if _can_run(op, name, args, kwargs)]
 
 
 def _measured(op: str, args: tuple, kwargs: dict, device: torch.device) -> dict:
