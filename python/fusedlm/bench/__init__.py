@@ -19,15 +19,17 @@ from .timing import Timer, keep_freed_memory
 
 
 def run(device: torch.device, ops: Sequence[str], models: Sequence[str], quick: bool = False,
-        bert_shapes: bool = False, log=sys.stderr,
+        bert_shapes: bool = False, log=None,
         progress: Optional[Callable[[dict], None]] = None) -> dict:
     """The report (see :func:`.report.report`) of `ops` and `models` (names in OPS and
     MODELS) timed on `device`, the ops at BERT-base's shapes alone with `bert_shapes`
-    (.ops.shapes_for); one line per case goes to `log` as it is measured, and
+    (.ops.shapes_for); one line per case goes to `log` (default: sys.stderr as it is at
+    the call) as it is measured, and
     `progress`, where given, gets the report of the cases measured so far after each (its
     "complete" false until the last): a run cut off keeps what it measured. On the CPU
     it has glibc keep freed memory for the rest of the process (.timing.keep_freed_memory):
     call it from a process of its own, as the command line does."""
+    log = sys.stderr if log is None else log
     torch.manual_seed(0)
     allocator = keep_freed_memory() if device.type == "cpu" else None
     bench = Bench(device, quick, bert_shapes)

@@ -28,8 +28,8 @@ import copy
 import random
 import string
 import tempfile
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -350,11 +350,12 @@ BERT_BASE = dict(hidden=768, layers=12, heads=12, ffn=3072, vocab=30522)
 GPT2_SMALL = dict(hidden=768, layers=12, heads=12, ffn=3072, vocab=50257)
 
 
-def _on_a_gpu(bench: Bench, benchmark: str, shape: str) -> Iterator[Case]:
-    """What a GPU-size case yields where it does not run: on the CPU, without --quick."""
+def _gpu_only(bench: Bench, benchmark: str, shape: str) -> Optional[Case]:
+    """The case a GPU-size case is where it does not run (on the CPU, without --quick):
+    one that says so; None where it runs."""
     if bench.device.type == "cuda" or bench.quick:
-        return
-    yield Case(benchmark, shape, {}, skipped={
+        return None
+    return Case(benchmark, shape, {}, skipped={
         "fusedlm": "a GPU case (--device cuda); on the CPU the same steps run at the sizes of "
                    "the models' own cases"})
 
@@ -371,8 +372,7 @@ def _mixed_train_step(bench: Bench, batch: dict) -> Callable:
 
 
 def _padded(bench: Bench, batch: int, seq: int, vocab: int) -> dict:
-    return _padded_batch(bench, Sizes(**{**sizes_for(bench).__dict__, "batch": batch, "seq": seq,
-                                         "vocab": vocab}))
+    return _padded_batch(bench, replace(sizes_for(bench), batch=batch, seq=seq, vocab=vocab))
 
 
 def _training_flops(model, batch: dict, layers: int, hidden: int, vocab: int) -> float:
@@ -402,9 +402,9 @@ def bert_base(bench: Bench) -> Iterator[Case]:
                                                         heads=z.heads, ffn=z.ffn, vocab=z.vocab)
     shapes = ((32, 128), (256, 128), (64, 128)) if not bench.quick else ((2, 16), (4, 16), (2, 16))
     title = "BERT-base" if not bench.quick else "BERT-base (quick sizes)"
-    skipped = list(_on_a_gpu(bench, f"{title} MLM training step, bf16 autocast", "32x128 padded"))
-    if skipped:
-        yield from skipped
+    elsewhere = _gpu_only(bench, f"{title} MLM training step, bf16 autocast", "32x128 padded")
+    if elsewhere is not None:
+        yield elsewhere
         return
     config = transformers.BertConfig(vocab_size=big["vocab"], hidden_size=big["hidden"],
                                      num_hidden_layers=big["layers"],
@@ -449,9 +449,9 @@ def gpt2_small(bench: Bench) -> Iterator[Case]:
                                                            heads=z.heads, ffn=z.ffn, vocab=z.vocab)
     batch_size, seq = (8, 1024) if not bench.quick else (2, 16)
     title = "GPT-2 small" if not bench.quick else "GPT-2 small (quick sizes)"
-    skipped = list(_on_a_gpu(bench, f"{title} LM training step, bf16 autocast", f"{batch_size}x{seq}"))
-    if skipped:
-        yield from skipped
+    elsewhere = _gpu_only(bench, f"{title} LM training step, bf16 autocast", f"{batch_size}x{seq}")
+    if elsewhere is not None:
+        yield elsewhere
         return
     config = transformers.GPT2Config(vocab_size=small["vocab"], n_positions=seq, n_embd=small["hidden"],
                                      n_layer=small["layers"], n_head=small["heads"],

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 from .common import add_device_argument, resolve_device
@@ -77,10 +76,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
 
-    # The log named now: bench's default is the stderr of when it was first imported. The
-    # JSON is rewritten after every case: a run stopped early keeps the rows it measured.
+    # The JSON is rewritten after every case: a run stopped early keeps the rows it measured.
     result = bench.run(device, ops, models, quick=args.quick, bert_shapes=args.shapes == "bert",
-                       log=sys.stderr, progress=save)
+                       progress=save)
     print(report.table(result))
     save(result)
     if args.plot is not None:

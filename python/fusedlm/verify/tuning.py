@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import inspect
 import json
 import math
@@ -36,7 +35,8 @@ from .. import switches
 from ..backends import Choice, install_tuner, unobserved
 from ..backends.dispatch import _PLANNERS
 from ..backends.registry import _AUTO_ORDER, _REGISTRY
-from . import cache_folder, identity  # (fusedlm imports this module after fusedlm.verify)
+from . import _device_key, identity  # (fusedlm imports this module after fusedlm.verify)
+from . import _file as verified_file
 
 _MODE = (switches.value("FUSEDLM_TUNE") or "1").strip()
 if _MODE not in ("0", "1"):
@@ -236,16 +236,10 @@ def _copies(values: tuple) -> list:
             for v in values]
 
 
-def _device_key(device: torch.device) -> str:
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    return f"{device.type}:{index}"
-
-
 def _file(device: torch.device) -> Path:
-    ident = identity(device)
-    digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_folder() / f"timed-{device.type}-{digest}.json"
+    """Beside the device's verification record, named as it is."""
+    checked = verified_file(device, identity(device))
+    return checked.with_name(f"timed-{checked.name}")
 
 
 def _loaded(device: torch.device) -> dict:
