@@ -29,18 +29,15 @@ bool for_fallback(PyObject* const* args, Py_ssize_t nargs) {
       pybind11::object(pybind11::module_::import("torch._C").attr("_disabled_torch_function_impl"))
           .release()
           .ptr();
+  static PyObject* const name = PyUnicode_InternFromString("__torch_function__");
   for (Py_ssize_t i = 0; i < nargs; ++i) {
     if (!THPVariable_Check(args[i])) continue;
     if (THPVariable_Unpack(args[i])._fw_grad(/*level=*/0).defined()) return true;
     PyTypeObject* type = Py_TYPE(args[i]);
     if (type == reinterpret_cast<PyTypeObject*>(THPVariableClass)) continue;
-    PyObject* own = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__torch_function__");
-    if (own == nullptr) {
-      PyErr_Clear();
-      continue;
-    }
-    Py_DECREF(own);
-    if (own != disabled) return true;
+    // (the type's attribute cache: a Parameter, a weight, comes with every layer's call)
+    PyObject* own = _PyType_Lookup(type, name);  // borrowed, or null without an error
+    if (own != nullptr && own != disabled) return true;
   }
   return false;
 }
