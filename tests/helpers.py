@@ -51,6 +51,11 @@ MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 
 needs_cuda = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+# Tests of what the cuda kernels move and compute, counted by the CUDA emulator
+# (fusedlm.backends.cuda.count_launches): they run with `pytest -m cuda` on its build.
+needs_emulator = [pytest.mark.cuda,
+                  pytest.mark.skipif(not cuda_backend.EMULATED, reason="needs the emulated cuda build")]
+
 
 def gpu_test(test):
     """Marks a test that takes no backend parameter as needing a native GPU (needs_cuda)."""

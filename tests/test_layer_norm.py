@@ -9,9 +9,10 @@ import fuzz
 from fusedlm.ops import reference
 from fuzz import Case
 from fusedlm.ops._dropout import next_seed
+from fusedlm.backends import cuda as cuda_backend
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
-                     first_taken, fresh, grads, keep_mask, poison_memory, skip_if_refused,
-                     slow_backend)
+                     first_taken, fresh, grads, keep_mask, needs_emulator, poison_memory,
+                     skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRAD_NAMES = ("dx", "dresidual", "dweight", "dbias")
@@ -83,13 +84,12 @@ def test_add_layer_norm_matches_reference(backend, dtype, absent, hidden):
 
 @pytest.mark.parametrize("backend", backends_for("add_layer_norm"))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [2053, 8200, 16400])
+@pytest.mark.parametrize("hidden", [8203, 8200, 16400])
 def test_add_layer_norm_long_rows(backend, dtype, hidden):
-    # Rows longer than the cuda kernels hold in registers, whose remaining elements are
-    # read back from memory: 2053 one element at a time (past 2048 in the forward, 1024 in
-    # the backward), 8200 in 16-byte vectors (past 8192 float32 elements in the forward,
-    # and 4096 float32 or 8192 half-precision ones in the backward), 16400 (past 16384
-    # half-precision ones in the forward).
+    # Rows longer than the cuda kernels' 1024 threads hold in registers, whose remaining
+    # elements are read back from memory: 8203 one element at a time (past 8192 in the
+    # forward and the backward), 8200 in 16-byte vectors (past the backward's 8192), 16400
+    # (past the forward's 16384).
     inputs = _inputs((2, hidden), dtype, backend_device(backend))
     _compare(inputs, backend)
 
@@ -430,8 +430,8 @@ def test_add_layer_norm_rejects_bad_input():
 # --- real shapes (a GPU) -------------------------------------------------------------------------
 
 REAL_SHAPES = {"bert-base": (32, 128, 768), "gpt2-small": (8, 1024, 768), "hidden-1024": (64, 1024),
-               # Rows longer than the cuda kernels hold in registers (8192 float32 elements
-               # forward, 4096 backward), and an odd width (one element per load).
+               # Rows longer than the cuda kernels hold in registers (16384 elements
+               # forward, 8192 backward), and an odd width (one element per load).
                "hidden-20000": (48, 20000), "hidden-1001": (300, 1001)}
 
 
@@ -473,6 +473,47 @@ def test_add_layer_norm_parameter_gradients_repeat_bit_for_bit(backend):
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
             assert torch.equal(a, b)
+
+
+# --- traffic (the CUDA emulator's counts) ---------------------------------------------------------
+
+def _bytes(t):
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [768, 1024, 4096, 1001])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("marks", [pytest.param(None, marks=needs_emulator, id="emulated")])
+def test_add_layer_norm_cuda_moves_each_row_once(dtype, hidden, dropout_p, marks):
+    # The rows stay in registers between the passes: each row tensor is read or written
+    # exactly once, none is read back, and the parameters are read at most once per row
+    # (from the cache on a GPU).
+    rows = 64
+    x, r, w, b = _inputs((rows, hidden), dtype)
+    row, param = _bytes(x), _bytes(w)
+    with cuda_backend.count_launches() as forward:
+        out, summed = fusedlm.ops.add_layer_norm(x, r, w, b, dropout_p=dropout_p, backend="cuda")
+    [launch] = forward
+    assert launch.traffic(x) == launch.traffic(r) == (row, 0)
+    assert launch.traffic(out) == launch.traffic(summed) == (0, row)
+    assert launch.traffic(w) == launch.traffic(b) == (rows * param, 0)
+    assert sum(launch.written.values()) == 2 * row + 2 * rows * 4  # and mean and rstd, float32
+
+    upstream = torch.randn_like(out), torch.randn_like(summed)
+    with cuda_backend.count_launches() as backward:
+        dx, dr, dw, db = torch.autograd.grad((out, summed), (x, r, w, b), upstream)
+    [launch] = [c for c in backward if "add_layer_norm_backward" in c.kernel]
+    for t in (*upstream, summed):
+        assert launch.traffic(t) == (row, 0)
+    assert launch.traffic(w)[0] <= rows * param
+    # dsummed, dx apart under dropout, and a row of dweight and of dbias shares per block.
+    partials = 2 * launch.grid[0] * hidden * 4
+    assert sum(launch.written.values()) == (2 if dropout_p else 1) * row + partials
+    second_stage = [c for c in backward if "sum_partials" in c.kernel]
+    assert len(second_stage) == 2
+    assert sum(sum(c.read.values()) for c in second_stage) == partials
+    assert second_stage[0].traffic(dw) == (0, param)
 
 
 # --- fuzz (tests/fuzz.py) --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-// What the cuda backend's host code shares: the element-type dispatch, alignment
-// checks, the switches between kernel paths, the launch shapes of the row kernels, the
-// dropout stream, and the second stage of the parameter-gradient reductions. Their device
-// side is kernels/cuda/common.cuh; the CUDA runtime is reached through runtime.h alone.
+// What the cuda backend's host code shares: the element-type dispatch, alignment checks,
+// the switches between kernel paths, the dropout stream, and the second stage of the
+// parameter-gradient reductions. Their device side is kernels/cuda/common.cuh; the CUDA
+// runtime is reached through runtime.h alone.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -55,15 +55,6 @@ inline bool hopper_path(const std::atomic<bool>& enabled) {
   (void)enabled;
   return false;
 #endif
-}
-
-// Threads per block for one row of `vecs` vectors, each thread holding up to `cached` of
-// them: at least one warp, one vector a thread up to 128 threads, at most kRowThreads.
-inline int row_threads(int64_t vecs, int cached) {
-  const int64_t one_each = std::min<int64_t>(ceil_div(vecs, 32) * 32, 128);
-  const int64_t spread = ceil_div(ceil_div(vecs, cached), 32) * 32;
-  return static_cast<int>(
-      std::max<int64_t>(32, std::min<int64_t>(kRowThreads, std::max(one_each, spread))));
 }
 
 // The dropout stream (seed, p); inactive for p == 0.

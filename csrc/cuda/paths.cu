@@ -68,10 +68,4 @@ int driver_version() {
 FUSEDLM_BIND(driver_version);
 #endif
 
-#if defined(FUSEDLM_EMULATE)
-// The GPU the emulator acts as: "sm_80" or "sm_90a" (FUSEDLM_EMULATE_ARCH).
-std::string emulated_arch() { return emu::arch_name(); }
-FUSEDLM_BIND(emulated_arch);
-#endif
-
 }  // namespace fusedlm::cuda

@@ -126,6 +126,7 @@ void mma(Team& team) {
     b[lane][1] = in->b1;
     std::memcpy(c[lane], team.out[lane], sizeof(c[lane]));
   }
+  grid->tensor_core_macs += 16 * 8 * 16;
   checked("mma.sync.m16n8k16", [&] {
     isa::mma_m16n8k16(type == 0 ? isa::Type::bf16 : isa::Type::f16, a, b, c);
   });
@@ -213,6 +214,7 @@ void issue(Team& team) {
     p->reads.insert(p->reads.end(), b.begin(), b.end());
   });
   for (const isa::Range& r : p->reads) check_operand(team, r);
+  grid->tensor_core_macs += uint64_t(64) * p->n * 16;
   team.open_products.push_back(p.release());
 }
 

@@ -57,11 +57,36 @@ std::atomic<const Arch*>& arch_setting() {
 
 const Arch& emulated_arch() { return *arch_setting().load(); }
 
-// The global memory the current op exposed, per OS thread (each op runs on one).
+// The global memory the current op exposed, per OS thread (each op runs on one), with
+// the bytes the running launch has moved to and from it.
 struct Exposure {
   uintptr_t lo, hi;
+  uint64_t read = 0, written = 0;
 };
 thread_local std::vector<Exposure> exposures;
+
+// One grid runs at a time (the kernels' static state is the block's); the lock also
+// guards the record of count_launches, which every OS thread shares.
+std::mutex launches;
+bool counting = false;
+std::vector<LaunchCount> counts;
+
+// The launch's count: its traffic per exposed storage (an op may expose one twice).
+LaunchCount launch_count(const Launch& launch, const Grid& g, const std::string& name) {
+  LaunchCount c{name, launch.grid, launch.block, launch.shared_bytes, {}, g.tensor_core_macs};
+  for (const Exposure& e : exposures) {
+    const void* storage = reinterpret_cast<const void*>(e.lo);
+    auto same = std::find_if(c.tensors.begin(), c.tensors.end(),
+                             [&](const TensorTraffic& t) { return t.storage == storage; });
+    if (same == c.tensors.end())
+      c.tensors.push_back({storage, size_t(e.hi - e.lo), e.read, e.written});
+    else {
+      same->read += e.read;
+      same->written += e.written;
+    }
+  }
+  return c;
+}
 
 std::string dims(dim3 d) {
   std::ostringstream s;
@@ -270,9 +295,19 @@ void expose(const void* base, size_t bytes) {
 
 void end_exposure() { exposures.clear(); }
 
+void count_launches(bool on) {
+  const std::lock_guard<std::mutex> lock(launches);
+  if (on) counts.clear();
+  counting = on;
+}
+
+std::vector<LaunchCount> counted_launches() {
+  const std::lock_guard<std::mutex> lock(launches);
+  return counts;
+}
+
 void run(const Launch& launch) {
-  static std::mutex one_grid_at_a_time;  // the kernels' static state is the block's
-  const std::lock_guard<std::mutex> lock(one_grid_at_a_time);
+  const std::lock_guard<std::mutex> lock(launches);
   const Arch& arch = emulated_arch();
   const dim3 g = launch.grid, bd = launch.block;
   const uint64_t threads = uint64_t(bd.x) * bd.y * bd.z;
@@ -293,6 +328,7 @@ void run(const Launch& launch) {
                  kernel_name(launch.kernel).c_str(), dims(g).c_str(), dims(bd).c_str(),
                  launch.shared_bytes);
 
+  for (Exposure& e : exposures) e.read = e.written = 0;
   Block block;
   block.window_bytes = kSharedOrigin + static_cast<uint32_t>((launch.shared_bytes + 15) / 16 * 16);
   // The window 1024-byte aligned, so that host and shared addresses agree modulo 1024
@@ -325,6 +361,7 @@ void run(const Launch& launch) {
     throw std::runtime_error("CUDA emulator (" + std::string(arch.name) + "): " +
                              kernel_name(launch.kernel) + " with grid " + dims(g) + ", block " +
                              dims(bd) + ": " + state.failure);
+  if (counting) counts.push_back(launch_count(launch, state, kernel_name(launch.kernel)));
 }
 
 // --- hazards ------------------------------------------------------------------------------------
@@ -475,9 +512,10 @@ void check_memory(const void* p, size_t bytes, bool write) {
     if (write) fail("writes the kernel's parameters at " + hex(a));
     return;
   }
-  for (const Exposure& e : exposures)
+  for (Exposure& e : exposures)
     if (a >= e.lo && a + bytes <= e.hi) {
       check_global_race(*t, a, bytes, write);
+      (write ? e.written : e.read) += bytes;
       return;
     }
   // Out of bounds: say which tensor it missed, and by how much.

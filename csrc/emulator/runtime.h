@@ -10,9 +10,12 @@
 // block, the thread and the address.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "emulator/types.h"
 
@@ -32,6 +35,29 @@ size_t max_shared_memory();  // per block, as cudaDevAttrMaxSharedMemoryPerBlock
 // tensor's storage); end_exposure() ends the op, and with it every exposure.
 void expose(const void* base, size_t bytes);
 void end_exposure();
+
+// What one launch did, for checking a kernel against its ideal without a GPU: for each
+// tensor the op exposed, the bytes its kernels loaded from and stored to it (every access
+// as issued, cp.async copies included, before any cache: a re-read counts again), and
+// the multiply-adds its tensor-core instructions issued (an m16n8k16 counts 2048, an
+// m64nNk16 wgmma 1024 N).
+struct TensorTraffic {
+  const void* storage;  // the exposed tensor's storage, as exposed
+  size_t bytes;
+  uint64_t read = 0, written = 0;
+};
+struct LaunchCount {
+  std::string kernel;
+  dim3 grid, block;
+  size_t shared_bytes = 0;
+  std::vector<TensorTraffic> tensors;
+  uint64_t tensor_core_macs = 0;
+};
+
+// count_launches(true) clears the record and counts every later launch, on any thread,
+// until count_launches(false); counted_launches() is the record, oldest first.
+void count_launches(bool on);
+std::vector<LaunchCount> counted_launches();
 
 struct Launch {
   const void* kernel;  // for the name in reports

@@ -92,6 +92,7 @@ struct Grid {
   // Blocks are unordered: a global byte one thread writes, no other block may read or
   // write in the same launch, nor another thread of its block in the same interval.
   std::unordered_map<uintptr_t, GlobalWrite> global_writes;
+  uint64_t tensor_core_macs = 0;  // issued so far (for LaunchCount)
   ucontext_t scheduler;
   bool failed = false;
   std::string failure;

@@ -1,5 +1,5 @@
 // What the CUDA kernels share on the device side: element types and 16-byte vectors,
-// block reductions, the dropout stream, the block's dynamic shared memory, and the
+// row reductions, the dropout stream, the block's dynamic shared memory, and the
 // second stage of the parameter-gradient reductions. Their host side (checks, dispatch,
 // launch configuration) is csrc/cuda/common.h.
 //
@@ -57,7 +57,7 @@ __device__ __forceinline__ unsigned char* dynamic_shared_memory() {
   return ptx::dynamic_shared_memory();
 }
 
-// --- block reductions ---------------------------------------------------------------------
+// --- row reductions -----------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -65,14 +65,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sums each of v[0..K) over the block (blockDim.x a multiple of 32, at most 1024); every
-// thread receives the sums. shared holds K * 32 floats. The order of the additions is
-// fixed by the block size, so equal inputs give equal sums bit for bit.
+// Sums each of v[0..K) over a group of `group` threads that owns one row: a warp, or
+// `group / 32` whole warps (the block is whole groups, at most 32 warps). Every thread of
+// the group receives the sums. A warp sums by shuffles alone; wider groups meet in shared
+// (K * 32 floats) between two __syncthreads, which every thread of the block must reach.
+// The order of the additions is fixed by the group size, so equal inputs give equal sums
+// bit for bit.
 template <int K>
-__device__ __forceinline__ void block_sum(float (&v)[K], float* shared) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+__device__ __forceinline__ void group_sum(float (&v)[K], float* shared, int group) {
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  if (group == 32) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = group / 32;
+  const int first = warp / warps * warps;  // the group's first warp
   __syncthreads();  // the previous call's readers are done with shared
   if (lane == 0) {
 #pragma unroll
@@ -80,7 +85,7 @@ __device__ __forceinline__ void block_sum(float (&v)[K], float* shared) {
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = warp_sum(lane < warps ? shared[k * 32 + lane] : 0.0f);
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(lane < warps ? shared[k * 32 + first + lane] : 0.0f);
 }
 
 // --- dropout ------------------------------------------------------------------------------
@@ -159,11 +164,5 @@ __global__ void sum_partials_kernel(const float* __restrict__ partial, int64_t b
   for (int64_t b = 0; b < blocks; ++b) s += partial[b * cols + c];
   out[c] = static_cast<T>(s);
 }
-
-// --- launch shapes both sides need --------------------------------------------------------
-
-// Threads per block of the row kernels; with __launch_bounds__(kRowThreads) each thread
-// may use 128 registers, room for its cached vectors without spilling.
-constexpr int kRowThreads = 512;
 
 }  // namespace fusedlm::cuda

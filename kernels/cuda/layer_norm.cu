@@ -1,28 +1,36 @@
 // add_layer_norm on CUDA: summed = dropout(x) + residual and out = LayerNorm(summed),
 // forward and backward.
 //
-// Forward: one block per row. Each thread holds up to kForwardCache 16-byte vectors of
-// the row in registers, so x and the residual are read once and out and summed written
-// once; rows longer than the block can hold (over 8192 float32 or 16384 bf16 elements)
-// read their remaining vectors back from summed, which this thread has just written
-// (L2). out normalises summed before rounding, as the reference does; the saved
-// statistics are those of summed as stored, since the backward rebuilds xhat from it and
-// xhat must have mean 0 and variance 1 exactly there (else rows of near-zero variance turn
-// bf16/fp16 rounding into gradients of 1/sqrt(eps) times it). Both sets come from the
-// same three block reductions: the sum, the centred sum (the rounding of the first mean,
+// Both kernels give each row a group of threads, sized from the width so that every
+// thread keeps its share of the row in registers at no more than 64 registers
+// (__launch_bounds__(1024)), half an SM's threads resident.
+//
+// Forward: a group of 32 to 1024 threads per row (a power of two below 128, so that
+// groups fill blocks of 128), each caching up to kForwardElements floats of the row, so
+// x and the residual are read once and out and summed written once. Rows of up to 512
+// elements take one warp, four rows to a block, and reduce by shuffles alone. Rows longer
+// than 1024 threads hold (16384 elements, 8192 taken one at a time) read their remaining
+// vectors back from summed, which the thread has just written (L2). out normalises
+// summed before rounding, as the reference does; the saved statistics are those of
+// summed as stored, since the backward rebuilds xhat from it and xhat must have mean 0
+// and variance 1 exactly there (else rows of near-zero variance turn bf16/fp16 rounding
+// into gradients of 1/sqrt(eps) times it). Both sets come from the
+// same three row reductions: the sum, the centred sum (the rounding of the first mean,
 // corrected: rows of equal values then centre to exact zeros) and the centred sum of
 // squares. Vectors read back from summed have only their stored values, so in rows past
 // the register cache out normalises those. Traffic: 2 reads and 2 writes per element
-// with a residual; it should run near the copy bandwidth.
+// with a residual, plus the weight and bias per row (cache hits); it should run near the
+// copy bandwidth.
 //
-// Backward: each block walks a contiguous range of rows, one row at a time with every
-// thread on it, and keeps its columns' shares of dweight and dbias in registers (columns
-// past the cached ones, in rows over 4096 float32 or 8192 bf16 elements, accumulate in
-// the block's row of partial sums directly). The shares land in a [blocks, hidden]
-// float32 buffer that a second kernel sums over blocks in order. The block count depends
-// only on the shape and the device: no atomics, and the parameter gradients repeat bit
-// for bit. Traffic: 2 or 3 reads (grad_out, summed, grad_summed) and 1 or 2 writes per
-// element.
+// Backward: one group per block, of as many warps as the row needs at kBackwardElements
+// columns a thread, walking a contiguous range of rows one at a time. Each thread keeps
+// xhat and weight * dy of its columns in registers between the row's two passes, and the
+// block's shares of dweight and dbias for them in shared memory (columns past the cached
+// ones, in rows over 8192 elements, accumulate in the block's row of partial sums in
+// global memory directly). The shares land in a [blocks, hidden] float32 buffer that a
+// second kernel sums over blocks in order. The block count depends only on the shape and the device: no atomics, and the
+// parameter gradients repeat bit for bit. Traffic: 2 or 3 reads (grad_out, summed,
+// grad_summed) and 1 or 2 writes per element.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -34,23 +42,42 @@
 
 namespace fusedlm::cuda::kernels::layer_norm {
 
-constexpr int kForwardCache = 4;   // vectors of the row a thread keeps in the forward
-constexpr int kBackwardCache = 2;  // and in the backward (4 values per element there)
+constexpr int kForwardElements = 16;  // values of summed a forward thread keeps
+constexpr int kBackwardElements = 8;  // columns a backward thread keeps (2 floats each)
 
-// Dynamic shared memory of both kernels: block_sum's 2 * 32 floats.
+// The vectors of N elements a forward thread keeps: fewer of single elements, which need
+// an address each.
+constexpr int forward_cached(int n) { return n == 1 ? kForwardElements / 2 : kForwardElements / n; }
+constexpr int kMaxThreads = 1024;     // a block's, so that a thread has 64 registers
+constexpr int kMinBlock = 128;        // threads of the forward's block: whole rows' groups
+
+// Dynamic shared memory of the forward: group_sum's 2 * 32 floats.
 constexpr size_t kSharedBytes = 2 * 32 * sizeof(float);
 
+// And of the backward: group_sum's, then room for the shares of dweight and dbias of the
+// columns its threads keep.
+constexpr size_t backward_shared_bytes(int64_t cols, int n, int group) {
+  const int64_t cached = std::min<int64_t>(cols / n, int64_t(kBackwardElements / n) * group);
+  return kSharedBytes + 2 * cached * n * sizeof(float);
+}
+
 template <typename T, int N>
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kMaxThreads)
     add_layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ residual,
                                   const T* __restrict__ weight, const T* __restrict__ bias,
                                   T* __restrict__ out, T* __restrict__ summed,
                                   float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                                  int64_t cols, float eps, Dropout dropout) {
+                                  int64_t rows, int64_t cols, int group, float eps,
+                                  Dropout dropout) {
+  constexpr int kCached = forward_cached(N);
   float* shared = reinterpret_cast<float*>(dynamic_shared_memory());  // kSharedBytes
-  const int64_t base = int64_t(blockIdx.x) * cols;
-  const int64_t vecs = cols / N;
-  const int stride = blockDim.x;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int lane = threadIdx.x % group;
+  // A group past the last row has no vectors, but takes part in the group reductions'
+  // __syncthreads with the rest of its block.
+  const bool live = row < rows;
+  const int64_t base = live ? row * cols : 0;
+  const int64_t vecs = live ? cols / N : 0;
 
   // summed at vector v: dropout(x) + residual, stored, and returned before rounding.
   auto make_summed = [&](int64_t v, float (&s)[N]) {
@@ -67,11 +94,11 @@ __global__ void __launch_bounds__(kRowThreads)
   };
 
   // stat[0] accumulates over summed before rounding, stat[1] over summed as stored.
-  float cache[kForwardCache][N];
+  float cache[kCached][N];
   float stat[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int k = 0; k < kForwardCache; ++k) {
-    const int64_t v = threadIdx.x + int64_t(k) * stride;
+  for (int k = 0; k < kCached; ++k) {
+    const int64_t v = lane + int64_t(k) * group;
     if (v < vecs) {
       make_summed(v, cache[k]);
 #pragma unroll
@@ -81,7 +108,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
-  for (int64_t v = threadIdx.x + int64_t(kForwardCache) * stride; v < vecs; v += stride) {
+  for (int64_t v = lane + int64_t(kCached) * group; v < vecs; v += group) {
     float s[N];
     make_summed(v, s);
 #pragma unroll
@@ -90,17 +117,17 @@ __global__ void __launch_bounds__(kRowThreads)
       stat[1] += rounded<T>(s[i]);
     }
   }
-  block_sum(stat, shared);
+  group_sum(stat, shared, group);
   const float first_mean[2] = {stat[0] / cols, stat[1] / cols};
 
   // Calls f(s, v) for each of this thread's vectors of summed, cached or read back.
   auto each = [&](auto&& f) {
 #pragma unroll
-    for (int k = 0; k < kForwardCache; ++k) {
-      const int64_t v = threadIdx.x + int64_t(k) * stride;
+    for (int k = 0; k < kCached; ++k) {
+      const int64_t v = lane + int64_t(k) * group;
       if (v < vecs) f(cache[k], v);
     }
-    for (int64_t v = threadIdx.x + int64_t(kForwardCache) * stride; v < vecs; v += stride) {
+    for (int64_t v = lane + int64_t(kCached) * group; v < vecs; v += group) {
       float s[N];
       load<N>(summed + base + v * N, s);
       f(s, v);
@@ -115,7 +142,7 @@ __global__ void __launch_bounds__(kRowThreads)
       stat[1] += rounded<T>(s[i]) - first_mean[1];
     }
   });
-  block_sum(stat, shared);
+  group_sum(stat, shared, group);
   const float mean = first_mean[0] + stat[0] / cols;
   const float mean_stored = first_mean[1] + stat[1] / cols;
 
@@ -128,7 +155,7 @@ __global__ void __launch_bounds__(kRowThreads)
       stat[1] += d_stored * d_stored;
     }
   });
-  block_sum(stat, shared);
+  group_sum(stat, shared, group);
   const float rstd = rsqrtf(stat[0] / cols + eps);
   const float rstd_stored = rsqrtf(stat[1] / cols + eps);
 
@@ -144,9 +171,9 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     store<N>(out + base + v * N, y);
   });
-  if (threadIdx.x == 0) {
-    mean_out[blockIdx.x] = mean_stored;
-    rstd_out[blockIdx.x] = rstd_stored;
+  if (live && lane == 0) {
+    mean_out[row] = mean_stored;
+    rstd_out[row] = rstd_stored;
   }
 }
 
@@ -161,36 +188,43 @@ __device__ __forceinline__ void add_to(float* sums, const float (&add)[N]) {
 }
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
+__global__ void __launch_bounds__(kMaxThreads) add_layer_norm_backward_kernel(
     const T* __restrict__ dy, const T* __restrict__ grad_summed, const T* __restrict__ summed,
     const float* __restrict__ mean, const float* __restrict__ rstd, const T* __restrict__ weight,
     T* __restrict__ dsummed, T* __restrict__ dx, float* __restrict__ dw_part,
     float* __restrict__ db_part, int64_t rows, int64_t cols, int64_t rows_per_block,
     Dropout dropout) {
-  float* shared = reinterpret_cast<float*>(dynamic_shared_memory());  // kSharedBytes
+  constexpr int kCached = kBackwardElements / N;  // vectors of the row a thread keeps
   const int64_t vecs = cols / N;
-  const int stride = blockDim.x;
-  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
-  const int64_t last = std::min(rows, first + rows_per_block);
-  // This block's row of partial sums; a thread only ever touches its own columns.
+  const int group = blockDim.x;
+  const int64_t cached = std::min<int64_t>(vecs, int64_t(kCached) * group);
+  // group_sum's floats, then the block's shares of dweight and dbias for the cached
+  // columns (backward_shared_bytes); a thread only ever touches its own columns.
+  float* shared = reinterpret_cast<float*>(dynamic_shared_memory());
+  float* dw_cached = dw_part ? shared + 2 * 32 : nullptr;
+  float* db_cached = db_part ? shared + 2 * 32 + cached * N : nullptr;
+  // This block's row of partial sums, where the shares end; columns past the cached ones
+  // (very long rows) accumulate there directly.
   float* dw_row = dw_part ? dw_part + int64_t(blockIdx.x) * cols : nullptr;
   float* db_row = db_part ? db_part + int64_t(blockIdx.x) * cols : nullptr;
+  auto dw_at = [&](int64_t v) { return v < cached ? dw_cached + v * N : dw_row + v * N; };
+  auto db_at = [&](int64_t v) { return v < cached ? db_cached + v * N : db_row + v * N; };
 
-  float dw[kBackwardCache][N] = {}, db[kBackwardCache][N] = {};
-  // Columns past the cached vectors (very long rows) accumulate in the partial row itself.
-  for (int64_t v = threadIdx.x + int64_t(kBackwardCache) * stride; v < vecs; v += stride) {
+  for (int64_t v = threadIdx.x; v < vecs; v += group) {
     const float zero[N] = {};
-    if (dw_row) store<N>(dw_row + v * N, zero);
-    if (db_row) store<N>(db_row + v * N, zero);
+    if (dw_row) store<N>(dw_at(v), zero);
+    if (db_row) store<N>(db_at(v), zero);
   }
 
+  const int64_t first = int64_t(blockIdx.x) * rows_per_block;
+  const int64_t last = std::min(rows, first + rows_per_block);
   for (int64_t row = first; row < last; ++row) {
     const int64_t base = row * cols;
     const float mu = mean[row], rs = rstd[row];
 
-    // xhat and weight * dy at vector v; adds dy * xhat and dy to the parameter shares.
-    auto grads_at = [&](int64_t v, float (&xhat)[N], float (&wdy)[N], float (&dw_acc)[N],
-                        float (&db_acc)[N]) {
+    // xhat and weight * dy at vector v; adds dy * xhat and dy to the parameter shares
+    // when `shares`.
+    auto grads_at = [&](int64_t v, float (&xhat)[N], float (&wdy)[N], bool shares) {
       float g[N], w[N];
       load<N>(dy + base + v * N, g);
       load<N>(summed + base + v * N, xhat);
@@ -199,9 +233,15 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
       for (int i = 0; i < N; ++i) {
         xhat[i] = (xhat[i] - mu) * rs;
         wdy[i] = weight ? g[i] * w[i] : g[i];
-        dw_acc[i] += g[i] * xhat[i];
-        db_acc[i] += g[i];
       }
+      if (!shares) return;
+      if (dw_row) {
+        float gx[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) gx[i] = g[i] * xhat[i];
+        add_to<N>(dw_at(v), gx);
+      }
+      if (db_row) add_to<N>(db_at(v), g);
     };
     // dsummed (and dx under dropout) at vector v from xhat, weight * dy and the row's sums.
     auto write_at = [&](int64_t v, const float(&xhat)[N], const float(&wdy)[N], float c1,
@@ -219,52 +259,53 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
       }
     };
 
-    float xhat[kBackwardCache][N], wdy[kBackwardCache][N];
+    float xhat[kCached][N], wdy[kCached][N];
     float sums[2] = {0.0f, 0.0f};  // of xhat * wdy and of wdy
-#pragma unroll
-    for (int k = 0; k < kBackwardCache; ++k) {
-      const int64_t v = threadIdx.x + int64_t(k) * stride;
-      if (v < vecs) {
-        grads_at(v, xhat[k], wdy[k], dw[k], db[k]);
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-          sums[0] += xhat[k][i] * wdy[k][i];
-          sums[1] += wdy[k][i];
-        }
-      }
-    }
-    for (int64_t v = threadIdx.x + int64_t(kBackwardCache) * stride; v < vecs; v += stride) {
-      float xh[N], wg[N], dw_acc[N] = {}, db_acc[N] = {};
-      grads_at(v, xh, wg, dw_acc, db_acc);
+    auto add_sums = [&](const float(&xh)[N], const float(&wg)[N]) {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         sums[0] += xh[i] * wg[i];
         sums[1] += wg[i];
       }
-      if (dw_row) add_to<N>(dw_row + v * N, dw_acc);
-      if (db_row) add_to<N>(db_row + v * N, db_acc);
+    };
+#pragma unroll
+    for (int k = 0; k < kCached; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * group;
+      if (v < vecs) {
+        grads_at(v, xhat[k], wdy[k], true);
+        add_sums(xhat[k], wdy[k]);
+      }
     }
-    block_sum(sums, shared);
+    for (int64_t v = threadIdx.x + int64_t(kCached) * group; v < vecs; v += group) {
+      float xh[N], wg[N];
+      grads_at(v, xh, wg, true);
+      add_sums(xh, wg);
+    }
+    group_sum(sums, shared, group);
     const float c1 = sums[0] / cols, c2 = sums[1] / cols;
 
 #pragma unroll
-    for (int k = 0; k < kBackwardCache; ++k) {
-      const int64_t v = threadIdx.x + int64_t(k) * stride;
+    for (int k = 0; k < kCached; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * group;
       if (v < vecs) write_at(v, xhat[k], wdy[k], c1, c2);
     }
-    for (int64_t v = threadIdx.x + int64_t(kBackwardCache) * stride; v < vecs; v += stride) {
-      float xh[N], wg[N], unused_dw[N] = {}, unused_db[N] = {};
-      grads_at(v, xh, wg, unused_dw, unused_db);
+    for (int64_t v = threadIdx.x + int64_t(kCached) * group; v < vecs; v += group) {
+      float xh[N], wg[N];
+      grads_at(v, xh, wg, false);
       write_at(v, xh, wg, c1, c2);
     }
   }
 
-#pragma unroll
-  for (int k = 0; k < kBackwardCache; ++k) {
-    const int64_t v = threadIdx.x + int64_t(k) * stride;
-    if (v < vecs) {
-      if (dw_row) store<N>(dw_row + v * N, dw[k]);
-      if (db_row) store<N>(db_row + v * N, db[k]);
+  for (int64_t v = threadIdx.x; v < cached; v += group) {
+    if (dw_row) {
+      float share[N];
+      load<N>(dw_cached + v * N, share);
+      store<N>(dw_row + v * N, share);
+    }
+    if (db_row) {
+      float share[N];
+      load<N>(db_cached + v * N, share);
+      store<N>(db_row + v * N, share);
     }
   }
 }
@@ -276,6 +317,22 @@ __global__ void __launch_bounds__(kRowThreads) add_layer_norm_backward_kernel(
 namespace fusedlm::cuda {
 
 using namespace kernels::layer_norm;
+
+namespace {
+
+// The threads that own a row of `vecs` vectors when each keeps `cached` of them: whole
+// warps, as few as hold the row (all 1024 for longer rows), a power of two if `pow2`.
+int row_group(int64_t vecs, int cached, bool pow2) {
+  const int64_t warps = std::min<int64_t>(kMaxThreads / 32, ceil_div(ceil_div(vecs, cached), 32));
+  int group = 32;
+  if (pow2)
+    while (group < warps * 32) group *= 2;
+  else
+    group = static_cast<int>(std::max<int64_t>(1, warps) * 32);
+  return group;
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -297,15 +354,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     const T* bp = ptr<T>(in.bias);
     T *op = ptr<T>(out), *sp = ptr<T>(summed);
     constexpr int V = kVec<T>;
-    if (cols % V == 0 && all_aligned16(xp, rp, wp, bp, op, sp)) {
-      launch(add_layer_norm_forward_kernel<T, V>, rows, row_threads(cols / V, kForwardCache),
-             kSharedBytes, xp, rp, wp, bp, op, sp, ptr<float>(mean), ptr<float>(rstd), cols,
-             float(eps), dropout);
-    } else {
-      launch(add_layer_norm_forward_kernel<T, 1>, rows, row_threads(cols, kForwardCache),
-             kSharedBytes, xp, rp, wp, bp, op, sp, ptr<float>(mean), ptr<float>(rstd), cols,
-             float(eps), dropout);
-    }
+    auto run = [&](auto kernel, int n) {
+      // Rows of one warp go four to a block; wider groups one to a block.
+      const int group = row_group(cols / n, forward_cached(n), true);
+      const int threads = std::max(group, kMinBlock);
+      launch(kernel, ceil_div(rows, threads / group), threads, kSharedBytes, xp, rp, wp, bp,
+             op, sp, ptr<float>(mean), ptr<float>(rstd), rows, cols, group, float(eps),
+             dropout);
+    };
+    if (cols % V == 0 && all_aligned16(xp, rp, wp, bp, op, sp))
+      run(add_layer_norm_forward_kernel<T, V>, V);
+    else
+      run(add_layer_norm_forward_kernel<T, 1>, 1);
   });
   return {out, summed, mean, rstd};
 }
@@ -332,10 +392,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const T* wp = ptr<T>(in.weight);
     T *dsp = ptr<T>(in.dsummed), *dxp = ptr<T>(in.dx);
     const bool vector = cols % V == 0 && all_aligned16(gp, gsp, sp, wp, dsp, dxp);
-    const int threads = row_threads(vector ? cols / V : cols, kBackwardCache);
-    // Enough blocks to fill the device, but at least 8 rows each, so the partial sums
-    // stay small next to the rows themselves. Fixed per shape and device.
-    const int64_t resident = int64_t(multiprocessors()) * std::max(1, std::min(16, 2048 / threads));
+    const int n = vector ? V : 1;
+    const int threads = row_group(cols / n, kBackwardElements / n, false);
+    // Enough blocks to fill the device (2048 threads an SM), but at least 8 rows each, so
+    // the partial sums stay small next to the rows themselves. Fixed per shape and device.
+    const int64_t resident = int64_t(multiprocessors()) * (2048 / threads);
     const int64_t rows_per_block = std::max<int64_t>(8, ceil_div(rows, resident));
     const int64_t blocks = ceil_div(rows, rows_per_block);
     auto partial = options.dtype(at::kFloat);
@@ -344,12 +405,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     if (rows > 0) {
       float *dwp = in.weight.defined() ? ptr<float>(dw_part) : nullptr;
       float *dbp = has_bias ? ptr<float>(db_part) : nullptr;
+      const size_t shared = backward_shared_bytes(cols, n, threads);
       if (vector)
-        launch(add_layer_norm_backward_kernel<T, V>, blocks, threads, kSharedBytes, gp, gsp, sp,
+        launch(add_layer_norm_backward_kernel<T, V>, blocks, threads, shared, gp, gsp, sp,
                ptr<float>(mean), ptr<float>(rstd), wp, dsp, dxp, dwp, dbp, rows, cols,
                rows_per_block, dropout);
       else
-        launch(add_layer_norm_backward_kernel<T, 1>, blocks, threads, kSharedBytes, gp, gsp, sp,
+        launch(add_layer_norm_backward_kernel<T, 1>, blocks, threads, shared, gp, gsp, sp,
                ptr<float>(mean), ptr<float>(rstd), wp, dsp, dxp, dwp, dbp, rows, cols,
                rows_per_block, dropout);
     }

@@ -256,6 +256,46 @@ EMU_TEST(runtime_ldmatrix_mma_product) {
     }
 }
 
+// --- counting: the bytes each launch moves per tensor, and its products --------------------------
+
+EMU_TEST(runtime_counts_traffic_and_products) {
+  std::vector<float> in(4 * 64), out(in.size());
+  std::vector<uint16_t> a(16 * 16), b(8 * 16);
+  std::vector<float> c(16 * 8);
+  emu::count_launches(true);
+  on("sm_80", [&] {
+    // Each thread copies 16 bytes in (cp.async) and writes 16 out: every byte once.
+    emu::launch(copy_rows, dim3(1), dim3(64), in.size() * 4, exposed(in), exposed(out), true, true);
+  });
+  on("sm_80", [&] {
+    emu::launch(small_product, dim3(1), dim3(32), 2 * 16 * 24 * 2, exposed(a), exposed(b), exposed(c));
+  });
+  emu::count_launches(false);
+  const std::vector<emu::LaunchCount> counts = emu::counted_launches();
+  EMU_CHECK(counts.size() == 2, counts.size(), " launches counted, want 2");
+  if (counts.size() != 2) return;
+  auto traffic = [](const emu::LaunchCount& launch, const void* storage) {
+    for (const emu::TensorTraffic& t : launch.tensors)
+      if (t.storage == storage) return t;
+    return emu::TensorTraffic{storage, 0};
+  };
+  const emu::TensorTraffic copied = traffic(counts[0], in.data()), stored = traffic(counts[0], out.data());
+  EMU_CHECK(copied.read == in.size() * 4 && copied.written == 0, "in: read ", copied.read, " written ",
+            copied.written);
+  EMU_CHECK(stored.read == 0 && stored.written == out.size() * 4, "out: read ", stored.read,
+            " written ", stored.written);
+  EMU_CHECK(counts[0].tensor_core_macs == 0, counts[0].tensor_core_macs, " products in a copy");
+  EMU_CHECK(counts[1].tensor_core_macs == 16 * 8 * 16, counts[1].tensor_core_macs,
+            " multiply-adds, want one m16n8k16");
+  EMU_CHECK(traffic(counts[1], a.data()).read == a.size() * 2, "A read ", traffic(counts[1], a.data()).read);
+  EMU_CHECK(counts[1].block.x == 32 && counts[1].grid.x == 1, "the launch shape");
+  // Counting off, nothing more is recorded.
+  on("sm_80", [&] {
+    emu::launch(copy_rows, dim3(1), dim3(64), in.size() * 4, exposed(in), exposed(out), true, true);
+  });
+  EMU_CHECK(emu::counted_launches().size() == 2, "counted while off");
+}
+
 // --- wgmma: D = A B^T, m64n64k16, A and B K-major in 128-byte-swizzled shared tiles ------------
 
 enum class Mistake { none, unswizzled_store, no_proxy_fence, no_wgmma_fence, no_wait, late_wait };

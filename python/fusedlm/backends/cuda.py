@@ -18,9 +18,11 @@ Hopper wgmma products): :func:`set_path` turns one off, to compare it with the p
 replaces at the same shapes (FUSEDLM_ATTENTION_RESIDENT=0, FUSEDLM_ATTENTION_WGMMA=0 and
 FUSEDLM_FFN_WGMMA=0 do at start).
 """
+import contextlib
+import dataclasses
 import functools
 import re
-from typing import Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -42,6 +44,48 @@ def emulated_arch() -> Optional[str]:
     """The GPU the emulator acts as ("sm_80" or "sm_90a", from FUSEDLM_EMULATE_ARCH), or
     None outside an emulated build."""
     return _C.cuda.emulated_arch() if EMULATED else None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCount:
+    """What one emulated launch moved and computed: per tensor the op exposed to it (keyed
+    by its storage's address: ``t.untyped_storage().data_ptr()``), the bytes its kernel
+    loaded and stored (every access as issued, before any cache: a re-read counts again),
+    and the multiply-adds its tensor-core instructions issued."""
+
+    kernel: str
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    shared_bytes: int
+    tensor_core_macs: int
+    read: Dict[int, int]
+    written: Dict[int, int]
+
+    def traffic(self, t: torch.Tensor) -> Tuple[int, int]:
+        """(bytes read, bytes written) of ``t``'s storage in this launch."""
+        storage = t.untyped_storage().data_ptr()
+        return self.read.get(storage, 0), self.written.get(storage, 0)
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[List[LaunchCount]]:
+    """Counts the launches of the emulated kernels run inside the block; the list it gives
+    is filled when the block ends. Needs an emulated build (:func:`emulated`)."""
+    if not EMULATED:
+        raise RuntimeError("count_launches needs the emulated build (FUSEDLM_CUDA=emulate)")
+    counted: List[LaunchCount] = []
+    _C.cuda.count_launches(True)
+    try:
+        yield counted
+    finally:
+        _C.cuda.count_launches(False)
+        for launch in _C.cuda.counted_launches():
+            tensors = launch["tensors"]
+            counted.append(LaunchCount(
+                kernel=launch["kernel"], grid=launch["grid"], block=launch["block"],
+                shared_bytes=launch["shared_bytes"], tensor_core_macs=launch["tensor_core_macs"],
+                read={base: read for base, _, read, _ in tensors},
+                written={base: written for base, _, _, written in tensors}))
 
 
 def _unavailable():
