@@ -87,8 +87,11 @@ def main() -> int:
             grads([out], (q, k, v))
     # gelu_ffn: partial 128-row and 128-column blocks, a K tail inside a 32-wide (64-wide
     # on wgmma) step, and K longer than the 3-stage pipeline; with and without biases and
-    # dropout; the product on wgmma (sm_90) and on mma.sync.
-    for dtype, wgmma in itertools.product((torch.bfloat16, torch.float16), (True, False)):
+    # dropout; cuBLAS's products with the GELU passes, and the fused product on wgmma
+    # (sm_90) and on mma.sync.
+    products = ((True, True), (False, True), (False, False))  # (ffn_cublas, ffn_wgmma)
+    for dtype, (cublas, wgmma) in itertools.product((torch.bfloat16, torch.float16), products):
+        cuda_backend.set_path("ffn_cublas", cublas)
         cuda_backend.set_path("ffn_wgmma", wgmma)
         for rows, d_in, d_ff, d_out in ((130, 48, 136, 40), (7, 264, 256, 136)):
             x = torch.randn(rows, d_in, dtype=dtype, **cuda)

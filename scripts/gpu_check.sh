@@ -8,7 +8,8 @@
 # quick     a short lease's run, in QUICK_TIMEOUT seconds (default 540) for all its steps,
 #           in the order of what users decide on: the build for sm_90a alone, the model
 #           steps (bench --models bert-base gpt2-small), the op rows at BERT-base's shapes
-#           (bench --shapes bert), the record (benchmarks/results), then the cuda cases of
+#           (bench --shapes bert), the FFN's rows again on its fused products
+#           (FUSEDLM_FFN_CUBLAS=0), the record (benchmarks/results), then the cuda cases of
 #           the op tests. Each bench step rewrites its JSON after every case, so a step cut
 #           off keeps its rows. Without a GPU it is a dry run: a CPU build, the bench steps
 #           with --device cpu --quick (checking them, measuring nothing) and no record.
@@ -141,15 +142,19 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
   [ -f "$OUT/$stage.json" ] || return "$status"
   if [ "$part" = ops ] && [ "$status" -eq 0 ]; then
     # Ops again with cuda-backend paths off, each run against its own baselines: the
-    # attention without its resident path (what it buys at BERT lengths), and the
-    # attention and the FFN without their wgmma kernels (what Hopper's products buy).
+    # attention without its resident path (what it buys at BERT lengths), the FFN on its
+    # own fused products instead of cuBLAS's (wgmma on Hopper), and the attention and
+    # that product without their wgmma kernels (what Hopper's products buy).
     # The record below is written whether or not these fit in the stage's time.
     run_stage bench-streamed env -u TRITON_INTERPRET FUSEDLM_ATTENTION_RESIDENT=0 "$PY" -m \
         fusedlm bench --device cuda --ops attention --json "$OUT/variant-streamed.json" \
         || status=$?
+    run_stage bench-fused-ffn env -u TRITON_INTERPRET FUSEDLM_FFN_CUBLAS=0 "$PY" -m \
+        fusedlm bench --device cuda --ops gelu_ffn --json "$OUT/variant-fused-ffn.json" \
+        || status=$?
     run_stage bench-mma-sync env -u TRITON_INTERPRET FUSEDLM_ATTENTION_WGMMA=0 \
-        FUSEDLM_FFN_WGMMA=0 "$PY" -m fusedlm bench --device cuda --ops attention gelu_ffn \
-        --json "$OUT/variant-mma-sync.json" || status=$?
+        FUSEDLM_FFN_CUBLAS=0 FUSEDLM_FFN_WGMMA=0 "$PY" -m fusedlm bench --device cuda \
+        --ops attention gelu_ffn --json "$OUT/variant-mma-sync.json" || status=$?
   fi
   local name
   name=$(write_record) || return
@@ -191,6 +196,10 @@ stage_quick() {
   # shellcheck disable=SC2086  # ops is a list of words
   run_stage bench env -u TRITON_INTERPRET "$PY" -m fusedlm bench "${device[@]}" --ops $ops \
       --shapes bert --json "$OUT/bench.json" || status=$?
+  # The FFN on its own fused products, against the cuBLAS path the rows above ran: the
+  # measurement that decides between them.
+  run_stage bench-fused-ffn env -u TRITON_INTERPRET FUSEDLM_FFN_CUBLAS=0 "$PY" -m fusedlm bench \
+      "${device[@]}" --ops gelu_ffn --shapes bert --json "$OUT/variant-fused-ffn.json" || status=$?
   local name
   if [ "$HAVE_GPU" = 1 ] && compgen -G "$OUT/bench*.json" > /dev/null; then
     if name=$(write_record); then echo "results: benchmarks/results/$name"; else status=1; fi

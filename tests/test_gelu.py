@@ -11,9 +11,10 @@ import fuzz
 from fusedlm.ops import reference
 from fuzz import Case
 from fusedlm.ops._dropout import next_seed
+from fusedlm.backends import cuda as cuda_backend
 from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
                      backend_device, backends_for, first_taken, fresh, grads, keep_mask,
-                     poison_memory, skip_if_refused, slow_backend)
+                     needs_emulator, poison_memory, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -183,6 +184,18 @@ def _ffn_inputs(dtype, device, d_in=48, d_ff=136, d_out=40, with_bias=True, shap
     return x, w1, b1, w2, b2
 
 
+# The cuda backend's two FFN paths: cuBLAS's products around its GELU passes (the default),
+# and its own product with them in the epilogue (ffn_cublas off).
+FFN_PRODUCTS = pytest.mark.parametrize("products", ["cublas", "fused"])
+
+
+def _use_products(backend, products, cuda_paths):
+    if products == "fused":
+        if backend != "cuda":
+            pytest.skip("the fused product is the cuda backend's path")
+        cuda_paths("ffn_cublas", False)
+
+
 def _check_ffn(backend, inputs, **kwargs):
     """gelu_ffn and every gradient on `backend` against the float64 reference."""
     skip_if_refused(backend, "gelu_ffn", *inputs, **kwargs)
@@ -214,7 +227,9 @@ def test_gelu_ffn_matches_reference(backend, dtype, approximate, with_bias):
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_gelu_ffn_partial_tiles(backend, dtype, with_bias):
+@FFN_PRODUCTS
+def test_gelu_ffn_partial_tiles(backend, dtype, with_bias, products, cuda_paths):
+    _use_products(backend, products, cuda_paths)
     # The cuda product's tiles (128 x 128, K 32 at a time through a ring of 3 stages, 64 on
     # sm_90a) left partial along every dimension: 130 rows (two row tiles, the bias
     # gradient summed over both), d_ff 136 (two column tiles), and K past the stage ring,
@@ -238,7 +253,9 @@ def _widest_taken(backend, dtypes, **kwargs):
 
 
 @pytest.mark.parametrize("backend", backends_for("gelu_ffn"))
-def test_gelu_ffn_dropout_replays_its_mask(backend):
+@FFN_PRODUCTS
+def test_gelu_ffn_dropout_replays_its_mask(backend, products, cuda_paths):
+    _use_products(backend, products, cuda_paths)
     # The widest dtype the backend takes (float64: exact comparisons).
     dtype = _widest_taken(backend, (torch.float64, torch.float32, torch.bfloat16))
     scale = 3 if dtype == torch.bfloat16 else 1
@@ -262,6 +279,32 @@ def test_gelu_ffn_dropout_replays_its_mask(backend):
     torch.manual_seed(1234)
     assert torch.equal(fusedlm.ops.gelu_ffn(*inputs, dropout_p=p, backend=backend), out)
     assert not torch.equal(fusedlm.ops.gelu_ffn(*inputs, dropout_p=p, backend=backend), out)
+
+
+@FFN_PRODUCTS
+@pytest.mark.parametrize("marks", [pytest.param(None, marks=needs_emulator, id="emulated")])
+def test_gelu_ffn_cuda_writes_its_activation_once(products, cuda_paths, marks):
+    # Counted by the emulator (cuBLAS's products are not): the activation is written once
+    # in each direction, beside the pre-activation in the fused product's forward and
+    # the pre-activation's gradient in the backward, and the cuBLAS path's pass reads the
+    # product it follows once.
+    _use_products("cuda", products, cuda_paths)
+    rows, d_ff = 130, 136
+    inputs = _ffn_inputs(torch.bfloat16, "cpu", d_ff=d_ff, shape=(rows,))
+    act = rows * d_ff * 2
+    with cuda_backend.count_launches() as forward:
+        out = fusedlm.ops.gelu_ffn(*inputs, dropout_p=0.1, backend="cuda")
+    assert sum(sum(c.written.values()) for c in forward) == (act if products == "cublas" else 2 * act)
+    if products == "cublas":
+        [launch] = forward
+        assert sum(launch.read.values()) == act
+    with cuda_backend.count_launches() as backward:
+        out.backward(torch.randn_like(out))
+    partials = sum(sum(c.read.values()) for c in backward if "sum_partials" in c.kernel)
+    [launch] = [c for c in backward if "sum_partials" not in c.kernel]
+    assert sum(launch.written.values()) == 2 * act + partials
+    if products == "cublas":
+        assert sum(launch.read.values()) == 2 * act
 
 
 def test_gelu_ffn_dropout_scales_kept_units():

@@ -1,6 +1,6 @@
 // What the cuda backend's host code shares: the element-type dispatch, alignment checks,
-// the switches between kernel paths, the dropout stream, and the second stage of the
-// parameter-gradient reductions. Their device side is kernels/cuda/common.cuh; the CUDA
+// the switches between kernel paths, the dropout stream, the second stage of the
+// parameter-gradient reductions, and the GELU passes that bias_gelu and gelu_ffn share. Their device side is kernels/cuda/common.cuh; the CUDA
 // runtime is reached through runtime.h alone.
 #pragma once
 #include <ATen/ATen.h>
@@ -42,7 +42,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The switches between kernel paths (set_path and paths, csrc/cuda/paths.cu), read from the
 // environment once per process (csrc/cuda/paths.cu); a launch reads the one of its path.
 struct KernelPaths {
-  std::atomic<bool> attention_resident{true}, attention_wgmma{true}, ffn_wgmma{true};
+  std::atomic<bool> attention_resident{true}, attention_wgmma{true}, ffn_cublas{true}, ffn_wgmma{true};
 };
 KernelPaths& kernel_paths();
 
@@ -80,5 +80,15 @@ at::Tensor sum_partials(const at::Tensor& partial, at::ScalarType dtype) {
          blocks, cols, ptr<T>(out));
   return out;
 }
+
+// The elementwise GELU passes (bias_gelu.cu) over 2-D contiguous tensors, bias (over the
+// columns) and act optional (undefined): out = dropout(gelu(x + bias)); and
+// dx = dropout'(grad) * gelu'(x + bias), with act = dropout(gelu(x + bias)) again when
+// defined, returning the bias gradient (the column sums of dx) when want_dbias.
+void gelu_forward_pass(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& out,
+                       bool tanh, const Dropout& dropout);
+at::Tensor gelu_backward_pass(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias,
+                              const at::Tensor& dx, const at::Tensor& act, bool tanh,
+                              const Dropout& dropout, bool want_dbias);
 
 }  // namespace fusedlm::cuda

@@ -19,6 +19,7 @@ struct Switch {
 constexpr Switch kSwitches[] = {
     {"attention_resident", "FUSEDLM_ATTENTION_RESIDENT", &KernelPaths::attention_resident},
     {"attention_wgmma", "FUSEDLM_ATTENTION_WGMMA", &KernelPaths::attention_wgmma},
+    {"ffn_cublas", "FUSEDLM_FFN_CUBLAS", &KernelPaths::ffn_cublas},
     {"ffn_wgmma", "FUSEDLM_FFN_WGMMA", &KernelPaths::ffn_wgmma},
 };
 

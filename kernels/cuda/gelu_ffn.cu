@@ -1,7 +1,16 @@
-// gelu_ffn on CUDA: Linear(w1, b1) -> GELU -> dropout -> Linear(w2, b2), with the bias,
-// GELU and dropout in the epilogue of the first matrix product and their backward in the
-// epilogue of the product that gives the activation's gradient.
+// gelu_ffn on CUDA: Linear(w1, b1) -> GELU -> dropout -> Linear(w2, b2), on one of two
+// paths (the ffn_cublas switch, on unless FUSEDLM_FFN_CUBLAS=0).
 //
+// cuBLAS (the default): both products are cuBLAS's (at::addmm), and the bias is in the
+// first one's epilogue; one elementwise pass (bias_gelu.cu's kernels, with dropout) turns
+// the pre-activation into act = dropout(gelu(pre)), and in the backward one pass turns
+// dact = dy w2 into dpre = dact * keep / (1 - p) * gelu'(pre) with act again (for dw2)
+// and the column sums of dpre for db1. Against eager PyTorch it saves dropout's own pass
+// and mask, and the backward's separate GELU-gradient and bias-gradient passes.
+//
+// Fused products (FUSEDLM_FFN_CUBLAS=0): the bias, GELU and dropout in the epilogue of
+// the first matrix product and their backward in the epilogue of the product that gives
+// the activation's gradient.
 // Forward:  one tensor-core product x w1^T whose epilogue writes pre = x w1^T + b1 (saved
 //   for backward, bias included) and act = dropout(gelu(pre)); then y = act w2^T + b2
 //   (cuBLAS, at::addmm).
@@ -24,8 +33,9 @@
 // the gap), no split-K for small M, and the epilogue stores element pairs straight from
 // the fragments rather than staging 16-byte rows.
 //
-// Takes bf16 and fp16 with d_in, d_ff and d_out multiples of 8 (16-byte rows for
-// cp.async); the Python limits route other calls to the triton backend.
+// Both paths take bf16 and fp16 with d_in, d_ff and d_out multiples of 8 (16-byte rows
+// for cp.async); the Python limits route other calls to the triton backend. Both number
+// the dropout stream over [rows, d_ff] row-major, so they drop the same elements.
 #include <cstddef>
 #include <cstdint>
 
@@ -394,11 +404,15 @@ Params<T> product(const at::Tensor& a, const at::Tensor& b, int64_t m, int64_t n
   return p;
 }
 
+void check_half(at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "the cuda gelu_ffn takes bfloat16 or float16, got ", dtype);
+}
+
 // Runs f(T{}) for bf16 or fp16, the tensor cores' input types.
 template <typename F>
 void dispatch_half(at::ScalarType dtype, F&& f) {
-  TORCH_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "the cuda gelu_ffn takes bfloat16 or float16, got ", dtype);
+  check_half(dtype);
   if (dtype == at::kBFloat16) f(at::BFloat16{});
   else f(at::Half{});
 }
@@ -425,6 +439,14 @@ std::tuple<at::Tensor, at::Tensor> gelu_ffn_forward(
   const auto x2 = aligned(in.x), w1c = aligned(in.w1), b1c = aligned(in.b1);
   const int64_t rows = x2.size(0), d_in = x2.size(1), d_ff = w1c.size(0), d_out = in.w2.size(0);
   check_sizes(d_in, d_ff, d_out);
+  check_half(x.scalar_type());
+  if (kernel_paths().ffn_cublas) {
+    const auto w1t = w1c.t();
+    const auto pre = b1c.defined() ? at::addmm(b1c, x2, w1t) : at::mm(x2, w1t);
+    auto act = at::empty_like(pre);
+    gelu_forward_pass(pre, at::Tensor(), act, in.tanh, dropout_stream(seed, dropout_p));
+    return {ffn_output(x, act, in.w2, in.b2), pre};
+  }
   auto pre = at::empty({rows, d_ff}, x2.options());
   auto act = at::empty_like(pre);
   dispatch_half(x.scalar_type(), [&](auto tag) {
@@ -452,6 +474,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gelu_ffn_
   auto dpre = at::empty_like(pre);
   auto act = at::empty_like(pre);
   at::Tensor db1;
+  check_half(x.scalar_type());
+  if (kernel_paths().ffn_cublas) {
+    db1 = gelu_backward_pass(at::mm(g2, w2c), pre, at::Tensor(), dpre, act, in.tanh,
+                             dropout_stream(seed, dropout_p), has_b1);
+    const auto g = ffn_backward_products(in, x, g2, act, dpre);
+    return {g.dx, g.dw1, db1, g.dw2, g.db2};
+  }
   dispatch_half(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto part = at::empty({has_b1 ? ceil_div(rows, kBlockM) : 0, d_ff},

@@ -28,7 +28,9 @@ class Probe:
 
 
 # The cuda kernel paths probes name.
-RESIDENT, WGMMA, FFN_WGMMA = ("attention_resident",), ("attention_wgmma",), ("ffn_wgmma",)
+RESIDENT, WGMMA = ("attention_resident",), ("attention_wgmma",)
+# The FFN's cuBLAS path first: with it off, the fused product runs (on wgmma on sm_90).
+FFN_PATHS = ("ffn_cublas", "ffn_wgmma")
 
 
 def randn(g, *shape, scale=1.0):

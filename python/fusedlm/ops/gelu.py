@@ -16,7 +16,7 @@ from ..dtypes import HALVES, acc_dtype
 from . import _validate as check
 from ._dropout import next_seed
 from ._op import Op
-from ._probe import FFN_WGMMA, Probe, randn
+from ._probe import FFN_PATHS, Probe, randn
 from .reference import dropped
 
 __all__ = ["bias_gelu", "gelu_ffn"]
@@ -165,9 +165,9 @@ GELU_FFN = Op(
     "gelu_ffn", _gelu_ffn_fake,
     reference=gelu_ffn_reference,
     reference_kernels=(_gelu_ffn_reference_forward, _gelu_ffn_reference_backward),
-    probes=(Probe("130 rows", _gelu_ffn_probe(130, 128, 256), paths=FFN_WGMMA),
+    probes=(Probe("130 rows", _gelu_ffn_probe(130, 128, 256), paths=FFN_PATHS),
             Probe.real("BERT-base, 1024 x 768 -> 3072", _gelu_ffn_probe(1024, 768, 3072),
-                       paths=FFN_WGMMA)),
+                       paths=FFN_PATHS)),
     # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves; its grid's y
     # dimension (at most 65535) counts tiles of 128 rows.
     supports={"cuda": Supports(dtypes=HALVES, multiple_of=8, max_counts=(("rows", 65535 * 128),))},
