@@ -6,6 +6,7 @@ import json
 import pytest
 
 from cli_helpers import run_cli
+from helpers import needs_emulator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -371,3 +372,38 @@ def test_the_model_steps_are_held_to_the_gpu_targets():
         (f"{step}, model FLOPs", "the ceiling", 0.45): True,
         ("GPT-2 small LM training step, bf16 autocast", "transformers", 1.2): True,
     }
+
+
+def test_efficiency_needs_the_emulated_build_and_refuses_what_it_cannot_do(capsys):
+    from fusedlm.backends import cuda as cuda_backend
+
+    code, out, err = run_cli(capsys, "bench", "--efficiency", "--ops", "softmax")
+    assert code == 2 and "softmax" in err
+    code, out, err = run_cli(capsys, "bench", "--resources", "r.json")
+    assert code == 2 and "--efficiency" in err
+    if not cuda_backend.emulated():
+        code, out, err = run_cli(capsys, "bench", "--efficiency")
+        assert code == 2 and "FUSEDLM_CUDA=emulate" in err
+
+
+@pytest.mark.parametrize("marks", [pytest.param(None, marks=needs_emulator, id="emulated")])
+def test_efficiency_counts_each_launch_against_its_ideal(capsys, tmp_path, marks):
+    """--efficiency on the emulated build: a row per launch, bytes moved against each touched
+    tensor moved once, attention's products in units of one of its products, and the
+    compile check's registers where a resources file names the kernel."""
+    resources = tmp_path / "resources.json"
+    resources.write_text(json.dumps([{"kernel": "attention_forward_kernel<c10::BFloat16, 64, true>",
+                                      "arch": "sm_90a", "registers": 128, "occupancy": 0.25}]))
+    path = tmp_path / "efficiency.json"
+    code, table, err = run_cli(capsys, "bench", "--efficiency", "--ops", "attention",
+                               "add_layer_norm", "--resources", str(resources), "--json", str(path))
+    assert code == 0, err
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"attention", "add_layer_norm"}
+    forward = [r for r in rows if r["op"] == "attention" and r["pass"] == "forward"]
+    assert [r["products"] for r in forward] == [2.0]
+    assert forward[0]["kernel"] == "attention_forward_kernel<BFloat16, 64, true>"
+    assert forward[0]["registers_sm_90a"] == 128
+    for r in rows:
+        assert r["moved_bytes"] >= r["ideal_bytes"] > 0
+    assert "products" in table and "regs sm_90a" in table

@@ -61,6 +61,7 @@ class LaunchCount:
     tensor_core_macs: int
     read: Dict[int, int]
     written: Dict[int, int]
+    sizes: Dict[int, int]  # each storage's bytes
 
     def traffic(self, t: torch.Tensor) -> Tuple[int, int]:
         """(bytes read, bytes written) of ``t``'s storage in this launch."""
@@ -86,7 +87,8 @@ def count_launches() -> Iterator[List[LaunchCount]]:
                 kernel=launch["kernel"], grid=launch["grid"], block=launch["block"],
                 shared_bytes=launch["shared_bytes"], tensor_core_macs=launch["tensor_core_macs"],
                 read={base: read for base, _, read, _ in tensors},
-                written={base: written for base, _, _, written in tensors}))
+                written={base: written for base, _, _, written in tensors},
+                sizes={base: size for base, size, _, _ in tensors}))
 
 
 def _unavailable():
