@@ -9,12 +9,13 @@ from hypothesis import given, settings, strategies as st
 
 import fusedlm
 import fuzz
+from fusedlm.backends import cuda as cuda_backend
 from fusedlm.ops import reference
 from fuzz import Case, softmax_attention
 from fusedlm.ops._dropout import next_seed
 from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
                      backend_device, backends_for, first_taken, fresh, grads, keep_mask,
-                     poison_memory, skip_if_refused, slow_backend)
+                     needs_emulator, poison_memory, skip_if_refused, slow_backend)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -129,7 +130,8 @@ CASES = {
     "many_blocks_padding": (2, 1, 140, 600, 16, {"mask": True, "causal": True}),
     "scale": (2, 2, 12, 12, 16, {"scale": 0.37}),
     # The head dims of the cuda kernels, over several query and key blocks of 64, the last
-    # ones partial. Up to 64 keys the cuda backward takes delta from P and dP themselves.
+    # ones partial. Up to 128 keys the cuda backward is one kernel, which takes delta from P
+    # and dP themselves.
     "head_dim_64": (2, 3, 37, 45, 64, {"mask": True}),
     "head_dim_64_blocks": (1, 2, 150, 200, 64, {"causal": True, "mask": True, "layout": "bshd"}),
     "head_dim_128": (2, 2, 70, 70, 128, {"causal": True}),
@@ -382,10 +384,14 @@ def test_attention_empty_batch():
 
 @pytest.mark.parametrize("backend, path",
                          [p for p in backends_with_paths("attention") if p.values[0] == "cuda"])
-def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, cuda_paths):
-    # No atomics: dK/dV per key block and dQ per query block, each element written once.
+@pytest.mark.parametrize("keys", ["one_block", "several_blocks"])
+def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, keys, cuda_paths):
+    # No atomics: dK/dV per key block and dQ per query block, each element written once;
+    # up to 128 keys one kernel sums each query's delta over its warps in a fixed order.
     _take(path, cuda_paths)
     batch, heads, seq_q, seq_k = (1, 1, 70, 130) if slow_backend(backend) else (2, 3, 200, 260)
+    if keys == "one_block":
+        seq_k = 100
     device = backend_device(backend)
     leaves, (q, k, v) = _inputs(batch, heads, seq_q, seq_k, 64, torch.bfloat16, device,
                                 layout="bshd")
@@ -397,6 +403,38 @@ def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, cuda_paths):
         results.append(torch.autograd.grad(out, leaves, grad))
     for first, second in zip(*results):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("seq", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("marks", [pytest.param(None, marks=needs_emulator, id="emulated")])
+def test_cuda_attention_backward_of_one_block_of_keys_is_one_kernel_of_five_products(
+        seq, head_dim, causal, marks):
+    # Up to 128 keys one kernel does the whole backward, one block a (sequence, head), with
+    # FlashAttention-2's 5 products a tile pair (S^T, dP^T, dV, dK and dQ), each over
+    # seq_q x seq_k x head_dim multiply-adds where no mask skips a tile. It takes the delta
+    # from P and dP, never O, reads its inputs once and writes each gradient once.
+    batch, heads = 2, 3
+    leaves, (q, k, v) = _inputs(batch, heads, seq, seq, head_dim, torch.bfloat16,
+                                backend_device("cuda"))
+    out = fusedlm.ops.attention(q, k, v, causal=causal, backend="cuda")
+    grad = torch.randn_like(out)
+    with cuda_backend.count_launches() as backward:
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+    [launch] = backward
+    assert launch.grid == (1, heads, batch)
+    every_pair = 5 * batch * heads * seq * seq * head_dim
+    if causal:
+        assert launch.tensor_core_macs <= every_pair
+    else:
+        assert launch.tensor_core_macs == every_pair
+    size = q.numel() * q.element_size()
+    for t in (q, k, v, grad):
+        assert launch.traffic(t) == (size, 0)
+    assert launch.traffic(out) == (0, 0)
+    for t in (dq, dk, dv):
+        assert launch.traffic(t) == (0, size)
 
 
 @pytest.mark.parametrize("backend", [b for b in backends_for("attention") if b.id == "cuda"])

@@ -9,9 +9,17 @@
 // scale * log2(e) folded into the scores. It writes O and the natural log-sum-exp of
 // each row (+inf for a row that sees no key, whose output is 0).
 //
-// Backward, three kernels and no atomics, so the gradients repeat bit for bit:
-//   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D) (when every
-//     sequence's keys fit one tile, the dQ kernel takes it from P and dP themselves);
+// Backward, no atomics, so the gradients repeat bit for bit. Where every sequence's keys
+// fit one block (seq_k <= kFusedKeys = 128, BERT lengths), one kernel: a block owns a
+// (sequence, head), each of its 8 warps 16 keys, and walks the query tiles with the 5
+// products of FlashAttention-2 a tile: S^T and dP^T recomputed, dV += P^T dO, dK += dS^T Q,
+// and dQ = dS K over every key at once, the warps sharing dS^T through shared memory.
+// With all keys in the block each dQ row is complete there, so it is stored once; the
+// delta D_i = rowsum(P * dP) / rowsum(P) comes from P and dP themselves, summed over the
+// warps in a fixed order. Longer key sequences take three kernels, which recompute S and
+// dP twice (7 products a tile), since no block holds every key of a query:
+//   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D) (a sequence
+//     whose keys fit one tile has the dQ kernel take it from P and dP themselves);
 //   dK/dV: a block owns 64 keys (128 resident), each warp 16 of them, and walks the
 //     query tiles that see them, recomputing P^T = exp(K Q^T * scale - lse) in registers;
 //   dQ: a block owns 64 queries (128 resident) and walks their key tiles, recomputing P
@@ -28,11 +36,12 @@
 // has too few steps a block to hide its copies behind.
 // On sm_90 (a build with sm_90a code) the streamed forward runs on Hopper's warpgroup
 // products instead (attention_forward_sm90_kernel, wgmma.cuh): Q and K are read by the
-// tensor cores straight from swizzled shared memory, P from registers.
-// Limits: the recomputation (5 products in the backward against 2 in the forward), the
-// backward's mma.sync on Hopper too, no TMA or warp specialisation in the wgmma forward
-// (its copies are cp.async, double-buffered), and dropout, which costs one Philox call
-// per one or two probabilities.
+// tensor cores straight from swizzled shared memory, P from registers. The one-kernel
+// backward walks its query tiles on either path; its keys are always all in the block.
+// Limits: the recomputation (5 products in the backward, 7 past 128 keys, against 2 in
+// the forward), the backward's mma.sync on Hopper too, no TMA or warp specialisation in
+// the wgmma forward (its copies are cp.async, double-buffered), and dropout, which costs
+// one Philox call per one or two probabilities.
 //
 // Padded and packed (varlen) batches run the same kernels: a sequence is a row offset
 // and a length per tensor, from cu_seqlens or from the padded shape. Causal masks align
@@ -63,7 +72,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // A block's shape on each path. Each warp owns 16 of the block's own rows: queries in
-// the forward and dQ kernels, keys in the dK/dV kernel.
+// the forward and dQ kernels, keys in the dK/dV kernel and the one-kernel backward (whose
+// block is always the resident shape).
 template <bool kResident>
 struct Shape {
   static constexpr int warps = kResident ? 8 : 4;
@@ -78,8 +88,9 @@ constexpr int kResidentMax = 512;
 // Threads of the delta kernel.
 constexpr int kDeltaThreads = 128;
 
-// Query rows per step of the dK/dV kernel: at head dim 128 the dK and dV accumulators
-// take 128 registers a thread, so the score tiles shrink to stay clear of spills.
+// Query rows per step of the dK/dV kernel and the one-kernel backward: at head dim 128
+// the dK and dV accumulators take 128 registers a thread, so the score tiles shrink to
+// stay clear of spills.
 template <int D>
 constexpr int kBackwardM = D == 128 ? 32 : 64;
 
@@ -106,11 +117,6 @@ struct Params {
   int heads = 0;
   int seq_q = 0, seq_k = 0;  // the padded lengths, or max_seqlen (varlen): the dropout pitch
   bool causal = false;
-  // Whether every sequence's keys fit one tile, so that no delta kernel runs. The dQ
-  // kernel derives the delta of each sequence whose keys fit one tile from its exact P
-  // and dP (rowsum(P * dP)) and stores it for the dK/dV kernel, over the delta kernel's
-  // (taken from O as rounded to T).
-  bool own_delta = false;
   float scale = 1.0f;
   Dropout dropout;
 };
@@ -602,14 +608,15 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Pa
 }
 
 // lse2[r] = the base-2 log-sum-exp and delta[r] the delta of query m0 + r, for r < count;
-// +inf past the sequence makes those probabilities exp2(-inf) = 0.
+// +inf past the sequence makes those probabilities exp2(-inf) = 0. A null delta stages
+// lse2 alone (the one-kernel backward derives the delta itself).
 template <int kThreads, typename T>
 __device__ __forceinline__ void stage_stats(float* lse2, float* delta, const Params<T>& p, int b,
                                             int h, const Seq& s, int m0, int count) {
   for (int r = threadIdx.x; r < count; r += kThreads) {
     const bool in = m0 + r < s.len_q;
     lse2[r] = in ? *p.lse.at(b, h, s.q0 + m0 + r) * kLog2e : kInf;
-    delta[r] = in ? *p.delta.at(b, h, s.q0 + m0 + r) : 0.0f;
+    if (delta) delta[r] = in ? *p.delta.at(b, h, s.q0 + m0 + r) : 0.0f;
   }
 }
 
@@ -662,6 +669,99 @@ __device__ __forceinline__ void recompute(float (&x)[kN / 8][4], float (&y)[kN /
   }
 }
 
+// Bit 4nt + e: whether dropout keeps element e of n-tile nt of this thread's share of a
+// transposed tile of kM queries from m0 (S^T: keys key0 and key0 + 8 its fragment rows,
+// queries m0 + 8nt + 2t + e % 2). Here the pairs of a C fragment run along the queries, a
+// stream row apart: one Philox call per element.
+template <int kM, typename T>
+__device__ __forceinline__ uint32_t kept_transposed(const Params<T>& p, int b, int h, int m0,
+                                                    int key0) {
+  const int t = threadIdx.x % 4;
+  uint32_t kept = 0;
+#pragma unroll 1
+  for (int i = 0; i < kM / 2; ++i) {
+    const int nt = i / 4, e = i % 4;
+    bool k1[1];
+    p.dropout.template keep<1>(
+        stream_row(p, b, h, m0 + nt * 8 + 2 * t + e % 2) + key0 + 8 * (e / 2), k1);
+    kept |= uint32_t(k1[0]) << i;
+  }
+  return kept;
+}
+
+// The raw S^T = K Q^T and dP^T = V dO^T of a transposed tile (st[nt][e]: key keys[e / 2],
+// query m0 + 8nt + 2t + e % 2) become P^T (masked, before dropout) and the gradient that
+// reaches P^T through the dropout (kept: kept_transposed's bits). key_ok flags the keys
+// from n0; tile_lse2 holds the queries' base-2 log-sum-exps.
+template <int kM, typename T>
+__device__ __forceinline__ void transposed_probabilities(float (&st)[kM / 8][4],
+                                                         float (&dpt)[kM / 8][4],
+                                                         const Params<T>& p, const Seq& s,
+                                                         const float* tile_lse2,
+                                                         const bool* key_ok, int n0,
+                                                         const int (&keys)[2], int m0,
+                                                         bool masked, uint32_t kept) {
+  const int t = threadIdx.x % 4, shift = s.len_k - s.len_q;
+  const float c = p.scale * kLog2e;
+#pragma unroll
+  for (int nt = 0; nt < kM / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = nt * 8 + 2 * t + e % 2;
+      float prob = exp2f(st[nt][e] * c - tile_lse2[col]);
+      if (masked && !visible(key_ok, n0, m0 + col, keys[e / 2], p.causal, shift)) prob = 0.0f;
+      st[nt][e] = prob;
+      dpt[nt][e] = bit(kept, 4 * nt + e) ? dpt[nt][e] * p.dropout.scale : 0.0f;
+    }
+  }
+}
+
+// From transposed_probabilities' P^T and dP^T: dS^T = P^T * (dP^T - delta) into dpt, and
+// into st the probabilities that multiplied V (P^T after dropout). tile_delta holds the
+// queries' deltas.
+template <int kM, typename T>
+__device__ __forceinline__ void transposed_score_gradients(float (&st)[kM / 8][4],
+                                                           float (&dpt)[kM / 8][4],
+                                                           const Params<T>& p,
+                                                           const float* tile_delta,
+                                                           uint32_t kept) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int nt = 0; nt < kM / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = nt * 8 + 2 * t + e % 2;
+      const float prob = st[nt][e];
+      dpt[nt][e] = prob * (dpt[nt][e] - tile_delta[col]);
+      st[nt][e] = bit(kept, 4 * nt + e) ? prob * p.dropout.scale : 0.0f;
+    }
+  }
+}
+
+// Stores dK (times the scale: the products used K and Q unscaled) and dV of this thread's
+// keys keys[0] and keys[1] (its fragment rows) that the sequence has. Keys no query sees,
+// padding keys among them, have zero accumulators, so zeros.
+template <typename T, int D>
+__device__ __forceinline__ void store_key_gradients(const float (&dk)[D / 8][4],
+                                                    const float (&dv)[D / 8][4],
+                                                    const Params<T>& p, int b, int h,
+                                                    const Seq& s, const int (&keys)[2]) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (keys[hh] >= s.len_k) continue;
+    T* dk_row = p.dk.at(b, h, s.k0 + keys[hh]);
+    T* dv_row = p.dv.at(b, h, s.k0 + keys[hh]);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<uint32_t*>(dk_row + dt * 8 + 2 * t) =
+          pack<T>(dk[dt][2 * hh] * p.scale, dk[dt][2 * hh + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_row + dt * 8 + 2 * t) =
+          pack<T>(dv[dt][2 * hh], dv[dt][2 * hh + 1]);
+    }
+  }
+}
+
 // dK and dV of a block's keys. Each warp computes S^T = K Q^T and dP^T = V dO^T for its 16
 // keys against kM queries at a time (keys are the rows of the C fragments: g and g + 8 of
 // the warp's 16, queries the columns), then dV += P^T dO and dK += dS^T Q with those
@@ -684,7 +784,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * kKeys;
   const Seq s = sequence(p, b);
   if (n0 >= s.len_k) return;
-  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
+  const int warp = threadIdx.x / 32;
   const int shift = s.len_k - s.len_q;
   const int keys[2] = {fragment_row(n0, 0), fragment_row(n0, 1)};
 
@@ -705,7 +805,6 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   }
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  const float c = p.scale * kLog2e;
   for (int tile = first; tile < last; ++tile) {
     const int m0 = tile * kM, slot = kResident ? tile : 0;
     const T* q_tile = q_tiles + slot * kM * P;
@@ -721,33 +820,9 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
     recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
     const bool masked = tile_needs_mask(p.key_padding, n0, kKeys, s.len_k, p.causal, m0, shift);
-    // Bit 4nt + e: whether dropout keeps element e of n-tile nt. Here the pairs of a C
-    // fragment run along the queries, a stream row apart: one Philox call per element.
-    uint32_t kept = ~0u;
-    if (p.dropout.active) {
-      kept = 0;
-#pragma unroll 1
-      for (int i = 0; i < kM / 2; ++i) {
-        const int nt = i / 4, e = i % 4;
-        bool k1[1];
-        const int key = keys[0] + 8 * (e / 2);  // keys[1] is keys[0] + 8
-        p.dropout.template keep<1>(stream_row(p, b, h, m0 + nt * 8 + 2 * t + e % 2) + key, k1);
-        kept |= uint32_t(k1[0]) << i;
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < kM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * t + e % 2, i = m0 + col, j = keys[e / 2];
-        float prob = exp2f(st[nt][e] * c - tile_lse2[col]);
-        if (masked && !visible(key_ok, n0, i, j, p.causal, shift)) prob = 0.0f;
-        const bool k1 = bit(kept, 4 * nt + e);
-        const float dprob = k1 ? dpt[nt][e] * p.dropout.scale : 0.0f;
-        st[nt][e] = k1 ? prob * p.dropout.scale : 0.0f;  // the probability that multiplied V
-        dpt[nt][e] = prob * (dprob - tile_delta[col]);        // dS
-      }
-    }
+    const uint32_t kept = p.dropout.active ? kept_transposed<kM>(p, b, h, m0, keys[0]) : ~0u;
+    transposed_probabilities<kM>(st, dpt, p, s, tile_lse2, key_ok, n0, keys, m0, masked, kept);
+    transposed_score_gradients<kM>(st, dpt, p, tile_delta, kept);
     add_product<T, D, kM>(dv, st, do_tile);  // dV += P^T dO
     add_product<T, D, kM>(dk, dpt, q_tile);  // dK += dS^T Q
   }
@@ -755,21 +830,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   // A block whose keys no query sees never waited for its K and V tiles: no copy may
   // outlive it into the shared memory of the next block.
   cp_async_wait<0>();
-  // Keys no query sees, padding keys among them, get zeros.
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    if (keys[hh] >= s.len_k) continue;
-    T* dk_row = p.dk.at(b, h, s.k0 + keys[hh]);
-    T* dv_row = p.dv.at(b, h, s.k0 + keys[hh]);
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      // The products used K and Q unscaled: the scale enters dK here.
-      *reinterpret_cast<uint32_t*>(dk_row + dt * 8 + 2 * t) =
-          pack<T>(dk[dt][2 * hh] * p.scale, dk[dt][2 * hh + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dv_row + dt * 8 + 2 * t) =
-          pack<T>(dv[dt][2 * hh], dv[dt][2 * hh + 1]);
-    }
-  }
+  store_key_gradients<T, D>(dk, dv, p, b, h, s, keys);
 }
 
 // dQ of a block's queries: each warp recomputes S = Q K^T and dP = dO V^T for its 16 rows
@@ -791,7 +852,11 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const int shift = s.len_k - s.len_q;
   const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
   const int tiles = keys.template walked<kRows>(s, p.causal, m0);
-  const bool own_delta = p.own_delta || s.len_k <= kBlockN;
+  // A sequence whose keys fit one tile (a short one in a packed batch whose longest is
+  // past the one-kernel backward) takes its delta from its exact P and dP, rowsum(P * dP),
+  // and stores it for the dK/dV kernel over the delta kernel's (taken from O as rounded
+  // to T).
+  const bool own_delta = s.len_k <= kBlockN;
 
   load_pair<kRows, D, kThreads>(q_tile, do_tile, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
   cp_async_commit();
@@ -873,6 +938,211 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
       *reinterpret_cast<uint32_t*>(dq_row + dt * 8 + 2 * t) =
           pack<T>(dq[dt][2 * hh] * p.scale, dq[dt][2 * hh + 1] * p.scale);
   }
+}
+
+// --- the one-kernel backward ---------------------------------------------------------------
+
+// The longest key sequence the one-kernel backward takes: one block's keys, 16 a warp.
+constexpr int kFusedKeys = Shape<true>::rows;
+
+// Shared memory of a block of the one-kernel backward; seq_q sizes the resident walk's
+// query tiles.
+template <int D, bool kResident>
+size_t fused_smem(int64_t seq_q) {
+  constexpr int kM = kBackwardM<D>;
+  const int64_t queries = int64_t(held_tiles(kResident, seq_q, kM)) * kM;
+  return size_t(2 * kFusedKeys + 2 * queries) * kPitch<D> * 2 +
+         size_t(kFusedKeys) * (kM + 8) * 2 +
+         size_t(queries + (2 * Shape<true>::warps + 1) * kM) * sizeof(float) + kFusedKeys;
+}
+
+// The A fragment of rows m0 .. m0 + 15, columns k0 .. k0 + 15 of A = X^T, where X is a
+// row-major tile [k][m] (pitch P): dS in dQ = dS K, from the dS^T the warps wrote with
+// keys as rows. a0 needs A[g][2t, 2t+1] = X[2t, 2t+1][g], a column pair of X, which
+// .trans gives from a matrix whose addressed rows are k. Lane l addresses X's row
+// k0 + (l / 16) * 8 + l % 8 at column m0 + ((l / 8) % 2) * 8, so matrices 0..3 are
+// (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15): a0..a3.
+template <int P, typename T>
+__device__ __forceinline__ void load_a_transposed(uint32_t (&a)[4], const T* tile, int m0,
+                                                  int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4_trans(a, smem_address(tile + (k0 + (lane / 16) * 8 + lane % 8) * P + m0 +
+                                    ((lane / 8) % 2) * 8));
+}
+
+// One step of sum_over_rows_scattered: v[i] += the partner's v[i] for i < kHalf, where the
+// partner is the lane lane_mask away, after each keeps the half of v[0 .. 2 kHalf) that
+// `upper` picks and sends the other. Each step is its own instance so that every index
+// is a constant: v stays in registers.
+template <int kHalf, int kN>
+__device__ __forceinline__ void trade_halves(float (&v)[kN], bool upper, int lane_mask) {
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float lo = v[i], hi = v[i + kHalf];
+    v[i] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, lane_mask);
+  }
+}
+
+// v summed over the eight lanes that share t (the rows g of a C fragment's column pairs)
+// and scattered: lane g ends with the sums of v[g * kN / 8 .. (g + 1) * kN / 8) in
+// v[0 .. kN / 8). Each step trades half of the values still held with the lane that
+// differs in one bit of g, 7 kN / 8 shuffles in all where a full sum on every lane
+// would take 3 kN; the order of the additions is fixed.
+template <int kN>
+__device__ __forceinline__ void sum_over_rows_scattered(float (&v)[kN]) {
+  const int g = threadIdx.x % 32 / 4;
+  trade_halves<kN / 2>(v, g & 4, 16);
+  trade_halves<kN / 4>(v, g & 2, 8);
+  trade_halves<kN / 8>(v, g & 1, 4);
+}
+
+// The whole backward of a sequence whose keys fit one block (kFusedKeys): a block owns a
+// (sequence, head), each warp 16 of its keys as in the dK/dV kernel, and walks every
+// query tile with 5 products a tile and no other kernel. Each warp recomputes S^T and
+// dP^T for its keys (2 products) and forms P^T and the dropped dP^T; the delta of each
+// query, rowsum(P * dP) / rowsum(P) as the dQ kernel derives its own (exact_delta in
+// csrc/cpu/attention.cpp), sums over every key, so the warps' sums meet in shared memory
+// and add up in warp order. Then dS^T, dV += P^T dO and dK += dS^T Q (2), as in the dK/dV
+// kernel. dS^T, rounded to T as the products round it, goes to shared memory, and the
+// warps split the tile's dQ = dS K (1) over its rows and head_dim columns: every key is
+// in the block, so each dQ row is complete and stored once. The query tiles are walked
+// resident (all copied up front) or streamed (one buffer) as for dK/dV; K and V stay.
+template <typename T, int D, bool kResident>
+__global__ void __launch_bounds__(Shape<true>::threads)
+    attention_fused_backward_kernel(const Params<T> p) {
+  constexpr int P = kPitch<D>, kM = kBackwardM<D>, kDsPitch = kM + 8;
+  constexpr int kThreads = Shape<true>::threads, kWarps = Shape<true>::warps;
+  const int held = held_tiles(kResident, p.seq_q, kM);
+  unsigned char* smem = dynamic_shared_memory();
+  T* k_tile = reinterpret_cast<T*>(smem);   // [kFusedKeys][P]
+  T* v_tile = k_tile + kFusedKeys * P;      // [kFusedKeys][P]
+  T* q_tiles = v_tile + kFusedKeys * P;     // [held][kM][P]
+  T* do_tiles = q_tiles + held * kM * P;    // [held][kM][P]
+  T* ds_tile = do_tiles + held * kM * P;    // [kFusedKeys][kDsPitch]: the tile's dS^T
+  float* lse2 = reinterpret_cast<float*>(ds_tile + kFusedKeys * kDsPitch);  // [held * kM]
+  float* sums = lse2 + held * kM;  // [kWarps][kM][2]: a warp's rowsum(P * dP), rowsum(P)
+  float* delta = sums + kWarps * kM * 2;                // [kM]
+  bool* key_ok = reinterpret_cast<bool*>(delta + kM);   // [kFusedKeys]
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const Seq s = sequence(p, b);
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int keys[2] = {fragment_row(0, 0), fragment_row(0, 1)};
+  const int tiles = kResident ? min((s.len_q + kM - 1) / kM, held) : (s.len_q + kM - 1) / kM;
+
+  load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0, s.len_k);
+  cp_async_commit();
+  stage_keys<kThreads>(key_ok, p, b, s, 0, kFusedKeys);
+  if constexpr (kResident) {
+    prefetch_tiles<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0, s.len_q, 0,
+                                    tiles);
+    stage_stats<kThreads>(lse2, nullptr, p, b, h, s, 0, tiles * kM);
+  }
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int m0 = tile * kM, slot = kResident ? tile : 0;
+    const T* q_tile = q_tiles + slot * kM * P;
+    const T* do_tile = do_tiles + slot * kM * P;
+    const float* tile_lse2 = lse2 + slot * kM;
+    // Q and dO of this tile (a resident block's K and V were committed before them). The
+    // barrier also ends every warp's use of the previous tile's dS^T, sums and deltas.
+    next_tile<kResident, kM, D, kThreads>(
+        q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0, tiles - 1 - tile,
+        [&] { stage_stats<kThreads>(lse2, nullptr, p, b, h, s, m0, kM); });
+
+    // Keys 0 .. seen - 1 may be visible to the tile's queries; a warp whose keys all lie
+    // past them has nothing to compute, and the dQ product stops at them.
+    const int seen = key_end(s, p.causal, m0, kM);
+    const int seen_warps = (seen + 15) / 16;
+    const bool active = warp < seen_warps;
+    // st[nt][e], dpt[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
+    float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
+    uint32_t kept = ~0u;
+    if (active) {
+      recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
+      const bool masked =
+          tile_needs_mask(p.key_padding, warp * 16, 16, s.len_k, p.causal, m0, s.len_k - s.len_q);
+      if (p.dropout.active) kept = kept_transposed<kM>(p, b, h, m0, keys[0]);
+      transposed_probabilities<kM>(st, dpt, p, s, tile_lse2, key_ok, 0, keys, m0, masked, kept);
+      // v[2j], v[2j + 1]: rowsum(P * dP) and rowsum(P) of query column j = 2nt + e % 2 of
+      // this thread's, over its two keys, then over the warp's 16.
+      float v[kM / 2];
+#pragma unroll
+      for (int nt = 0; nt < kM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          v[2 * (2 * nt + e)] = st[nt][e] * dpt[nt][e] + st[nt][e + 2] * dpt[nt][e + 2];
+          v[2 * (2 * nt + e) + 1] = st[nt][e] + st[nt][e + 2];
+        }
+      }
+      sum_over_rows_scattered(v);
+      // This lane holds v[g * kM / 16 ..] of the warp's sums: columns j from g * kM / 32.
+#pragma unroll
+      for (int r = 0; r < kM / 16; ++r) {
+        const int j = g * kM / 32 + r / 2, col = j / 2 * 8 + 2 * t + j % 2;
+        sums[(warp * kM + col) * 2 + r % 2] = v[r];
+      }
+    }
+    __syncthreads();
+    // One thread a query adds the warps' sums in warp order: the same bits on every run.
+    if (threadIdx.x < kM) {
+      float sum = 0.0f, mass = 0.0f;
+      for (int w = 0; w < seen_warps; ++w) {
+        sum += sums[(w * kM + threadIdx.x) * 2];
+        mass += sums[(w * kM + threadIdx.x) * 2 + 1];
+      }
+      // A query that sees no key has no mass: delta 0 (its dS is 0 whatever the delta).
+      delta[threadIdx.x] = mass > 0.0f ? sum / mass : 0.0f;
+    }
+    __syncthreads();
+    if (active) {
+      transposed_score_gradients<kM>(st, dpt, p, delta, kept);
+      // dS^T rounded to T, the value dK's product takes from the same registers.
+#pragma unroll
+      for (int nt = 0; nt < kM / 8; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<uint32_t*>(ds_tile + keys[hh] * kDsPitch + nt * 8 + 2 * t) =
+              pack<T>(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
+      add_product<T, D, kM>(dv, st, do_tile);   // dV += P^T dO
+      add_product<T, D, kM>(dk, dpt, q_tile);   // dK += dS^T Q
+    }
+    __syncthreads();
+
+    // dQ = dS K: warp w owns 16 rows (m-tile w % kMTiles) and kCols of head_dim's columns
+    // from c0, over the keys the tile may see, 16 a step.
+    constexpr int kMTiles = kM / 16, kCols = D * kMTiles / kWarps;
+    const int row0 = warp % kMTiles * 16, c0 = warp / kMTiles * kCols;
+    float dq[kCols / 8][4] = {};
+    for (int kt = 0; kt < seen_warps; ++kt) {
+      uint32_t a[4];
+      load_a_transposed<kDsPitch>(a, ds_tile, row0, kt * 16);
+#pragma unroll
+      for (int dt = 0; dt < kCols / 16; ++dt) {
+        uint32_t bf[4];
+        load_b_cols<P>(bf, k_tile, kt * 16, c0 + dt * 16);
+        mma<T>(dq[2 * dt], a, bf[0], bf[1]);
+        mma<T>(dq[2 * dt + 1], a, bf[2], bf[3]);
+      }
+    }
+    // Queries that see no key get zeros.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = m0 + row0 + g + 8 * hh;
+      if (row >= s.len_q) continue;
+      T* dq_row = p.dq.at(b, h, s.q0 + row);
+#pragma unroll
+      for (int nt = 0; nt < kCols / 8; ++nt)
+        *reinterpret_cast<uint32_t*>(dq_row + c0 + nt * 8 + 2 * t) =
+            pack<T>(dq[nt][2 * hh] * p.scale, dq[nt][2 * hh + 1] * p.scale);
+    }
+  }
+
+  // A block with no query never waited for its K and V tiles: no copy may outlive it into
+  // the shared memory of the next block.
+  cp_async_wait<0>();
+  store_key_gradients<T, D>(dk, dv, p, b, h, s, keys);
 }
 
 }  // namespace fusedlm::cuda::kernels::attention
@@ -1071,23 +1341,32 @@ void forward(const Problem& pb, const at::Tensor& out, const at::Tensor& lse) {
 void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
               const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
               const at::Tensor& dv) {
-  auto delta = at::empty(lse.sizes(), lse.options());
   dispatch_attention(pb, [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     Params<T> p = params<T>(pb);
-    p.out = rows_of<T>(out, pb.varlen);
     p.dout = rows_of<const T>(grad, pb.varlen);
     p.lse = stat_rows(lse, pb.varlen);
-    p.delta = stat_rows(delta, pb.varlen);
     p.dq = rows_of<T>(dq, pb.varlen);
     p.dk = rows_of<T>(dk, pb.varlen);
     p.dv = rows_of<T>(dv, pb.varlen);
-    p.own_delta = pb.seq_k <= kBlockN;
-    if (!p.own_delta)
-      launch_blocks<T>(attention_delta_kernel<T, D>,
-                       ceil_div(pb.seq_q, kDeltaThreads / (D / 8)), kDeltaThreads, 0, pb, p);
-    // With own_delta the dQ kernel stores the delta the dK/dV kernel reads.
+    if (pb.seq_k <= kFusedKeys) {
+      // One block a (sequence, head); its query tiles resident where they fit.
+      if (takes_resident_path(pb.seq_q, fused_smem<D, true>(pb.seq_q)))
+        launch_blocks<T>(attention_fused_backward_kernel<T, D, true>, 1, Shape<true>::threads,
+                         fused_smem<D, true>(pb.seq_q), pb, p);
+      else
+        launch_blocks<T>(attention_fused_backward_kernel<T, D, false>, 1, Shape<true>::threads,
+                         fused_smem<D, false>(pb.seq_q), pb, p);
+      return;
+    }
+    auto delta = at::empty(lse.sizes(), lse.options());
+    p.out = rows_of<T>(out, pb.varlen);
+    p.delta = stat_rows(delta, pb.varlen);
+    launch_blocks<T>(attention_delta_kernel<T, D>, ceil_div(pb.seq_q, kDeltaThreads / (D / 8)),
+                     kDeltaThreads, 0, pb, p);
+    // The dQ kernel overwrites the delta of each sequence whose keys fit one tile with its
+    // own, which the dK/dV kernel then reads.
     launch_path<T>(
         [](auto path) { return attention_dq_kernel<T, D, decltype(path)::value>; },
         [&](auto path) { return dq_smem<D, decltype(path)::value>(pb.seq_k); }, pb.seq_q,
