@@ -55,9 +55,11 @@ def test_a_malformed_direct_call_raises_instead_of_reading_out_of_bounds(call):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda_backend.emulated(), reason="not a FUSEDLM_CUDA=emulate build")
-def test_a_cuda_launch_past_the_grid_limits_raises_naming_the_grid():
-    # One row more than 65535 tiles of 128: the FFN product's grid has the row tiles on its
-    # y dimension, which holds 65535. Unchecked, the count would wrap and rows go unwritten.
+def test_a_cuda_launch_past_the_grid_limits_raises_naming_the_grid(cuda_paths):
+    # One row more than 65535 tiles of 128: the FFN's fused product's grid has the row
+    # tiles on its y dimension, which holds 65535. Unchecked, the count would wrap and rows
+    # go unwritten.
+    cuda_paths("ffn_cublas", False)
     x = torch.randn(65535 * 128 + 1, 8, dtype=torch.bfloat16)
     w1, w2 = torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"grid of \(1, 65536, 1\) blocks, past CUDA's limits"):
