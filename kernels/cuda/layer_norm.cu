@@ -44,12 +44,14 @@ namespace fusedlm::cuda::kernels::layer_norm {
 
 constexpr int kForwardElements = 16;  // values of summed a forward thread keeps
 constexpr int kBackwardElements = 8;  // columns a backward thread keeps (2 floats each)
+constexpr int kMaxThreads = 1024;     // a block's, so that a thread has 64 registers
+constexpr int kMinBlock = 128;        // threads of the forward's block: whole rows' groups
 
 // The vectors of N elements a forward thread keeps: fewer of single elements, which need
 // an address each.
-constexpr int forward_cached(int n) { return n == 1 ? kForwardElements / 2 : kForwardElements / n; }
-constexpr int kMaxThreads = 1024;     // a block's, so that a thread has 64 registers
-constexpr int kMinBlock = 128;        // threads of the forward's block: whole rows' groups
+constexpr int forward_cached(int n) {
+  return n == 1 ? kForwardElements / 2 : kForwardElements / n;
+}
 
 // Dynamic shared memory of the forward: group_sum's 2 * 32 floats.
 constexpr size_t kSharedBytes = 2 * 32 * sizeof(float);
@@ -355,7 +357,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forwar
     T *op = ptr<T>(out), *sp = ptr<T>(summed);
     constexpr int V = kVec<T>;
     auto run = [&](auto kernel, int n) {
-      // Rows of one warp go four to a block; wider groups one to a block.
+      // Groups below kMinBlock threads share a block (four one-warp rows, or two of two
+      // warps); wider groups take a block each.
       const int group = row_group(cols / n, forward_cached(n), true);
       const int threads = std::max(group, kMinBlock);
       launch(kernel, ceil_div(rows, threads / group), threads, kSharedBytes, xp, rp, wp, bp,
