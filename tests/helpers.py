@@ -68,8 +68,9 @@ def gpu_test(test):
 
 def backend_device(backend: str) -> torch.device:
     """The device whose tensors a backend is tested on here: the CPU for the cpu backend, the
-    reference and the slow backends (which imitate a GPU there), else the GPU."""
-    if backend in ("cpu", "reference") or slow_backend(backend):
+    backends of plain PyTorch (reference and torch) and the slow backends (which imitate a
+    GPU there), else the GPU."""
+    if backend in ("cpu", "reference", "torch") or slow_backend(backend):
         return torch.device("cpu")
     return torch.device("cuda")
 

@@ -32,15 +32,15 @@ def _inputs(rows=8):
 
 def test_the_automatic_choice_is_the_backend_measured_fastest():
     x, b = _inputs()
-    timer = Timer(cpu=2.0, reference=1.0)
+    timer = Timer(cpu=2.0, torch=1.0)
     with tuning.timing_on(("cpu",), timer):
         why = fusedlm.explain("bias_gelu", x, b)
-        assert why.startswith("bias_gelu -> reference: measured fastest for such calls on cpu")
-        assert "(reference 1 ms, cpu 2 ms)" in why
+        assert why.startswith("bias_gelu -> torch: measured fastest for such calls on cpu")
+        assert "(torch 1 ms, cpu 2 ms)" in why
         out = fusedlm.ops.bias_gelu(x, b)
         # Measured once per shape class: the call above and explain's shared it.
-        assert sorted(timer.timed) == ["cpu", "reference"]
-        torch.testing.assert_close(out, fusedlm.ops.bias_gelu(x, b, backend="reference"))
+        assert sorted(timer.timed) == ["cpu", "torch"]
+        torch.testing.assert_close(out, fusedlm.ops.bias_gelu(x, b, backend="torch"))
         fusedlm.ops.bias_gelu(*_inputs(7))  # the same class: sizes up to 8
         assert len(timer.timed) == 2
         fusedlm.ops.bias_gelu(*_inputs(9))  # another
@@ -51,7 +51,7 @@ def test_the_automatic_choice_is_the_backend_measured_fastest():
 
 def test_named_and_forced_backends_run_as_named():
     x, b = _inputs()
-    timer = Timer(cpu=2.0, reference=1.0)
+    timer = Timer(cpu=2.0, torch=1.0)
     with tuning.timing_on(("cpu",), timer):
         assert fusedlm.explain("bias_gelu", x, b, backend="cpu").startswith("bias_gelu -> cpu: asked")
         with fusedlm.use_backend("cpu"):
@@ -61,12 +61,12 @@ def test_named_and_forced_backends_run_as_named():
 
 def test_a_backend_that_cannot_run_the_call_is_not_timed():
     x, b = _inputs()
-    timer = Timer(cpu=2.0, reference=1.0)
+    timer = Timer(cpu=2.0, torch=1.0)
     old = _REGISTRY["cpu"].change(unavailable="switched off")
     try:
         with tuning.timing_on(("cpu",), timer):
             # One backend left: nothing to compare.
-            assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> reference: fastest")
+            assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> torch: fastest")
     finally:
         _REGISTRY["cpu"].change(**old)
     assert timer.timed == []
@@ -80,13 +80,13 @@ def test_timing_leaves_the_callers_generators_inputs_and_modes_alone():
     k_cache, v_cache = torch.zeros(2, 6, 2, 8), torch.zeros(2, 6, 2, 8)
     lengths = torch.tensor([2, 3], dtype=torch.int32)
     k_new, v_new = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
-    timer = Timer(cpu=1.0, reference=2.0)
+    timer = Timer(cpu=1.0, torch=2.0)
     torch.manual_seed(5)
     expected_draw = torch.rand(3)
     torch.manual_seed(5)
     with tuning.timing_on(("cpu",), timer), torch.autocast("cpu", enabled=False):
         fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new=k_new, v_new=v_new)
-        assert sorted(timer.timed) == ["cpu", "reference"]
+        assert sorted(timer.timed) == ["cpu", "torch"]
         assert torch.equal(torch.rand(3), expected_draw)
     # The caches hold the one call's new keys, at each sequence's length.
     assert torch.equal(k_cache[0, 2], k_new[0, 0]) and torch.equal(k_cache[1, 3], k_new[1, 0])
@@ -98,13 +98,13 @@ def test_winners_are_kept_on_disk_and_read_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(verify, "_CACHE_DIR", tmp_path)
     x, b = _inputs()
-    first = Timer(cpu=2.0, reference=1.0)
+    first = Timer(cpu=2.0, torch=1.0)
     with tuning.timing_on(("cpu",), first, on_disk=True):
         fusedlm.ops.bias_gelu(x, b)
     assert len(first.timed) == 2 and list((tmp_path / "verified").glob("timed-cpu-*.json"))
-    again = Timer(cpu=2.0, reference=1.0)
+    again = Timer(cpu=2.0, torch=1.0)
     with tuning.timing_on(("cpu",), again, on_disk=True):
-        assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> reference: measured")
+        assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> torch: measured")
     assert again.timed == []
 
 
@@ -129,12 +129,12 @@ def test_the_timing_applies_to_gpus_by_default():
 
 def test_a_winner_that_cannot_run_a_call_of_its_class_leaves_it_to_the_order():
     x, b = _inputs()
-    timer = Timer(cpu=1.0, reference=2.0)
+    timer = Timer(cpu=1.0, torch=2.0)
     with tuning.timing_on(("cpu",), timer):
         assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> cpu: measured")
         old = _REGISTRY["cpu"].change(unavailable="switched off")
         try:
-            assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> reference: fastest")
+            assert fusedlm.explain("bias_gelu", x, b).startswith("bias_gelu -> torch: fastest")
             torch.testing.assert_close(fusedlm.ops.bias_gelu(x, b),
                                        torch.nn.functional.gelu(x + b))
         finally:

@@ -1,7 +1,8 @@
 """Backends and dispatch.
 
-Every op has four backends: ``reference`` (plain PyTorch, the ground truth), ``cpu`` (the
-C++ kernels), ``triton`` and ``cuda``. Three modules say how a call reaches one, each with
+Every op has five backends: ``reference`` (plain PyTorch in float32 or wider, the ground
+truth), ``torch`` (PyTorch's own composition in the inputs' dtype, what users run without
+fusedlm), ``cpu`` (the C++ kernels), ``triton`` and ``cuda``. Three modules say how a call reaches one, each with
 one role:
 
 - :mod:`.registry`: the backends, the declared ops and what each backend's kernels take;
@@ -10,11 +11,11 @@ one role:
 - :mod:`.dispatch`: the choice of backend for a call (:func:`explain` tells it, and why),
   the planners' memo, and the policy on index tensors' values.
 
-Each backend's module registers it: :mod:`.cpu`, :mod:`.cuda`, :mod:`.triton` and
-:mod:`.reference`. Two backends can also run on CPU tensors, slowly, to test their kernels
-without a GPU: ``triton`` under ``TRITON_INTERPRET=1`` (Triton's interpreter) and ``cuda``
-in a ``FUSEDLM_CUDA=emulate`` build (the CUDA kernels compiled against a CPU emulator of
-CUDA). Either runs only when named, never by automatic choice.
+Each backend's module registers it: :mod:`.cpu`, :mod:`.cuda`, :mod:`.triton`,
+:mod:`.pytorch` and :mod:`.reference`. Two backends can also run on CPU tensors, slowly, to
+test their kernels without a GPU: ``triton`` under ``TRITON_INTERPRET=1`` (Triton's
+interpreter) and ``cuda`` in a ``FUSEDLM_CUDA=emulate`` build (the CUDA kernels compiled
+against a CPU emulator of CUDA). Either runs only when named, never by automatic choice.
 
 Environment switches are read once, when fusedlm is imported (fusedlm.switches).
 """
@@ -25,4 +26,4 @@ from .registry import (_OPS, _REGISTRY, BACKEND_NAMES, FLOATS, GPU_FLOATS, HALVE
                        KERNEL_BACKENDS, Backend, Emulated, Kernel, OpInfo, Supports, backends,
                        declare, declared, filled, kernel, register)
 
-from . import cpu, cuda, reference, triton  # noqa: E402,F401  (each registers itself)
+from . import cpu, cuda, pytorch, reference, triton  # noqa: E402,F401  (each registers itself)

@@ -21,12 +21,15 @@ from .._extension import _C
 from ..dtypes import FLOATS, GPU_FLOATS, HALVES  # noqa: F401  (what Supports take)
 from ..dtypes import name as dtype_name
 
-BACKEND_NAMES = ("reference", "cpu", "triton", "cuda")
-KERNEL_BACKENDS = BACKEND_NAMES[1:]  # those with kernels of their own (the reference is the yardstick)
+BACKEND_NAMES = ("reference", "torch", "cpu", "triton", "cuda")
+# Those with kernels of their own: the reference is the yardstick, and the torch backend
+# runs PyTorch's own composition of each op, what users have without fusedlm.
+KERNEL_BACKENDS = BACKEND_NAMES[2:]
 # Automatic choice, fastest first, by device type. CPU tensors never go to
 # interpreted Triton or emulated CUDA: `triton` and `cuda` on CPU tensors run only when
-# asked for by name.
-_AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
+# asked for by name. Where no fusedlm kernel can take a call (or one is measured slower),
+# PyTorch's own composition runs it, and the reference only for an op that has none.
+_AUTO_ORDER = {"cuda": ("cuda", "triton", "torch", "reference"), "cpu": ("cpu", "torch", "reference")}
 
 
 def _one_of(values) -> str:
@@ -121,7 +124,8 @@ class OpInfo:
     that declares it (a kernel module of the same name holds its Triton kernels), what it
     takes on each backend where that differs from the backend's default, its plain-PyTorch
     reference (fusedlm.ops.reference.<name>), the reference backend's kernels (forward,
-    backward or None) and its probes (fusedlm.ops._probe)."""
+    backward or None), its probes (fusedlm.ops._probe) and its composition of PyTorch's
+    own ops in the inputs' dtype, the torch backend's (or None)."""
 
     name: str
     module: str
@@ -129,6 +133,7 @@ class OpInfo:
     reference: Callable
     reference_kernels: tuple
     probes: tuple = ()
+    composition: Optional[Callable] = None
 
 
 _OPS: dict[str, OpInfo] = {}
@@ -183,13 +188,16 @@ class _Kernels(dict):
     (a kernel swapped, as the tests swap in broken ones) hands the new one over, and forgets
     the choices made with the old one."""
 
-    def __init__(self, backend: str, found: dict, compiled: dict):
+    def __init__(self, backend: str, found: dict, compiled: dict, routed: bool):
         super().__init__(found)
         self._backend, self._compiled = backend, compiled  # {op: the Kernel compiled in}
+        self._routed = routed
         for op, kernel in found.items():
             self._route(op, kernel)
 
     def _route(self, op: str, kernel: Optional[Kernel]) -> None:
+        if not self._routed:
+            return
         compiled = self._compiled.get(op)
         for part in ("forward", "backward"):
             function = getattr(kernel, part, None)
@@ -225,6 +233,10 @@ class Backend:
     # Whether the kernels it finds are compiled into fusedlm._C, which the ops' routing calls
     # without Python (csrc/ops/route.h); else they are Python functions handed to it.
     compiled: bool = False
+    # Whether its forward "kernel" is the op's whole computation in PyTorch ops, which
+    # autograd records itself: the op runs it in place of the registered op (fusedlm.ops._op),
+    # not through the routing, and it has no backward kernel.
+    composed: bool = False
     _kernels: dict = field(default_factory=dict, repr=False)
     _ops_seen: int = field(default=0, repr=False)
 
@@ -244,7 +256,8 @@ class Backend:
         if self._ops_seen != len(_OPS):  # found once, after the ops are declared
             found = {name: self._kernel(op) for name, op in _OPS.items()}
             found = {name: k for name, k in found.items() if k is not None}
-            self._kernels = _Kernels(self.name, found, found if self.compiled else {})
+            self._kernels = _Kernels(self.name, found, found if self.compiled else {},
+                                     routed=not self.composed)
             self._ops_seen = len(_OPS)
         return self._kernels
 

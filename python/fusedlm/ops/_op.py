@@ -9,8 +9,9 @@ checks and the memoised choice of backend), then one call into the dispatcher, t
 op's compiled entry (csrc/ops/entry.h).
 
 An op file states here what the C++ cannot: its plain-PyTorch reference and the reference
-backend's kernels, its probes, the fakes that give the outputs' shapes under torch.compile,
-and what each backend's kernels take.
+backend's kernels, its composition of PyTorch's own ops (the torch backend's, which runs in
+place of the registered op: autograd records it), its probes, the fakes that give the
+outputs' shapes under torch.compile, and what each backend's kernels take.
 
 Conventions, stated here once:
 - a kernel output that is absent (a gradient not asked for) is None in Python; it travels
@@ -31,7 +32,7 @@ from torch._C._functorch import peek_interpreter_stack
 from torch.autograd import forward_ad
 
 from .._extension import _C
-from ..backends import OpInfo, declare, filled
+from ..backends import OpInfo, declare, filled, kernel
 
 _DECLARED: dict = {}  # {name: Op}
 
@@ -68,7 +69,8 @@ class Op:
     """``fusedlm::<name>`` (and ``fusedlm::<name>_backward`` once :meth:`differentiable`)."""
 
     def __init__(self, name: str, fake: Callable, *, reference: Callable,
-                 reference_kernels: tuple, supports: Optional[dict] = None, probes: tuple = ()):
+                 reference_kernels: tuple, supports: Optional[dict] = None, probes: tuple = (),
+                 composition: Optional[Callable] = None):
         """``fake``: the outputs' shapes, from the kernel's arguments; ``reference``: the op
         in plain PyTorch, with the public function's arguments (fusedlm.ops.reference.<name>);
         ``reference_kernels``: (forward, backward or None), the reference backend's kernels
@@ -93,14 +95,22 @@ class Op:
         # kernels in the Triton module of the same name).
         module = sys._getframe(1).f_globals["__name__"].rpartition(".")[2]
         declare(OpInfo(name, module, supports or {}, reference, reference_kernels,
-                       tuple(replace(p, op=name) for p in probes)))
+                       tuple(replace(p, op=name) for p in probes), composition))
 
     def _caller(self) -> Callable:
         """``call(backend, *args)``: the op's outputs on ``backend``. A function of its own
-        rather than a method: it runs on every call, and a plain function costs Python least."""
-        op, eager, is_compiling = self._op, self._eager, torch.compiler.is_compiling
+        rather than a method: it runs on every call, and a plain function costs Python least.
+        The torch backend's composition runs as it is, outside the registered op, but for
+        the transforms, which take the reference's forward as on every backend (SDPA has no
+        forward-mode derivative on every device)."""
+        name, op, eager, is_compiling = self.name, self._op, self._eager, torch.compiler.is_compiling
+        reference_forward = self._reference_kernels[0]
 
         def call(backend: str, *args):
+            if backend == "torch":
+                if peek_interpreter_stack() is None and forward_ad._current_level < 0:
+                    return kernel("torch", name).forward(*args)
+                return filled(reference_forward(*args), args)
             if is_compiling():
                 return op(*args, backend)
             return eager(*args, backend)

@@ -12,6 +12,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..backends import Supports, check_index_data, choose, planner
@@ -204,6 +205,37 @@ def _attention_reference_backward(grad, q, k, v, out, lse, key_padding_mask, att
     return laid_out_like(q, dq), laid_out_like(k, dk), laid_out_like(v, dv), dbias
 
 
+# --- PyTorch's composition (the torch backend) ---------------------------------------------------
+
+def _sdpa(q, k, v, allowed, attn_bias, top_left_causal, dropout_p, scale):
+    """torch's scaled_dot_product_attention over the keys ``allowed`` (bool, broadcastable
+    to the scores; None: every key) with the additive attn_bias. A row with no allowed key
+    is zeros, as the op promises: SDPA would make it NaN, so it attends every key and is
+    zeroed after, which zeroes its gradients too."""
+    mask = empty = None
+    if allowed is not None:
+        empty = ~allowed.any(-1, keepdim=True)
+        mask = allowed | empty
+    if attn_bias is not None:
+        mask = attn_bias if mask is None else torch.where(mask, attn_bias, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=top_left_causal, scale=scale)
+    return out if empty is None else out.masked_fill(empty, 0)
+
+
+def _attention_composition(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    allowed = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+    # SDPA's own causal mask (its fastest kernels) aligns to the top left, and takes no
+    # other mask beside it.
+    top_left = causal and seq_q == seq_k and allowed is None and attn_bias is None
+    if causal and not top_left:
+        below = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
+        allowed = below if allowed is None else allowed & below
+    out = _sdpa(q, k, v, allowed, attn_bias, top_left, dropout_p, scale)
+    return laid_out_like(q, out), None
+
+
 def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False):
     def make(g):
         q, k, v = (randn(g, batch, heads, seq, head_dim) for _ in range(3))
@@ -216,6 +248,7 @@ ATTENTION = Op(
     "attention", _attention_fake,
     supports=_SUPPORTS, reference=attention_reference,
     reference_kernels=(_attention_reference_forward, _attention_reference_backward),
+    composition=_attention_composition,
     probes=(
         Probe("padded, head dim 64", _attention_probe(2, 3, 80, 64, masked=True), paths=RESIDENT),
         Probe("causal, head dim 128", _attention_probe(2, 2, 70, 128, causal=True),
@@ -365,6 +398,39 @@ def _varlen_reference_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     return laid_out_like(q, dq), laid_out_like(k, dk), laid_out_like(v, dv)
 
 
+def _packed_slots(cu_seqlens, total, max_seqlen):
+    """(sequence, position) of each of ``total`` packed rows, clamped into [batch, max_seqlen]
+    (offsets a GPU call does not check give a wrong answer, never an access outside)."""
+    rows = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sequence = torch.searchsorted(cu_seqlens[1:], rows, right=True)
+    sequence = sequence.clamp(max=max(cu_seqlens.shape[0] - 2, 0))
+    position = (rows - cu_seqlens[sequence]).long().clamp(0, max(max_seqlen - 1, 0))
+    return sequence, position
+
+
+def _varlen_composition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        dropout_p, scale, seed):
+    """The sequences padded to [batch, heads, max_seqlen, head_dim], SDPA over them, and the
+    real rows gathered back: what a padded model runs."""
+    batch = cu_seqlens_q.shape[0] - 1
+    slots_q = _packed_slots(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    slots_k = _packed_slots(cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+    def padded(x, slots, length):
+        return x.new_zeros(batch, length, *x.shape[1:]).index_put(slots, x).transpose(1, 2)
+
+    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[:, None, None, None]
+    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[:, None, None, None]
+    rows = torch.arange(max_seqlen_q, device=q.device)[:, None]
+    keys = torch.arange(max_seqlen_k, device=q.device)
+    allowed = keys < lengths_k
+    if causal:  # each sequence aligned to its own bottom right
+        allowed = allowed & (keys <= rows + (lengths_k - lengths_q))
+    out = _sdpa(padded(q, slots_q, max_seqlen_q), padded(k, slots_k, max_seqlen_k),
+                padded(v, slots_k, max_seqlen_k), allowed, None, False, dropout_p, scale)
+    return laid_out_like(q, out.transpose(1, 2)[slots_q]), None
+
+
 def _varlen_probe(lengths, heads, head_dim):
     def make(g):
         total = sum(lengths)
@@ -378,6 +444,7 @@ ATTENTION_VARLEN = Op(
     "attention_varlen", _varlen_fake, supports=_SUPPORTS,
     reference=attention_varlen_reference,
     reference_kernels=(_varlen_reference_forward, _varlen_reference_backward),
+    composition=_varlen_composition,
     probes=(Probe("causal, 3 sequences", _varlen_probe([37, 1, 70], 2, 64), paths=RESIDENT),
             Probe.real("BERT-base, 8 sequences",
                        _varlen_probe([128, 77, 100, 64, 128, 90, 111, 70], 12, 64),

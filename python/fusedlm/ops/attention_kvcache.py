@@ -14,7 +14,7 @@ from ..backends import check_index_data, choose, planner
 from . import _validate as check
 from ._op import Op
 from ._probe import Probe, randn
-from .attention import _check_head_dims, _resolve_scale, attend
+from .attention import _check_head_dims, _resolve_scale, _sdpa, attend
 
 __all__ = ["attention_with_kvcache"]
 
@@ -116,6 +116,15 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, k_new=N
     positions cache_seqlens[b] onwards; query i then sees the keys in
     [cache_leftpad[b], total_b - seqlen_q + i], total_b = cache_seqlens[b] + seqlen_new.
     """
+    allowed = _write_new_keys(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad)
+    out = attend(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), allowed,
+                 scale=scale)
+    return out.transpose(1, 2)
+
+
+def _write_new_keys(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad):
+    """Writes k_new/v_new into the caches at each sequence's length; returns the keys each
+    query sees, bool [batch, 1, seq_q, max_cache_len]."""
     batch, seq_q = q.shape[:2]
     seq_new = 0 if k_new is None else k_new.shape[1]
     if seq_new:
@@ -127,9 +136,15 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, k_new=N
     first = torch.zeros_like(total) if cache_leftpad is None else cache_leftpad.long()
     last = total[:, None] - seq_q + torch.arange(seq_q, device=q.device)  # [batch, seq_q]
     pos = torch.arange(k_cache.shape[1], device=q.device)
-    allowed = (pos >= first[:, None, None]) & (pos <= last[:, :, None])  # [batch, seq_q, keys]
-    out = attend(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                 allowed[:, None], scale=scale)
+    return ((pos >= first[:, None, None]) & (pos <= last[:, :, None]))[:, None]
+
+
+def _composition(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad, scale):
+    """The new keys written by indexing, then SDPA over the caches with the mask of the keys
+    each query sees."""
+    allowed = _write_new_keys(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad)
+    out = _sdpa(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), allowed,
+                None, False, 0.0, scale)
     return out.transpose(1, 2)
 
 
@@ -152,4 +167,5 @@ ATTENTION_WITH_KVCACHE = Op(
     lambda q, k_cache, v_cache, *_rest: q.new_empty((*q.shape[:3], v_cache.shape[3])),
     reference=attention_with_kvcache_reference,
     reference_kernels=(_reference_kernel, None),
+    composition=_composition,
     probes=(Probe("decoding step", _probe(2, 24, 2, 64), differentiable=False),))

@@ -197,6 +197,13 @@ def _cross_entropy_reference_forward(logits, labels, ignore_index, label_smoothi
     return value, grad
 
 
+def _cross_entropy_composition(logits, labels, ignore_index, label_smoothing, reduction,
+                               with_grad):
+    """torch's cross_entropy of the logits in float32, as autocast runs it."""
+    return cross_entropy_reference(logits, labels, ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, reduction=reduction), None
+
+
 def _cross_entropy_probe(rows, classes):
     def make(g):
         return (randn(g, rows, classes, scale=3.0), probe_labels(g, rows, classes)), {}
@@ -207,6 +214,7 @@ CROSS_ENTROPY = Op(
     "cross_entropy", _cross_entropy_fake,
     reference=cross_entropy_reference,
     reference_kernels=(_cross_entropy_reference_forward, _scaled),
+    composition=_cross_entropy_composition,
     probes=(Probe("1000 classes", _cross_entropy_probe(40, 1000)),
             Probe.real("GPT-2 small, 1024 x 50257", _cross_entropy_probe(1024, 50257))),
 ).differentiable(
@@ -284,6 +292,11 @@ def _distillation_reference_forward(student_logits, teacher_logits, temperature,
     return value, grad
 
 
+def _distillation_composition(student_logits, teacher_logits, temperature, reduction, with_grad):
+    return distillation_loss_reference(student_logits, teacher_logits, temperature=temperature,
+                                       reduction=reduction), None
+
+
 def _distillation_probe(rows, classes):
     def make(g):
         return (randn(g, rows, classes, scale=3.0), randn(g, rows, classes, scale=3.0)), \
@@ -296,6 +309,7 @@ DISTILLATION_LOSS = Op(
     "distillation_loss", _distillation_fake,
     reference=distillation_loss_reference,
     reference_kernels=(_distillation_reference_forward, None),
+    composition=_distillation_composition,
     probes=(Probe("1000 classes", _distillation_probe(40, 1000), constant=(1,)),
             Probe.real("BERT-base, 1024 x 30522", _distillation_probe(1024, 30522), constant=(1,))),
 ).differentiable(None, twice=False)  # (its backward is cross_entropy's: the saved gradient, scaled)
@@ -395,6 +409,15 @@ def _masked_lm_loss_reference_backward(grad, hidden, weight, bias, labels, dhidd
     return vjp(loss_of, (hidden, weight, bias), (grad,), needs)
 
 
+def _masked_lm_loss_composition(hidden, weight, bias, labels, ignore_index, label_smoothing,
+                                reduction, chunk_rows, *needs):
+    """The logits of every row, labelled or not, in the inputs' dtype, then torch's
+    cross_entropy in float32: what a model's eager code runs under autocast."""
+    return masked_lm_loss_reference(hidden, weight, bias, labels, ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing, reduction=reduction), \
+        None, None, None
+
+
 def _masked_lm_probe(rows, hidden, vocab):
     def make(g):
         return (randn(g, rows, hidden), randn(g, vocab, hidden, scale=hidden ** -0.5),
@@ -406,6 +429,7 @@ MASKED_LM_LOSS = Op(
     "masked_lm_loss", _masked_lm_loss_fake,
     reference=masked_lm_loss_reference,
     reference_kernels=(_masked_lm_loss_reference_forward, _masked_lm_loss_reference_backward),
+    composition=_masked_lm_loss_composition,
     probes=(Probe("vocab 1000", _masked_lm_probe(60, 64, 1000)),
             Probe.real("BERT-base, 1024 x 768 -> 30522", _masked_lm_probe(1024, 768, 30522))),
 ).differentiable(_masked_lm_loss_fake_backward)

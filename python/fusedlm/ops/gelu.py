@@ -74,6 +74,7 @@ BIAS_GELU = Op(
     "bias_gelu", lambda x, bias, approximate: x.new_empty(x.shape),
     reference=bias_gelu_reference,
     reference_kernels=(_bias_gelu_reference_forward, _bias_gelu_reference_backward),
+    composition=_bias_gelu_reference_forward,
     probes=(Probe("erf", _bias_gelu_probe(64, 384, "none")),
             Probe("tanh", _bias_gelu_probe(64, 384, "tanh")),
             Probe.real("BERT-base, 1024 x 3072", _bias_gelu_probe(1024, 3072, "none"))),
@@ -154,6 +155,13 @@ def _gelu_ffn_reference_backward(grad, x, pre, w1, b1, w2, b2, approximate, drop
                (x, w1, b1, w2, b2), (grad,))
 
 
+def _gelu_ffn_composition(x, w1, b1, w2, b2, approximate, dropout_p, seed):
+    """Two products, with their biases in cuBLAS's epilogue, and torch's GELU and dropout
+    between them: what eager code runs."""
+    hidden = F.gelu(F.linear(x, w1, b1), approximate=approximate)
+    return F.linear(F.dropout(hidden, dropout_p) if dropout_p > 0 else hidden, w2, b2), None
+
+
 def _gelu_ffn_probe(rows, d_in, d_ff):
     def make(g):
         return (randn(g, rows, d_in), randn(g, d_ff, d_in, scale=d_in ** -0.5), randn(g, d_ff),
@@ -165,6 +173,7 @@ GELU_FFN = Op(
     "gelu_ffn", _gelu_ffn_fake,
     reference=gelu_ffn_reference,
     reference_kernels=(_gelu_ffn_reference_forward, _gelu_ffn_reference_backward),
+    composition=_gelu_ffn_composition,
     probes=(Probe("130 rows", _gelu_ffn_probe(130, 128, 256), paths=FFN_PATHS),
             Probe.real("BERT-base, 1024 x 768 -> 3072", _gelu_ffn_probe(1024, 768, 3072),
                        paths=FFN_PATHS)),

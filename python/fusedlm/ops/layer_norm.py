@@ -127,6 +127,16 @@ def _reference_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_b
     return (dsummed if has_residual else None), dx, dweight, dbias
 
 
+# --- PyTorch's composition (the torch backend) ---------------------------------------------------
+
+def _composition(x, residual, weight, bias, eps, dropout_p, seed):
+    summed = F.dropout(x, dropout_p) if dropout_p > 0 else x
+    summed = summed.clone() if residual is None and dropout_p == 0 else summed
+    if residual is not None:
+        summed = summed + residual
+    return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed, None, None
+
+
 def _probe(rows, hidden):
     def make(g):
         return (randn(g, rows, hidden), randn(g, rows, hidden), 1 + 0.1 * randn(g, hidden),
@@ -140,6 +150,7 @@ ADD_LAYER_NORM = Op(
     "add_layer_norm", _fake,
     reference=add_layer_norm_reference,
     reference_kernels=(_reference_forward, _reference_backward),
+    composition=_composition,
     probes=(Probe("hidden 256", _probe(40, 256)), Probe("hidden 100", _probe(40, 100)),
             Probe.real("BERT-base, 1024 x 768", _probe(1024, 768))),
     # The triton kernel holds a row whole in registers: past 32768 elements spills would

@@ -76,6 +76,16 @@ def _reference_backward(grad_h, grad_c, gates, c_prev, cell_clip):
     return vjp(lambda g, c: _reference_forward(g, c, cell_clip), (gates, c_prev), (grad_h, grad_c))
 
 
+def _composition(gates, c_prev, cell_clip):
+    """The LSTM step in torch's elementwise ops, in the inputs' dtype: what nn.LSTMCell's
+    eager code runs after its products."""
+    i, f, g, o = gates.chunk(4, dim=-1)
+    c = torch.sigmoid(i) * torch.tanh(g) + torch.sigmoid(f) * c_prev
+    if not math.isinf(cell_clip):
+        c = torch.clamp(c, -cell_clip, cell_clip)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
 def _probe(rows, cell):
     def make(g):
         return (randn(g, rows, 4 * cell), randn(g, rows, cell)), {"cell_clip": 3.0}
@@ -87,6 +97,7 @@ def _probe(rows, cell):
 LSTM_CELL = Op(
     "lstm_cell", lambda gates, c_prev, cell_clip: (c_prev.new_empty(c_prev.shape), c_prev.new_empty(c_prev.shape)),
     reference=lstm_cell_reference, reference_kernels=(_reference_forward, _reference_backward),
+    composition=_composition,
     probes=(Probe("cell 32", _probe(16, 32)), Probe.real("ELMo, 64 x 4096", _probe(64, 4096))),
 ).differentiable(
     lambda grad_h, grad_c, gates, c_prev, cell_clip: (gates.new_empty(gates.shape),

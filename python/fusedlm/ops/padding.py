@@ -101,6 +101,7 @@ def _unpad_probe(batch, seq, width):
 UNPAD = Op(
     "unpad", _unpad_fake, reference=unpad_reference,
     reference_kernels=(unpad_reference, _unpad_reference_backward),
+    composition=unpad_reference,
     probes=(Probe("3 x 20", _unpad_probe(3, 20, 64), differentiable=False),),
 ).differentiable(None)
 
@@ -152,6 +153,7 @@ def _pad_probe(batch, seq, width):
 PAD = Op(
     "pad", lambda packed, indices, batch, seqlen: packed.new_empty((batch, seqlen, *packed.shape[1:])),
     reference=pad_reference, reference_kernels=(pad_reference, _pad_reference_backward),
+    composition=pad_reference,
     probes=(Probe("3 x 20", _pad_probe(3, 20, 64)),),
 ).differentiable(
     lambda grad, indices: grad.new_empty((indices.shape[0], *grad.shape[2:])))

@@ -2,8 +2,8 @@
 user's data there.
 
 The first time a call would run op X in dtype D on a device on backend B (cpu, triton or
-cuda; the reference is the yardstick), fusedlm runs X's small probes (fusedlm.verify.
-probes) on B against the float64 reference. A NaN, an error past the dtype's tolerance or
+cuda; the reference and the torch backend, plain PyTorch, are yardsticks), fusedlm runs X's
+small probes (fusedlm.verify.probes) on B against the float64 reference. A NaN, an error past the dtype's tolerance or
 an exception fails the check: the backend is then skipped for X in D on that device, with
 one warning naming it and the error measured, and the call runs on the next backend. A
 failing probe that passes with one of the cuda backend's kernel paths turned off
@@ -38,7 +38,7 @@ import torch
 
 from .. import switches
 from ..dtypes import name as dtype_name
-from ..backends import forget_choices, install_checks, unobserved
+from ..backends import KERNEL_BACKENDS, forget_choices, install_checks, unobserved
 from . import probes
 
 # Read once, at import (fusedlm.switches).
@@ -79,9 +79,9 @@ def cache_folder() -> Path:
 def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.dtype]) -> Optional[str]:
     """Why ``backend``'s kernels of ``op`` in ``dtype`` must not run on ``device`` (they
     failed their check), or None: passed, not checked (off, no probe, or not now), or
-    the reference backend. Checks on first use; never asked while torch.compile traces
-    (fusedlm.backends.choose)."""
-    if _MODE == "0" or backend == "reference" or getattr(_checking, "active", False):
+    a backend of plain PyTorch (not one of KERNEL_BACKENDS). Checks on first use; never
+    asked while torch.compile traces (fusedlm.backends.choose)."""
+    if _MODE == "0" or backend not in KERNEL_BACKENDS or getattr(_checking, "active", False):
         return None
     decided = _outcomes.get((op, backend, device, dtype), _UNCHECKED)
     if decided is None or (decided is not _UNCHECKED and _MODE != "strict"):
@@ -116,8 +116,8 @@ def failure(op: str, backend: str, device: torch.device, dtype: Optional[torch.d
 def passed_for_good(op: str, backend: str, device: torch.device,
                     dtype: Optional[torch.dtype]) -> bool:
     """Whether failure() answers None for such calls until forget(): checks off, the
-    reference backend, a check passed, or no probe to check with."""
-    return (_MODE == "0" or backend == "reference"
+    backends of plain PyTorch, a check passed, or no probe to check with."""
+    return (_MODE == "0" or backend not in KERNEL_BACKENDS
             or _outcomes.get((op, backend, device, dtype), _UNCHECKED) is None
             or not probes.probes(op))
 

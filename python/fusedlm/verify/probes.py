@@ -150,11 +150,15 @@ def run(probe: Probe, backend: str, device: torch.device, dtype: torch.dtype,
 def time_ms(probe: Probe, device: torch.device, dtype: torch.dtype,
             backend: Optional[str] = None, rounds: int = 5) -> Optional[float]:
     """The median time of the probe's forward and backward on ``backend`` (None: in plain
-    PyTorch, fusedlm.ops.reference's eager composition) after one call to warm up; None
-    where plain PyTorch has no kernel for this dtype here."""
+    PyTorch, the torch backend's composition, or fusedlm.ops.reference's for an op without
+    one) after one call to warm up; None where plain PyTorch has no kernel for this dtype
+    here."""
     import fusedlm.ops as ops
     from fusedlm.ops import reference
 
+    plain = backend is None
+    if plain and declared()[probe.op].composition is not None:
+        backend = "torch"
     fn = (getattr(reference, probe.op) if backend is None
           else lambda *a, **k: getattr(ops, probe.op)(*a, backend=backend, **k))
     call = _Call(probe, device, dtype, torch.Generator().manual_seed(0))
@@ -167,7 +171,7 @@ def time_ms(probe: Probe, device: torch.device, dtype: torch.dtype,
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - start) * 1e3)
     except (RuntimeError, NotImplementedError):
-        if backend is not None:
+        if not plain:
             raise
         return None
     return statistics.median(times[1:])

@@ -1,11 +1,12 @@
 """Timing at first use: on a GPU, an automatic choice of backend goes to the backend
-measured fastest for such calls, never to a kernel slower than plain PyTorch's composition.
+measured fastest for such calls, never to a kernel slower than PyTorch's own composition.
 
 The first time a call of op X in a shape class (each tensor's dtype and its sizes rounded
 up to powers of two; the other arguments as they are) would run on a GPU by automatic
 choice, fusedlm times X on every backend that can run the call there: the cuda and triton
-kernels, and the reference backend, plain PyTorch's eager composition (in the accumulation
-dtype; SDPA is not among the candidates). Each runs the forward, and the backward where
+kernels, and the torch backend, PyTorch's own composition in the inputs' dtype (SDPA,
+cuBLAS products and eager elementwise passes), what users run without fusedlm (or, for an
+op without such a composition, the reference backend's). Each runs the forward, and the backward where
 the call takes gradients, on copies of the call's arguments, in a thread of its own (the
 caller's autocast, grad mode and saved-tensor hooks stay out), with the random generators
 put back after. The fastest wins for that class; ``fusedlm.explain`` quotes the times.
@@ -181,9 +182,11 @@ def _can_run(op: str, backend: str, args: tuple, kwargs: dict) -> bool:
 
 
 def _runnable(op: str, args: tuple, kwargs: dict, device: torch.device) -> list:
-    """The backends that can run the call on ``device``, in the automatic order."""
-    return [name for name in _AUTO_ORDER.get(device.type, ("reference",))
-            if _can_run(op, name, args, kwargs)]
+    """The backends that can run the call on ``device``, in the automatic order: the
+    reference only where PyTorch's own composition cannot."""
+    names = [name for name in _AUTO_ORDER.get(device.type, ("reference",))
+             if _can_run(op, name, args, kwargs)]
+    return [name for name in names if name != "reference" or "torch" not in names]
 
 
 def _measured(op: str, args: tuple, kwargs: dict, device: torch.device) -> dict:
