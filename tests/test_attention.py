@@ -405,17 +405,19 @@ def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, keys, cuda_p
         assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("seq", [64, 128])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seq, head_dim", [(64, 64), (64, 128), (128, 64), (128, 128),
+                                           (320, 64), (512, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("marks", [pytest.param(None, marks=needs_emulator, id="emulated")])
-def test_cuda_attention_backward_of_one_block_of_keys_is_one_kernel_of_five_products(
+def test_cuda_attention_backward_up_to_512_keys_is_one_kernel_of_five_products(
         seq, head_dim, causal, marks):
-    # Up to 128 keys one kernel does the whole backward, one block a (sequence, head), with
+    # Up to 512 keys one kernel does the whole backward, one block a (sequence, head), with
     # FlashAttention-2's 5 products a tile pair (S^T, dP^T, dV, dK and dQ), each over
-    # seq_q x seq_k x head_dim multiply-adds where no mask skips a tile. It takes the delta
-    # from P and dP, never O, reads its inputs once and writes each gradient once.
-    batch, heads = 2, 3
+    # seq_q x seq_k x head_dim multiply-adds where no mask skips a tile. K and V are read
+    # once, and each gradient written once. Up to 128 keys it takes the delta from P and dP,
+    # never O, and reads Q and dO once too; past them it reads O and dO once for the
+    # deltas, and Q and dO once per 128 keys unless they stay in shared memory.
+    batch, heads = (2, 3) if seq <= 128 else (1, 2)
     leaves, (q, k, v) = _inputs(batch, heads, seq, seq, head_dim, torch.bfloat16,
                                 backend_device("cuda"))
     out = fusedlm.ops.attention(q, k, v, causal=causal, backend="cuda")
@@ -430,9 +432,14 @@ def test_cuda_attention_backward_of_one_block_of_keys_is_one_kernel_of_five_prod
     else:
         assert launch.tensor_core_macs == every_pair
     size = q.numel() * q.element_size()
-    for t in (q, k, v, grad):
+    chunks = -(-seq // 128)
+    for t in (k, v):
         assert launch.traffic(t) == (size, 0)
-    assert launch.traffic(out) == (0, 0)
+    for t, for_deltas in ((q, 0), (grad, 0 if chunks == 1 else size)):
+        reads, writes = launch.traffic(t)
+        walks = reads - for_deltas
+        assert writes == 0 and (walks == size if chunks == 1 else size <= walks <= chunks * size)
+    assert launch.traffic(out) == (0 if chunks == 1 else size, 0)
     for t in (dq, dk, dv):
         assert launch.traffic(t) == (0, size)
 

@@ -9,14 +9,16 @@
 // scale * log2(e) folded into the scores. It writes O and the natural log-sum-exp of
 // each row (+inf for a row that sees no key, whose output is 0).
 //
-// Backward, no atomics, so the gradients repeat bit for bit. Where every sequence's keys
-// fit one block (seq_k <= kFusedKeys = 128, BERT lengths), one kernel: a block owns a
-// (sequence, head), each of its 8 warps 16 keys, and walks the query tiles with the 5
+// Backward, no atomics, so the gradients repeat bit for bit. Up to kFusedMaxKeys = 512
+// keys a sequence (BERT lengths), one kernel: a block owns a (sequence, head) and takes
+// its keys 128 at a time, each of its 8 warps 16 keys, walking the query tiles with the 5
 // products of FlashAttention-2 a tile: S^T and dP^T recomputed, dV += P^T dO, dK += dS^T Q,
-// and dQ = dS K over every key at once, the warps sharing dS^T through shared memory.
-// With all keys in the block each dQ row is complete there, so it is stored once; the
-// delta D_i = rowsum(P * dP) / rowsum(P) comes from P and dP themselves, summed over the
-// warps in a fixed order. Longer key sequences take three kernels, which recompute S and
+// and dQ = dS K over the 128 keys at once, the warps sharing dS^T through shared memory.
+// Where the 128 keys are all of them, each dQ row is complete in the block, so it is
+// stored once, and the delta D_i = rowsum(P * dP) / rowsum(P) comes from P and dP
+// themselves, summed over the warps in a fixed order; past them, the block first takes
+// its queries' deltas from O, and each dQ element's owner adds the chunks' shares in
+// float32, in chunk order. Longer key sequences take three kernels, which recompute S and
 // dP twice (7 products a tile), since no block holds every key of a query:
 //   delta: D_i = rowsum(dO_i * O_i), the rowsum(P * dP) of dS = P * (dP - D) (a sequence
 //     whose keys fit one tile has the dQ kernel take it from P and dP themselves);
@@ -37,11 +39,12 @@
 // On sm_90 (a build with sm_90a code) the streamed forward runs on Hopper's warpgroup
 // products instead (attention_forward_sm90_kernel, wgmma.cuh): Q and K are read by the
 // tensor cores straight from swizzled shared memory, P from registers. The one-kernel
-// backward walks its query tiles on either path; its keys are always all in the block.
-// Limits: the recomputation (5 products in the backward, 7 past 128 keys, against 2 in
-// the forward), the backward's mma.sync on Hopper too, no TMA or warp specialisation in
-// the wgmma forward (its copies are cp.async, double-buffered), and dropout, which costs
-// one Philox call per one or two probabilities.
+// backward walks its query tiles on either path (resident ones once for all its chunks
+// of keys). Limits: the recomputation (5 products in the backward, 7 past 512 keys,
+// against 2 in the forward), one block a (sequence, head) in the one-kernel backward,
+// whose grid is small for a small batch, the backward's mma.sync on Hopper too, no TMA or
+// warp specialisation in the wgmma forward (its copies are cp.async, double-buffered),
+// and dropout, which costs one Philox call per one or two probabilities.
 //
 // Padded and packed (varlen) batches run the same kernels: a sequence is a row offset
 // and a length per tensor, from cu_seqlens or from the padded shape. Causal masks align
@@ -110,6 +113,7 @@ struct Params {
   Rows<const T> q, k, v, dout;  // rows of head_dim elements, 16-byte aligned
   Rows<T> out, dq, dk, dv;
   Rows<float> lse, delta;        // one float per query row
+  Rows<float> dq_partial;        // head_dim floats per query row: dQ summed so far
   const bool* key_padding = nullptr;  // [batch, seq_k], True = padding; null: none
   const int* cu_q = nullptr;          // [batch + 1] (varlen); null: padded
   const int* cu_k = nullptr;
@@ -585,13 +589,14 @@ __global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(co
 
 // --- backward -----------------------------------------------------------------------------
 
-// delta[i] = sum_d dO[i, d] * O[i, d]: D / 8 threads a row, one 16-byte vector each.
+// Stores delta[i] = sum_d dO[i, d] * O[i, d] of query i of sequence b, head h (nothing
+// past the sequence): D / 8 consecutive lanes a row, one 16-byte vector each, every lane of
+// the warp taking part.
 template <typename T, int D>
-__global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Params<T> p) {
-  constexpr int kLanes = D / 8, kRows = kDeltaThreads / kLanes;
-  const int b = blockIdx.z, h = blockIdx.y;
-  const Seq s = sequence(p, b);
-  const int i = blockIdx.x * kRows + threadIdx.x / kLanes, col = threadIdx.x % kLanes * 8;
+__device__ __forceinline__ void store_row_delta(const Params<T>& p, int b, int h, const Seq& s,
+                                                int i) {
+  constexpr int kLanes = D / 8;
+  const int col = threadIdx.x % kLanes * 8;
   float sum = 0.0f;
   if (i < s.len_q) {
     float o[8], d[8];
@@ -605,6 +610,13 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Pa
   for (int offset = kLanes / 2; offset > 0; offset /= 2)
     sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (i < s.len_q && threadIdx.x % kLanes == 0) *p.delta.at(b, h, s.q0 + i) = sum;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Params<T> p) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  store_row_delta<T, D>(p, b, h, sequence(p, b),
+                        blockIdx.x * (kDeltaThreads / (D / 8)) + threadIdx.x / (D / 8));
 }
 
 // lse2[r] = the base-2 log-sum-exp and delta[r] the delta of query m0 + r, for r < count;
@@ -942,8 +954,10 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
 
 // --- the one-kernel backward ---------------------------------------------------------------
 
-// The longest key sequence the one-kernel backward takes: one block's keys, 16 a warp.
+// The keys the one-kernel backward holds at a time, a chunk: one block's, 16 a warp. It
+// takes key sequences of up to kFusedMaxKeys, a chunk after another.
 constexpr int kFusedKeys = Shape<true>::rows;
+constexpr int kFusedMaxKeys = kResidentMax;
 
 // Shared memory of a block of the one-kernel backward; seq_q sizes the resident walk's
 // query tiles.
@@ -953,7 +967,7 @@ size_t fused_smem(int64_t seq_q) {
   const int64_t queries = int64_t(held_tiles(kResident, seq_q, kM)) * kM;
   return size_t(2 * kFusedKeys + 2 * queries) * kPitch<D> * 2 +
          size_t(kFusedKeys) * (kM + 8) * 2 +
-         size_t(queries + (2 * Shape<true>::warps + 1) * kM) * sizeof(float) + kFusedKeys;
+         size_t(2 * queries + (2 * Shape<true>::warps + 1) * kM) * sizeof(float) + kFusedKeys;
 }
 
 // The A fragment of rows m0 .. m0 + 15, columns k0 .. k0 + 15 of A = X^T, where X is a
@@ -996,17 +1010,23 @@ __device__ __forceinline__ void sum_over_rows_scattered(float (&v)[kN]) {
   trade_halves<kN / 8>(v, g & 1, 4);
 }
 
-// The whole backward of a sequence whose keys fit one block (kFusedKeys): a block owns a
-// (sequence, head), each warp 16 of its keys as in the dK/dV kernel, and walks every
-// query tile with 5 products a tile and no other kernel. Each warp recomputes S^T and
-// dP^T for its keys (2 products) and forms P^T and the dropped dP^T; the delta of each
-// query, rowsum(P * dP) / rowsum(P) as the dQ kernel derives its own (exact_delta in
-// csrc/cpu/attention.cpp), sums over every key, so the warps' sums meet in shared memory
-// and add up in warp order. Then dS^T, dV += P^T dO and dK += dS^T Q (2), as in the dK/dV
-// kernel. dS^T, rounded to T as the products round it, goes to shared memory, and the
-// warps split the tile's dQ = dS K (1) over its rows and head_dim columns: every key is
-// in the block, so each dQ row is complete and stored once. The query tiles are walked
-// resident (all copied up front) or streamed (one buffer) as for dK/dV; K and V stay.
+// The whole backward of a sequence of up to kFusedMaxKeys keys in one kernel: a block
+// owns a (sequence, head) and takes its keys a chunk of kFusedKeys at a time, each warp
+// 16 of the chunk's keys as in the dK/dV kernel, walking every query tile with 5 products
+// a tile. Each warp recomputes S^T and dP^T for its keys (2 products) and forms P^T and
+// the dropped dP^T. The delta of each query sums over every key: where one chunk holds
+// them all it is rowsum(P * dP) / rowsum(P), as the dQ kernel derives its own
+// (exact_delta in csrc/cpu/attention.cpp), the warps' sums meeting in shared memory and
+// adding up in warp order; past one chunk it is rowsum(dO * O), which the block computes
+// for its queries first, as the delta kernel does. Then dS^T, dV += P^T dO and
+// dK += dS^T Q (2), as in the dK/dV kernel; a chunk's dK and dV are complete after its
+// walk. dS^T, rounded to T as the products round it, goes to shared memory, and the warps
+// split the tile's dQ = dS K (1) over its rows and head_dim columns. With one chunk each
+// dQ row is then complete and stored once; past one, the thread that owns a dQ element
+// adds the chunks' shares in chunk order in float32 (dq_partial, which only it touches)
+// and stores the sum after the last: no atomics, the same bits on every run. The query
+// tiles are walked resident (copied up front, once for every chunk) or streamed (one
+// buffer) as for dK/dV.
 template <typename T, int D, bool kResident>
 __global__ void __launch_bounds__(Shape<true>::threads)
     attention_fused_backward_kernel(const Params<T> p) {
@@ -1014,135 +1034,179 @@ __global__ void __launch_bounds__(Shape<true>::threads)
   constexpr int kThreads = Shape<true>::threads, kWarps = Shape<true>::warps;
   const int held = held_tiles(kResident, p.seq_q, kM);
   unsigned char* smem = dynamic_shared_memory();
-  T* k_tile = reinterpret_cast<T*>(smem);   // [kFusedKeys][P]
+  T* k_tile = reinterpret_cast<T*>(smem);   // [kFusedKeys][P]: the chunk's keys
   T* v_tile = k_tile + kFusedKeys * P;      // [kFusedKeys][P]
   T* q_tiles = v_tile + kFusedKeys * P;     // [held][kM][P]
   T* do_tiles = q_tiles + held * kM * P;    // [held][kM][P]
   T* ds_tile = do_tiles + held * kM * P;    // [kFusedKeys][kDsPitch]: the tile's dS^T
   float* lse2 = reinterpret_cast<float*>(ds_tile + kFusedKeys * kDsPitch);  // [held * kM]
-  float* sums = lse2 + held * kM;  // [kWarps][kM][2]: a warp's rowsum(P * dP), rowsum(P)
-  float* delta = sums + kWarps * kM * 2;                // [kM]
+  float* deltas = lse2 + held * kM;  // [held * kM]: the queries' deltas past one chunk
+  float* sums = deltas + held * kM;  // [kWarps][kM][2]: a warp's rowsum(P * dP), rowsum(P)
+  float* delta = sums + kWarps * kM * 2;                // [kM]: the deltas of one chunk
   bool* key_ok = reinterpret_cast<bool*>(delta + kM);   // [kFusedKeys]
 
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const int keys[2] = {fragment_row(0, 0), fragment_row(0, 1)};
   const int tiles = kResident ? min((s.len_q + kM - 1) / kM, held) : (s.len_q + kM - 1) / kM;
+  const int chunks = max(1, (s.len_k + kFusedKeys - 1) / kFusedKeys);
+  const bool one_chunk = chunks == 1;
+  float* tile_deltas = one_chunk ? nullptr : deltas;
 
+  if (!one_chunk) {
+    for (int r0 = 0; r0 < s.len_q; r0 += kThreads / (D / 8))
+      store_row_delta<T, D>(p, b, h, s, r0 + threadIdx.x / (D / 8));
+    __syncthreads();  // (the block's own global writes, read back by stage_stats)
+  }
   load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0, s.len_k);
   cp_async_commit();
   stage_keys<kThreads>(key_ok, p, b, s, 0, kFusedKeys);
   if constexpr (kResident) {
     prefetch_tiles<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0, s.len_q, 0,
                                     tiles);
-    stage_stats<kThreads>(lse2, nullptr, p, b, h, s, 0, tiles * kM);
+    stage_stats<kThreads>(lse2, tile_deltas, p, b, h, s, 0, tiles * kM);
   }
 
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int tile = 0; tile < tiles; ++tile) {
-    const int m0 = tile * kM, slot = kResident ? tile : 0;
-    const T* q_tile = q_tiles + slot * kM * P;
-    const T* do_tile = do_tiles + slot * kM * P;
-    const float* tile_lse2 = lse2 + slot * kM;
-    // Q and dO of this tile (a resident block's K and V were committed before them). The
-    // barrier also ends every warp's use of the previous tile's dS^T, sums and deltas.
-    next_tile<kResident, kM, D, kThreads>(
-        q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0, tiles - 1 - tile,
-        [&] { stage_stats<kThreads>(lse2, nullptr, p, b, h, s, m0, kM); });
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int n0 = chunk * kFusedKeys;
+    if (chunk > 0) {  // the next chunk's K and V, once every warp is done with the last's
+      cp_async_wait<0>();
+      __syncthreads();
+      load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0 + n0,
+                                         s.len_k - n0);
+      cp_async_commit();
+      stage_keys<kThreads>(key_ok, p, b, s, n0, kFusedKeys);
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    const int keys[2] = {fragment_row(n0, 0), fragment_row(n0, 1)};
+    const bool last = chunk == chunks - 1;
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int m0 = tile * kM, slot = kResident ? tile : 0;
+      const T* q_tile = q_tiles + slot * kM * P;
+      const T* do_tile = do_tiles + slot * kM * P;
+      const float* tile_lse2 = lse2 + slot * kM;
+      // Q and dO of this tile (a resident block's K and V were committed before them;
+      // after the first chunk nothing is in flight). The barrier also ends every warp's
+      // use of the previous tile's dS^T, sums and deltas.
+      next_tile<kResident, kM, D, kThreads>(
+          q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0,
+          chunk == 0 ? tiles - 1 - tile : 0,
+          [&] { stage_stats<kThreads>(lse2, tile_deltas, p, b, h, s, m0, kM); });
 
-    // Keys 0 .. seen - 1 may be visible to the tile's queries; a warp whose keys all lie
-    // past them has nothing to compute, and the dQ product stops at them.
-    const int seen = key_end(s, p.causal, m0, kM);
-    const int seen_warps = (seen + 15) / 16;
-    const bool active = warp < seen_warps;
-    // st[nt][e], dpt[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
-    float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
-    uint32_t kept = ~0u;
-    if (active) {
-      recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
-      const bool masked =
-          tile_needs_mask(p.key_padding, warp * 16, 16, s.len_k, p.causal, m0, s.len_k - s.len_q);
-      if (p.dropout.active) kept = kept_transposed<kM>(p, b, h, m0, keys[0]);
-      transposed_probabilities<kM>(st, dpt, p, s, tile_lse2, key_ok, 0, keys, m0, masked, kept);
-      // v[2j], v[2j + 1]: rowsum(P * dP) and rowsum(P) of query column j = 2nt + e % 2 of
-      // this thread's, over its two keys, then over the warp's 16.
-      float v[kM / 2];
+      // The chunk's keys n0 .. n0 + seen - 1 may be visible to the tile's queries; a warp
+      // whose keys all lie past them has nothing to compute, and the dQ product stops at
+      // them.
+      const int seen = min(max(key_end(s, p.causal, m0, kM) - n0, 0), kFusedKeys);
+      const int seen_warps = (seen + 15) / 16;
+      const bool active = warp < seen_warps;
+      // st[nt][e], dpt[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
+      float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
+      uint32_t kept = ~0u;
+      if (active) {
+        recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
+        const bool masked = tile_needs_mask(p.key_padding, n0 + warp * 16, 16, s.len_k,
+                                            p.causal, m0, s.len_k - s.len_q);
+        if (p.dropout.active) kept = kept_transposed<kM>(p, b, h, m0, keys[0]);
+        transposed_probabilities<kM>(st, dpt, p, s, tile_lse2, key_ok, n0, keys, m0, masked,
+                                     kept);
+      }
+      if (one_chunk) {
+        if (active) {
+          // v[2j], v[2j + 1]: rowsum(P * dP) and rowsum(P) of query column j = 2nt + e % 2
+          // of this thread's, over its two keys, then over the warp's 16.
+          float v[kM / 2];
 #pragma unroll
-      for (int nt = 0; nt < kM / 8; ++nt) {
+          for (int nt = 0; nt < kM / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          v[2 * (2 * nt + e)] = st[nt][e] * dpt[nt][e] + st[nt][e + 2] * dpt[nt][e + 2];
-          v[2 * (2 * nt + e) + 1] = st[nt][e] + st[nt][e + 2];
+            for (int e = 0; e < 2; ++e) {
+              v[2 * (2 * nt + e)] = st[nt][e] * dpt[nt][e] + st[nt][e + 2] * dpt[nt][e + 2];
+              v[2 * (2 * nt + e) + 1] = st[nt][e] + st[nt][e + 2];
+            }
+          }
+          sum_over_rows_scattered(v);
+          // This lane holds v[g * kM / 16 ..] of the warp's sums: columns j from g * kM / 32.
+#pragma unroll
+          for (int r = 0; r < kM / 16; ++r) {
+            const int j = g * kM / 32 + r / 2, col = j / 2 * 8 + 2 * t + j % 2;
+            sums[(warp * kM + col) * 2 + r % 2] = v[r];
+          }
+        }
+        __syncthreads();
+        // One thread a query adds the warps' sums in warp order: the same bits on every run.
+        if (threadIdx.x < kM) {
+          float sum = 0.0f, mass = 0.0f;
+          for (int w = 0; w < seen_warps; ++w) {
+            sum += sums[(w * kM + threadIdx.x) * 2];
+            mass += sums[(w * kM + threadIdx.x) * 2 + 1];
+          }
+          // A query that sees no key has no mass: delta 0 (its dS is 0 whatever the delta).
+          delta[threadIdx.x] = mass > 0.0f ? sum / mass : 0.0f;
+        }
+        __syncthreads();
+      }
+      if (active) {
+        transposed_score_gradients<kM>(st, dpt, p, one_chunk ? delta : deltas + slot * kM,
+                                       kept);
+        // dS^T rounded to T, the value dK's product takes from the same registers.
+#pragma unroll
+        for (int nt = 0; nt < kM / 8; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<uint32_t*>(ds_tile + (keys[hh] - n0) * kDsPitch + nt * 8 +
+                                         2 * t) = pack<T>(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
+        add_product<T, D, kM>(dv, st, do_tile);   // dV += P^T dO
+        add_product<T, D, kM>(dk, dpt, q_tile);   // dK += dS^T Q
+      }
+      __syncthreads();
+
+      // dQ = dS K: warp w owns 16 rows (m-tile w % kMTiles) and kCols of head_dim's
+      // columns from c0, over the chunk's keys the tile may see, 16 a step.
+      constexpr int kMTiles = kM / 16, kCols = D * kMTiles / kWarps;
+      const int row0 = warp % kMTiles * 16, c0 = warp / kMTiles * kCols;
+      float dq[kCols / 8][4] = {};
+      for (int kt = 0; kt < seen_warps; ++kt) {
+        uint32_t a[4];
+        load_a_transposed<kDsPitch>(a, ds_tile, row0, kt * 16);
+#pragma unroll
+        for (int dt = 0; dt < kCols / 16; ++dt) {
+          uint32_t bf[4];
+          load_b_cols<P>(bf, k_tile, kt * 16, c0 + dt * 16);
+          mma<T>(dq[2 * dt], a, bf[0], bf[1]);
+          mma<T>(dq[2 * dt + 1], a, bf[2], bf[3]);
         }
       }
-      sum_over_rows_scattered(v);
-      // This lane holds v[g * kM / 16 ..] of the warp's sums: columns j from g * kM / 32.
+      // The earlier chunks' shares added in, the sum stored after the last chunk (queries
+      // that see no key get zeros).
 #pragma unroll
-      for (int r = 0; r < kM / 16; ++r) {
-        const int j = g * kM / 32 + r / 2, col = j / 2 * 8 + 2 * t + j % 2;
-        sums[(warp * kM + col) * 2 + r % 2] = v[r];
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = m0 + row0 + g + 8 * hh;
+        if (row >= s.len_q) continue;
+        T* dq_row = p.dq.at(b, h, s.q0 + row);
+        float* partial_row = one_chunk ? nullptr : p.dq_partial.at(b, h, s.q0 + row);
+#pragma unroll
+        for (int nt = 0; nt < kCols / 8; ++nt) {
+          const int col = c0 + nt * 8 + 2 * t;
+          float x = dq[nt][2 * hh], y = dq[nt][2 * hh + 1];
+          if (chunk > 0) {
+            x += partial_row[col];
+            y += partial_row[col + 1];
+          }
+          if (last) {
+            *reinterpret_cast<uint32_t*>(dq_row + col) = pack<T>(x * p.scale, y * p.scale);
+          } else {
+            partial_row[col] = x;
+            partial_row[col + 1] = y;
+          }
+        }
       }
     }
-    __syncthreads();
-    // One thread a query adds the warps' sums in warp order: the same bits on every run.
-    if (threadIdx.x < kM) {
-      float sum = 0.0f, mass = 0.0f;
-      for (int w = 0; w < seen_warps; ++w) {
-        sum += sums[(w * kM + threadIdx.x) * 2];
-        mass += sums[(w * kM + threadIdx.x) * 2 + 1];
-      }
-      // A query that sees no key has no mass: delta 0 (its dS is 0 whatever the delta).
-      delta[threadIdx.x] = mass > 0.0f ? sum / mass : 0.0f;
-    }
-    __syncthreads();
-    if (active) {
-      transposed_score_gradients<kM>(st, dpt, p, delta, kept);
-      // dS^T rounded to T, the value dK's product takes from the same registers.
-#pragma unroll
-      for (int nt = 0; nt < kM / 8; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<uint32_t*>(ds_tile + keys[hh] * kDsPitch + nt * 8 + 2 * t) =
-              pack<T>(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
-      add_product<T, D, kM>(dv, st, do_tile);   // dV += P^T dO
-      add_product<T, D, kM>(dk, dpt, q_tile);   // dK += dS^T Q
-    }
-    __syncthreads();
-
-    // dQ = dS K: warp w owns 16 rows (m-tile w % kMTiles) and kCols of head_dim's columns
-    // from c0, over the keys the tile may see, 16 a step.
-    constexpr int kMTiles = kM / 16, kCols = D * kMTiles / kWarps;
-    const int row0 = warp % kMTiles * 16, c0 = warp / kMTiles * kCols;
-    float dq[kCols / 8][4] = {};
-    for (int kt = 0; kt < seen_warps; ++kt) {
-      uint32_t a[4];
-      load_a_transposed<kDsPitch>(a, ds_tile, row0, kt * 16);
-#pragma unroll
-      for (int dt = 0; dt < kCols / 16; ++dt) {
-        uint32_t bf[4];
-        load_b_cols<P>(bf, k_tile, kt * 16, c0 + dt * 16);
-        mma<T>(dq[2 * dt], a, bf[0], bf[1]);
-        mma<T>(dq[2 * dt + 1], a, bf[2], bf[3]);
-      }
-    }
-    // Queries that see no key get zeros.
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = m0 + row0 + g + 8 * hh;
-      if (row >= s.len_q) continue;
-      T* dq_row = p.dq.at(b, h, s.q0 + row);
-#pragma unroll
-      for (int nt = 0; nt < kCols / 8; ++nt)
-        *reinterpret_cast<uint32_t*>(dq_row + c0 + nt * 8 + 2 * t) =
-            pack<T>(dq[nt][2 * hh] * p.scale, dq[nt][2 * hh + 1] * p.scale);
-    }
+    store_key_gradients<T, D>(dk, dv, p, b, h, s, keys);
   }
-
   // A block with no query never waited for its K and V tiles: no copy may outlive it into
   // the shared memory of the next block.
   cp_async_wait<0>();
-  store_key_gradients<T, D>(dk, dv, p, b, h, s, keys);
 }
 
 }  // namespace fusedlm::cuda::kernels::attention
@@ -1243,7 +1307,8 @@ Rows<T> rows_of(const at::Tensor& t, bool varlen) {
   return {p, t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// Rows of the float32 statistics: [batch, heads, seq_q], or [heads, tokens] (varlen).
+// Rows of the float32 statistics: [batch, heads, seq_q], or [heads, tokens] (varlen); and
+// of a float32 [batch, heads, seq_q, d] or [heads, tokens, d] tensor, rows of d.
 Rows<float> stat_rows(const at::Tensor& t, bool varlen) {
   float* p = ptr<float>(t);
   if (varlen) return {p, 0, t.stride(0), t.stride(1)};
@@ -1350,8 +1415,20 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
     p.dq = rows_of<T>(dq, pb.varlen);
     p.dk = rows_of<T>(dk, pb.varlen);
     p.dv = rows_of<T>(dv, pb.varlen);
-    if (pb.seq_k <= kFusedKeys) {
-      // One block a (sequence, head); its query tiles resident where they fit.
+    if (pb.seq_k <= kFusedMaxKeys) {
+      // One block a (sequence, head); its query tiles resident where they fit. Past one
+      // chunk of keys, the queries' deltas and dQ's partial sums in float32 go through
+      // global memory.
+      at::Tensor delta, dq_partial;
+      if (pb.seq_k > kFusedKeys) {
+        delta = at::empty(lse.sizes(), lse.options());
+        p.out = rows_of<T>(out, pb.varlen);
+        p.delta = stat_rows(delta, pb.varlen);
+        const int64_t d = D;
+        dq_partial = pb.varlen ? at::empty({pb.heads, dq.size(0), d}, lse.options())
+                               : at::empty({pb.batch, pb.heads, pb.seq_q, d}, lse.options());
+        p.dq_partial = stat_rows(dq_partial, pb.varlen);
+      }
       if (takes_resident_path(pb.seq_q, fused_smem<D, true>(pb.seq_q)))
         launch_blocks<T>(attention_fused_backward_kernel<T, D, true>, 1, Shape<true>::threads,
                          fused_smem<D, true>(pb.seq_q), pb, p);
