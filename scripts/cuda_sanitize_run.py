@@ -66,9 +66,10 @@ def main() -> int:
     # attention: head dims 64 and 128, query and key tails past a block of 64, padding,
     # the causal diagonal with more queries than keys, dropout; the resident path (up to
     # 512) and the streamed one, whose forward runs on wgmma on sm_90 unless turned off;
-    # varlen with an empty sequence.
-    cases = ((64, 70, 67, True), (128, 70, 67, True), (64, 603, 600, True),
-             (128, 603, 600, True), (64, 603, 600, False))
+    # the one-kernel backward of one chunk of keys and of three, and the three kernels
+    # past 512 keys; varlen with an empty sequence.
+    cases = ((64, 70, 67, True), (128, 70, 67, True), (64, 300, 260, True),
+             (64, 603, 600, True), (128, 603, 600, True), (64, 603, 600, False))
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim, seq_q, seq_k, wgmma in cases:
             cuda_backend.set_path("attention_wgmma", wgmma)
