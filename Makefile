@@ -6,7 +6,7 @@
 #             built from a copy of the sources in build/oldest (CI runs it after `make test`)
 # make fuzz   the ops' fuzzers (tests/fuzz.py) at FUZZ_CASES (2,000) cases per op and backend,
 #             on the cpu backend, the triton backend in its interpreter and the emulated cuda
-#             build (`make test` runs them at 200)
+#             build (`make test` runs them at 200 on the cpu backend, 50 on the others)
 # make test-emulated  the CUDA kernels on the CPU: the emulator's own tests, then every test of
 #             the cuda backend against a build of it on the CUDA emulator (FUSEDLM_CUDA=emulate,
 #             from a copy of the sources in build/emulated), as sm_80 and as sm_90a
@@ -34,9 +34,10 @@ $(VENV)/.fusedlm: $(VENV)/.deps $(SOURCES)
 	MAX_JOBS=$${MAX_JOBS:-2} $(PY) -m pip install -q --no-build-isolation --no-deps .
 	touch $@
 
-# The fuzzers run 200 cases per op on the cpu backend and 100 through the Triton
-# interpreter and the CUDA emulator, where a case costs tens of times more.
-SLOW_FUZZ := FUSEDLM_FUZZ_CASES=100
+# The fuzzers run 200 cases per op on the cpu backend and 50 through the Triton
+# interpreter and the CUDA emulator, where a case costs tens of times more (each run
+# draws new cases; `make fuzz` runs 2,000).
+SLOW_FUZZ := FUSEDLM_FUZZ_CASES=50
 
 test: $(VENV)/.fusedlm
 	$(PY) -m pytest -q
@@ -77,12 +78,12 @@ $(EMULATED)/.built: $(VENV)/.deps $(SOURCES)
 
 # As sm_80 (mma.sync everywhere; the attention tests take the resident and the streamed
 # path), then as sm_90a: the attention tests (the wgmma forward, which the streamed path
-# takes there), whose fuzzers run 50 cases each (the sm_80 run has run 100), and the FFN's
-# tests of its fused product (wgmma there; its cuBLAS path is the same on both arches).
+# takes there) and the FFN's tests of its fused product (wgmma there; its cuBLAS path is
+# the same on both arches).
 test-emulated: $(VENV)/.deps $(EMULATED)/.built
 	$(EMULATED_RUN) -m emulator
 	$(SLOW_FUZZ) $(EMULATED_RUN) -m cuda
-	FUSEDLM_EMULATE_ARCH=sm_90a FUSEDLM_FUZZ_CASES=50 $(EMULATED_RUN) -m cuda \
+	FUSEDLM_EMULATE_ARCH=sm_90a $(SLOW_FUZZ) $(EMULATED_RUN) -m cuda \
 	  tests/test_attention.py tests/test_gelu.py -k "attention or fused"
 
 FUZZ_CASES ?= 2000

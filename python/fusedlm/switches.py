@@ -22,7 +22,7 @@ class Switch:
 
 SWITCHES = (
     Switch("FUSEDLM_BACKEND", "chosen per call",
-           "runs every op on this backend: reference, cpu, triton or cuda", "python"),
+           "runs every op on this backend: reference, torch, cpu, triton or cuda", "python"),
     Switch("FUSEDLM_DEBUG", "0",
            "1: checks the values of index tensors on GPUs too (a device-to-host copy per call)",
            "python"),
