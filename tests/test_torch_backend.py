@@ -166,3 +166,18 @@ def test_a_whole_model_runs_on_the_torch_backend():
         assert (got is None) == (want is None)
         if got is not None:
             torch.testing.assert_close(got, want)
+
+
+def test_torch_compile_traces_the_compositions_into_one_graph():
+    x, residual = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16)
+
+    def step(x, residual):
+        out, summed = fusedlm.ops.add_layer_norm(x, residual, None, None, backend="torch")
+        q = out.view(1, 4, 2, 8).transpose(1, 2)
+        return fusedlm.ops.attention(q, q, q, causal=True, backend="torch").sum() + summed.sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(x, residual)
+    expected = step(x, residual)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(expected, x)[0])
