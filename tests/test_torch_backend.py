@@ -10,7 +10,11 @@ from fusedlm.backends import _REGISTRY, declared
 from fusedlm.ops import reference
 from fusedlm.verify import probes
 
+from helpers import needs_cuda
+
 F64 = torch.float64
+# Its compositions run on any device: here on the CPU, and on a GPU where there is one.
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 SMALL_PROBES = [pytest.param(p, id=f"{p.op}-{p.name}") for info in declared().values()
                 for p in info.probes if p.size == "small"]
 
@@ -19,10 +23,12 @@ def test_every_op_has_a_composition():
     assert set(_REGISTRY["torch"].kernels) == set(declared())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("probe", SMALL_PROBES)
-def test_probes_match_the_float64_reference(probe, dtype):
-    outcome = probes.run(probe, "torch", torch.device("cpu"), dtype, seed=int(torch.randint(1000, ())))
+def test_probes_match_the_float64_reference(probe, dtype, device):
+    outcome = probes.run(probe, "torch", torch.device(device), dtype,
+                         seed=int(torch.randint(1000, ())))
     assert outcome.within(dtype), f"{outcome.worst}: relative error {outcome.error:.3g}"
 
 
@@ -41,19 +47,19 @@ def _assert_attention_matches(inputs, upstream=None, **options):
     return out
 
 
-def _qkv(batch, heads, seq_q, seq_k, dim=8):
-    return (torch.randn(batch, heads, seq_q, dim, dtype=F64, requires_grad=True),
-            torch.randn(batch, heads, seq_k, dim, dtype=F64, requires_grad=True),
-            torch.randn(batch, heads, seq_k, dim, dtype=F64, requires_grad=True))
+def _qkv(batch, heads, seq_q, seq_k, dim=8, device="cpu"):
+    return tuple(torch.randn(batch, heads, seq, dim, dtype=F64, device=device, requires_grad=True)
+                 for seq in (seq_q, seq_k, seq_k))
 
 
-def test_attention_rows_with_no_key_are_zeros_with_zero_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_rows_with_no_key_are_zeros_with_zero_gradients(device):
     # SDPA's own answer for a row whose keys are all masked is NaN; the op promises zeros.
-    q, k, v = _qkv(3, 2, 5, 5)
-    mask = torch.zeros(3, 5, dtype=torch.bool)
+    q, k, v = _qkv(3, 2, 5, 5, device=device)
+    mask = torch.zeros(3, 5, dtype=torch.bool, device=device)
     mask[1, 2:] = True
     mask[2] = True  # a sequence of padding only
-    upstream = torch.randn(3, 2, 5, 8, dtype=F64)
+    upstream = torch.randn(3, 2, 5, 8, dtype=F64, device=device)
     out = _assert_attention_matches((q, k, v), upstream, key_padding_mask=mask)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     dq, = _grads(fusedlm.ops.attention(q, k, v, key_padding_mask=mask, backend="torch"), (q,),
@@ -61,12 +67,13 @@ def test_attention_rows_with_no_key_are_zeros_with_zero_gradients():
     assert torch.isfinite(dq).all() and torch.equal(dq[2], torch.zeros_like(dq[2]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seq_q, seq_k", [(5, 5), (3, 7), (7, 3)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_causal_aligns_to_the_bottom_right(seq_q, seq_k, masked):
+def test_attention_causal_aligns_to_the_bottom_right(seq_q, seq_k, masked, device):
     # SDPA's is_causal aligns to the top left: the composition uses it only where both agree.
-    q, k, v = _qkv(2, 2, seq_q, seq_k)
-    mask = torch.zeros(2, seq_k, dtype=torch.bool)
+    q, k, v = _qkv(2, 2, seq_q, seq_k, device=device)
+    mask = torch.zeros(2, seq_k, dtype=torch.bool, device=device)
     mask[1, seq_k // 2:] = masked
     _assert_attention_matches((q, k, v), causal=True, key_padding_mask=mask if masked else None)
 
@@ -84,13 +91,15 @@ def test_attention_output_is_laid_out_like_q():
     assert out.stride() == q.stride()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_attention_pads_each_sequence_and_gathers_it_back(causal):
+def test_packed_attention_pads_each_sequence_and_gathers_it_back(causal, device):
     lengths_q, lengths_k = [3, 0, 5, 1], [4, 2, 5, 1]
-    cu_q = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
-    cu_k = torch.tensor([0, 4, 6, 11, 12], dtype=torch.int32)
-    q = torch.randn(sum(lengths_q), 2, 8, dtype=F64, requires_grad=True)
-    k, v = (torch.randn(sum(lengths_k), 2, 8, dtype=F64, requires_grad=True) for _ in range(2))
+    cu_q = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 6, 11, 12], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lengths_q), 2, 8, dtype=F64, device=device, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), 2, 8, dtype=F64, device=device, requires_grad=True)
+            for _ in range(2))
     args = (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
     out = fusedlm.ops.attention_varlen(*args, causal=causal, backend="torch")
     expected = reference.attention_varlen(*args, causal=causal)
