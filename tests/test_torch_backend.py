@@ -190,3 +190,11 @@ def test_torch_compile_traces_the_compositions_into_one_graph():
     expected = step(x, residual)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(expected, x)[0])
+
+
+def test_outputs_are_their_own_tensors():
+    # A plain LayerNorm (no residual, no dropout): its sum is x's values, in a tensor of its
+    # own, as on every backend.
+    x = torch.randn(3, 8)
+    _, summed = fusedlm.ops.add_layer_norm(x, None, None, None, backend="torch")
+    assert torch.equal(summed, x) and summed.data_ptr() != x.data_ptr()

@@ -131,9 +131,10 @@ def _reference_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_b
 
 def _composition(x, residual, weight, bias, eps, dropout_p, seed):
     summed = F.dropout(x, dropout_p) if dropout_p > 0 else x
-    summed = summed.clone() if residual is None and dropout_p == 0 else summed
     if residual is not None:
         summed = summed + residual
+    elif summed is x:
+        summed = x.clone()  # (an output of its own, as every backend's, never x itself)
     return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed, None, None
 
 
