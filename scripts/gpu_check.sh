@@ -9,9 +9,10 @@
 #           in the order of what users decide on: the build for sm_90a alone, the model
 #           steps (bench --models bert-base gpt2-small), the op rows at BERT-base's shapes
 #           (bench --shapes bert), the FFN's rows again on its fused products
-#           (FUSEDLM_FFN_CUBLAS=0), the record (benchmarks/results), then the cuda cases of
-#           the op tests. Each bench step rewrites its JSON after every case, so a step cut
-#           off keeps its rows. Without a GPU it is a dry run: a CPU build, the bench steps
+#           (FUSEDLM_FFN_CUBLAS=0) and the attention's with its backward in three kernels
+#           (FUSEDLM_ATTENTION_FUSED_BACKWARD=0), the record (benchmarks/results), then the
+#           cuda cases of the op tests. Each bench step rewrites its JSON after every case,
+#           so a step cut off keeps its rows. Without a GPU it is a dry run: a CPU build, the bench steps
 #           with --device cpu --quick (checking them, measuring nothing) and no record.
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
@@ -22,8 +23,10 @@
 #           processes where pytest-xdist is installed)
 # bench     fusedlm bench --device cuda --ops ...: every op on each GPU backend against
 #           torch, with the device's ceilings; then the attention again with the cuda
-#           backend's resident path off (rows "fusedlm[cuda] streamed"), and the attention
-#           and the FFN with their wgmma kernels off (rows "fusedlm[cuda] mma-sync")
+#           backend's resident path off (rows "fusedlm[cuda] streamed") and with its
+#           backward in three kernels ("fusedlm[cuda] three-kernel-backward"), the FFN on
+#           its own fused products ("fusedlm[cuda] fused-ffn"), and the attention and the FFN
+#           with their wgmma kernels off (rows "fusedlm[cuda] mma-sync")
 # bench-models  the same for each model's steps; both stages' rows also go to one record,
 #           benchmarks/results/<device>-<date>.json
 # sanitize  compute-sanitizer memcheck and racecheck over a small run of every cuda kernel
@@ -142,13 +145,17 @@ stage_bench() {  # part: ops or models (one stage each, so that each fits a stag
   [ -f "$OUT/$stage.json" ] || return "$status"
   if [ "$part" = ops ] && [ "$status" -eq 0 ]; then
     # Ops again with cuda-backend paths off, each run against its own baselines: the
-    # attention without its resident path (what it buys at BERT lengths), the FFN on its
-    # own fused products instead of cuBLAS's (wgmma on Hopper), and the attention and
-    # that product without their wgmma kernels (what Hopper's products buy).
+    # attention without its resident path (what it buys at BERT lengths), its backward in
+    # three kernels instead of one up to 512 keys, the FFN on its own fused products
+    # instead of cuBLAS's (wgmma on Hopper), and the attention and that product without
+    # their wgmma kernels (what Hopper's products buy).
     # The record below is written whether or not these fit in the stage's time.
     run_stage bench-streamed env -u TRITON_INTERPRET FUSEDLM_ATTENTION_RESIDENT=0 "$PY" -m \
         fusedlm bench --device cuda --ops attention --json "$OUT/variant-streamed.json" \
         || status=$?
+    run_stage bench-three-kernel-backward env -u TRITON_INTERPRET \
+        FUSEDLM_ATTENTION_FUSED_BACKWARD=0 "$PY" -m fusedlm bench --device cuda --ops attention \
+        --json "$OUT/variant-three-kernel-backward.json" || status=$?
     run_stage bench-fused-ffn env -u TRITON_INTERPRET FUSEDLM_FFN_CUBLAS=0 "$PY" -m \
         fusedlm bench --device cuda --ops gelu_ffn --json "$OUT/variant-fused-ffn.json" \
         || status=$?
@@ -196,10 +203,13 @@ stage_quick() {
   # shellcheck disable=SC2086  # ops is a list of words
   run_stage bench env -u TRITON_INTERPRET "$PY" -m fusedlm bench "${device[@]}" --ops $ops \
       --shapes bert --json "$OUT/bench.json" || status=$?
-  # The FFN on its own fused products, against the cuBLAS path the rows above ran: the
-  # measurement that decides between them.
+  # The FFN on its own fused products, and the attention's backward in three kernels,
+  # against the paths the rows above ran: the measurements that decide between them.
   run_stage bench-fused-ffn env -u TRITON_INTERPRET FUSEDLM_FFN_CUBLAS=0 "$PY" -m fusedlm bench \
       "${device[@]}" --ops gelu_ffn --shapes bert --json "$OUT/variant-fused-ffn.json" || status=$?
+  run_stage bench-three-kernel-backward env -u TRITON_INTERPRET \
+      FUSEDLM_ATTENTION_FUSED_BACKWARD=0 "$PY" -m fusedlm bench "${device[@]}" --ops attention \
+      --shapes bert --json "$OUT/variant-three-kernel-backward.json" || status=$?
   local name
   if [ "$HAVE_GPU" = 1 ] && compgen -G "$OUT/bench*.json" > /dev/null; then
     if name=$(write_record); then echo "results: benchmarks/results/$name"; else status=1; fi

@@ -2,6 +2,7 @@
 import math
 import re
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -403,6 +404,32 @@ def test_cuda_attention_backward_repeats_bit_for_bit(backend, path, keys, cuda_p
         results.append(torch.autograd.grad(out, leaves, grad))
     for first, second in zip(*results):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("backend", [p for p in backends_for("attention") if p.id == "cuda"])
+@pytest.mark.parametrize("seq_k", [100, 200])
+def test_cuda_attention_backward_in_three_kernels_agrees_with_the_one_kernel(backend, seq_k,
+                                                                            cuda_paths):
+    # The attention_fused_backward path off (FUSEDLM_ATTENTION_FUSED_BACKWARD=0) keeps the
+    # three kernels (delta, dQ, dK/dV) at every length, the other side of the measurement
+    # between them. Both compute the same gradients, summed in other orders.
+    device = backend_device(backend)
+    batch, heads, seq_q = (1, 2, 70) if slow_backend(backend) else (4, 12, 150)
+    leaves, (q, k, v) = _inputs(batch, heads, seq_q, seq_k, 64, torch.bfloat16, device,
+                                layout="bshd")
+    mask = _padding_mask(batch, seq_k, device)
+    grad = torch.randn(batch, heads, seq_q, 64, dtype=torch.bfloat16, device=device)
+    runs = []
+    for fused in (True, False):
+        cuda_paths("attention_fused_backward", fused)
+        out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=True, backend=backend)
+        counting = cuda_backend.count_launches() if cuda_backend.emulated() else nullcontext()
+        with counting as launches:
+            runs.append(torch.autograd.grad(out, leaves, grad))
+        if launches is not None:
+            assert len(launches) == (1 if fused else 3)
+    for name, one, three in zip(("dq", "dk", "dv"), *runs):
+        assert_relative_error(one, three, torch.bfloat16, name)
 
 
 @pytest.mark.parametrize("seq, head_dim", [(64, 64), (64, 128), (128, 64), (128, 128),

@@ -42,7 +42,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The switches between kernel paths (set_path and paths, csrc/cuda/paths.cu), read from the
 // environment once per process (csrc/cuda/paths.cu); a launch reads the one of its path.
 struct KernelPaths {
-  std::atomic<bool> attention_resident{true}, attention_wgmma{true}, ffn_cublas{true}, ffn_wgmma{true};
+  std::atomic<bool> attention_resident{true}, attention_wgmma{true}, attention_fused_backward{true},
+      ffn_cublas{true}, ffn_wgmma{true};
 };
 KernelPaths& kernel_paths();
 

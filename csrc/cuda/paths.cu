@@ -19,6 +19,8 @@ struct Switch {
 constexpr Switch kSwitches[] = {
     {"attention_resident", "FUSEDLM_ATTENTION_RESIDENT", &KernelPaths::attention_resident},
     {"attention_wgmma", "FUSEDLM_ATTENTION_WGMMA", &KernelPaths::attention_wgmma},
+    {"attention_fused_backward", "FUSEDLM_ATTENTION_FUSED_BACKWARD",
+     &KernelPaths::attention_fused_backward},
     {"ffn_cublas", "FUSEDLM_FFN_CUBLAS", &KernelPaths::ffn_cublas},
     {"ffn_wgmma", "FUSEDLM_FFN_WGMMA", &KernelPaths::ffn_wgmma},
 };

@@ -1415,7 +1415,7 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
     p.dq = rows_of<T>(dq, pb.varlen);
     p.dk = rows_of<T>(dk, pb.varlen);
     p.dv = rows_of<T>(dv, pb.varlen);
-    if (pb.seq_k <= kFusedMaxKeys) {
+    if (pb.seq_k <= kFusedMaxKeys && kernel_paths().attention_fused_backward) {
       // One block a (sequence, head); its query tiles resident where they fit. Past one
       // chunk of keys, the queries' deltas and dQ's partial sums in float32 go through
       // global memory.

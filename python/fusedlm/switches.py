@@ -42,6 +42,9 @@ SWITCHES = (
            "csrc/cuda/paths.cu"),
     Switch("FUSEDLM_ATTENTION_WGMMA", "1",
            "0 turns off the cuda attention's Hopper (wgmma) path", "csrc/cuda/paths.cu"),
+    Switch("FUSEDLM_ATTENTION_FUSED_BACKWARD", "1",
+           "0: the cuda attention's backward runs as three kernels (delta, dQ, dK/dV) at every "
+           "length, instead of one kernel up to 512 keys", "csrc/cuda/paths.cu"),
     Switch("FUSEDLM_FFN_CUBLAS", "1",
            "0: the cuda gelu_ffn runs its own fused products instead of cuBLAS's products and "
            "its GELU pass", "csrc/cuda/paths.cu"),

@@ -2,8 +2,8 @@
 
 It has add_layer_norm, bias_gelu, cross_entropy and masked_lm_loss, for float32, bfloat16
 and float16; gelu_ffn (cuBLAS's products around one fused bias, GELU and dropout pass, or
-its own tensor-core product with those in its epilogue) and attention and attention_varlen (FlashAttention-2 on the tensor cores) take
-what their op files declare (fusedlm/ops/gelu.py, attention.py); other calls fall through
+its own tensor-core product with those in its epilogue) and attention and attention_varlen
+(FlashAttention-2 on the tensor cores) take what their op files declare (fusedlm/ops/gelu.py, attention.py); other calls fall through
 to triton. The attention backward is deterministic: no atomics, each gradient element is
 written once, so equal inputs give equal gradients bit for bit.
 
@@ -13,11 +13,12 @@ sm_90a) and runs one CPU thread per CUDA thread. There the backend needs no GPU 
 runs on CPU tensors (not on CUDA ones: that build has no CUDA), slowly, to test the
 kernels; it runs only when asked for by name, never by automatic choice.
 
-Some kernels have two paths (the attention forward's resident and streamed K/V, the
-FFN's cuBLAS products and its own fused ones, the Hopper wgmma products): :func:`set_path`
-turns one off, to compare it with the path it replaces at the same shapes
-(FUSEDLM_ATTENTION_RESIDENT=0, FUSEDLM_ATTENTION_WGMMA=0, FUSEDLM_FFN_CUBLAS=0 and
-FUSEDLM_FFN_WGMMA=0 do at start).
+Some kernels have two paths (the attention's resident and streamed walks, its backward in
+one kernel up to 512 keys or in three, the FFN's cuBLAS products and its own fused ones,
+the Hopper wgmma products): :func:`set_path` turns one off, to compare it with the path it
+replaces at the same shapes (FUSEDLM_ATTENTION_RESIDENT=0, FUSEDLM_ATTENTION_WGMMA=0,
+FUSEDLM_ATTENTION_FUSED_BACKWARD=0, FUSEDLM_FFN_CUBLAS=0 and FUSEDLM_FFN_WGMMA=0 do at
+start).
 """
 import contextlib
 import dataclasses
@@ -135,8 +136,8 @@ def runs_built_code(capability: tuple, arch_list: str) -> bool:
 
 
 def paths() -> dict:
-    """{kernel path: whether it may run}: "attention_resident", "attention_wgmma", "ffn_cublas",
-    "ffn_wgmma"."""
+    """{kernel path: whether it may run}: "attention_resident", "attention_wgmma",
+    "attention_fused_backward", "ffn_cublas", "ffn_wgmma"."""
     return dict(_C.cuda.paths())
 
 

@@ -28,7 +28,8 @@ class Probe:
 
 
 # The cuda kernel paths probes name.
-RESIDENT, WGMMA = ("attention_resident",), ("attention_wgmma",)
+# Attention up to 512 keys: the one-kernel backward first, then the resident walk.
+RESIDENT, WGMMA = ("attention_fused_backward", "attention_resident"), ("attention_wgmma",)
 # The FFN's cuBLAS path first: with it off, the fused product runs (on wgmma on sm_90).
 FFN_PATHS = ("ffn_cublas", "ffn_wgmma")
 

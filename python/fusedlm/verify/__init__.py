@@ -7,8 +7,8 @@ small probes (fusedlm.verify.probes) on B against the float64 reference. A NaN, 
 an exception fails the check: the backend is then skipped for X in D on that device, with
 one warning naming it and the error measured, and the call runs on the next backend. A
 failing probe that passes with one of the cuda backend's kernel paths turned off
-(``attention_resident``, ``attention_wgmma``, ``ffn_cublas``, ``ffn_wgmma``) disables
-only that path (for the whole process: the paths are switches of the extension, not of
+(``attention_fused_backward``, ``attention_resident``, ``attention_wgmma``, ``ffn_cublas``,
+``ffn_wgmma``) disables only that path (for the whole process: the paths are switches of the extension, not of
 one device).
 
 Results are kept on disk, one file per device name, driver, torch, triton and fusedlm
