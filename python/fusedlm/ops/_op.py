@@ -100,9 +100,9 @@ class Op:
     def _caller(self) -> Callable:
         """``call(backend, *args)``: the op's outputs on ``backend``. A function of its own
         rather than a method: it runs on every call, and a plain function costs Python least.
-        The torch backend's composition runs as it is, outside the registered op, but for
-        the transforms, which take the reference's forward as on every backend (SDPA has no
-        forward-mode derivative on every device)."""
+        The torch backend's composition runs as it is, outside the registered op; under a
+        transform or forward-mode AD the reference's forward runs instead, as on every
+        backend (SDPA lacks a forward-mode derivative on some devices)."""
         name, op, eager, is_compiling = self.name, self._op, self._eager, torch.compiler.is_compiling
         reference_forward = self._reference_kernels[0]
 

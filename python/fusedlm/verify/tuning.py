@@ -5,9 +5,9 @@ The first time a call of op X in a shape class (each tensor's dtype and its size
 up to powers of two; the other arguments as they are) would run on a GPU by automatic
 choice, fusedlm times X on every backend that can run the call there: the cuda and triton
 kernels, and the torch backend, PyTorch's own composition in the inputs' dtype (SDPA,
-cuBLAS products and eager elementwise passes), what users run without fusedlm (or, for an
-op without such a composition, the reference backend's). Each runs the forward, and the backward where
-the call takes gradients, on copies of the call's arguments, in a thread of its own (the
+cuBLAS products and eager elementwise passes), what users run without fusedlm (the
+reference, for an op that has no such composition). Each runs the forward, and the
+backward where the call takes gradients, on copies of the call's arguments, in a thread of its own (the
 caller's autocast, grad mode and saved-tensor hooks stay out), with the random generators
 put back after. The fastest wins for that class; ``fusedlm.explain`` quotes the times.
 Winners are kept on disk beside the verification record (``$FUSEDLM_CACHE_DIR/verified/``),
