@@ -7,9 +7,10 @@ choice, fusedlm times X on every backend that can run the call there: the cuda a
 kernels, and the torch backend, PyTorch's own composition in the inputs' dtype (SDPA,
 cuBLAS products and eager elementwise passes), what users run without fusedlm (the
 reference, for an op that has no such composition). Each runs the forward, and the
-backward where the call takes gradients, on copies of the call's arguments, in a thread of its own (the
-caller's autocast, grad mode and saved-tensor hooks stay out), with the random generators
-put back after. The fastest wins for that class; ``fusedlm.explain`` quotes the times.
+backward where the call takes gradients, on copies of the call's arguments, in a thread of
+its own (the caller's autocast, grad mode and saved-tensor hooks stay out), with the random
+generators put back after. The fastest wins for that class; ``fusedlm.explain`` quotes the
+times.
 Winners are kept on disk beside the verification record (``$FUSEDLM_CACHE_DIR/verified/``),
 so a machine measures once. ``FUSEDLM_TUNE=0`` turns the timing off: the
 fastest-in-principle order of fusedlm.backends then decides. Named and forced backends run
