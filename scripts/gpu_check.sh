@@ -12,8 +12,9 @@
 #           (FUSEDLM_FFN_CUBLAS=0) and the attention's with its backward in three kernels
 #           (FUSEDLM_ATTENTION_FUSED_BACKWARD=0), the record (benchmarks/results), then the
 #           cuda cases of the op tests. Each bench step rewrites its JSON after every case,
-#           so a step cut off keeps its rows. Without a GPU it is a dry run: a CPU build, the bench steps
-#           with --device cpu --quick (checking them, measuring nothing) and no record.
+#           so a step cut off keeps its rows. Without a GPU it is a dry run: a CPU build,
+#           the bench steps with --device cpu --quick (checking them, measuring nothing)
+#           and no record.
 #
 # build     compiles the extension in place with the CUDA kernels (MAX_JOBS=16), with
 #           ptxas's resource report of every kernel (OUTDIR/ptxas.txt)

@@ -154,9 +154,10 @@ def test_a_whole_model_runs_on_the_torch_backend():
     transformers = pytest.importorskip("transformers")
     from fusedlm.models import BertForMaskedLM
 
-    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=16,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
     model = BertForMaskedLM(config).double().eval()
     ids = torch.randint(0, 50, (3, 10))
     attention_mask = torch.ones(3, 10, dtype=torch.long)

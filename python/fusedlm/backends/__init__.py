@@ -2,8 +2,8 @@
 
 Every op has five backends: ``reference`` (plain PyTorch in float32 or wider, the ground
 truth), ``torch`` (PyTorch's own composition in the inputs' dtype, what users run without
-fusedlm), ``cpu`` (the C++ kernels), ``triton`` and ``cuda``. Three modules say how a call reaches one, each with
-one role:
+fusedlm), ``cpu`` (the C++ kernels), ``triton`` and ``cuda``. Three modules say how a call
+reaches one, each with one role:
 
 - :mod:`.registry`: the backends, the declared ops and what each backend's kernels take;
 - :mod:`.forcing`: the backend :func:`use_backend`, :func:`set_backend` or

@@ -29,7 +29,8 @@ KERNEL_BACKENDS = BACKEND_NAMES[2:]
 # interpreted Triton or emulated CUDA: `triton` and `cuda` on CPU tensors run only when
 # asked for by name. Where no fusedlm kernel can take a call (or one is measured slower),
 # PyTorch's own composition runs it, and the reference only for an op that has none.
-_AUTO_ORDER = {"cuda": ("cuda", "triton", "torch", "reference"), "cpu": ("cpu", "torch", "reference")}
+_AUTO_ORDER = {"cuda": ("cuda", "triton", "torch", "reference"),
+               "cpu": ("cpu", "torch", "reference")}
 
 
 def _one_of(values) -> str:

@@ -37,6 +37,12 @@ from ..backends import OpInfo, declare, filled, kernel
 _DECLARED: dict = {}  # {name: Op}
 
 
+def _transformed() -> bool:
+    """Whether the call runs under a torch.func transform or forward-mode AD, whose
+    wrapped tensors and tangents only the reference's plain PyTorch takes everywhere."""
+    return peek_interpreter_stack() is not None or forward_ad._current_level >= 0
+
+
 def reference_backward(op: str, backend: str, dropout_p: float, *args,
                        caller: Optional[str] = None) -> tuple:
     """``op``'s backward where the backend's kernel cannot serve: for a gradient that is to be
@@ -103,14 +109,14 @@ class Op:
         The torch backend's composition runs as it is, outside the registered op; under a
         transform or forward-mode AD the reference's forward runs instead, as on every
         backend (SDPA lacks a forward-mode derivative on some devices)."""
-        name, op, eager, is_compiling = self.name, self._op, self._eager, torch.compiler.is_compiling
-        reference_forward = self._reference_kernels[0]
+        name, op, eager = self.name, self._op, self._eager
+        is_compiling, reference_forward = torch.compiler.is_compiling, self._reference_kernels[0]
 
         def call(backend: str, *args):
             if backend == "torch":
-                if peek_interpreter_stack() is None and forward_ad._current_level < 0:
-                    return kernel("torch", name).forward(*args)
-                return filled(reference_forward(*args), args)
+                if _transformed():
+                    return filled(reference_forward(*args), args)
+                return kernel("torch", name).forward(*args)
             if is_compiling():
                 return op(*args, backend)
             return eager(*args, backend)
@@ -123,7 +129,7 @@ class Op:
         which every transform takes (the kernels have no forward-mode or batching rules);
         otherwise the OpOverload, which honours torch function modes and tensors'
         __torch_function__."""
-        if peek_interpreter_stack() is None and forward_ad._current_level < 0:
+        if not _transformed():
             return self._op(*args)
         return filled(self._reference_kernels[0](*args[:-1]), args[:-1])
 

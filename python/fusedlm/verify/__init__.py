@@ -3,13 +3,13 @@ user's data there.
 
 The first time a call would run op X in dtype D on a device on backend B (cpu, triton or
 cuda; the reference and the torch backend, plain PyTorch, are yardsticks), fusedlm runs X's
-small probes (fusedlm.verify.probes) on B against the float64 reference. A NaN, an error past the dtype's tolerance or
-an exception fails the check: the backend is then skipped for X in D on that device, with
-one warning naming it and the error measured, and the call runs on the next backend. A
-failing probe that passes with one of the cuda backend's kernel paths turned off
-(``attention_fused_backward``, ``attention_resident``, ``attention_wgmma``, ``ffn_cublas``,
-``ffn_wgmma``) disables only that path (for the whole process: the paths are switches of the extension, not of
-one device).
+small probes (fusedlm.verify.probes) on B against the float64 reference. A NaN, an error
+past the dtype's tolerance or an exception fails the check: the backend is then skipped
+for X in D on that device, with one warning naming it and the error measured, and the call
+runs on the next backend. A failing probe that passes with one of the cuda backend's
+kernel paths turned off (``attention_fused_backward``, ``attention_resident``,
+``attention_wgmma``, ``ffn_cublas``, ``ffn_wgmma``) disables only that path (for the whole
+process: the paths are switches of the extension, not of one device).
 
 Results are kept on disk, one file per device name, driver, torch, triton and fusedlm
 version and build (with the kernel paths a check turned off), so that a machine pays for

@@ -150,17 +150,16 @@ def run(probe: Probe, backend: str, device: torch.device, dtype: torch.dtype,
 def time_ms(probe: Probe, device: torch.device, dtype: torch.dtype,
             backend: Optional[str] = None, rounds: int = 5) -> Optional[float]:
     """The median time of the probe's forward and backward on ``backend`` (None: in plain
-    PyTorch, the torch backend's composition, or fusedlm.ops.reference's for an op without
-    one) after one call to warm up; None where plain PyTorch has no kernel for this dtype
-    here."""
+    PyTorch, the torch backend's composition) after one call to warm up; None where plain
+    PyTorch has no kernel for this dtype here."""
     import fusedlm.ops as ops
-    from fusedlm.ops import reference
 
     plain = backend is None
-    if plain and declared()[probe.op].composition is not None:
-        backend = "torch"
-    fn = (getattr(reference, probe.op) if backend is None
-          else lambda *a, **k: getattr(ops, probe.op)(*a, backend=backend, **k))
+    backend = backend or "torch"
+
+    def fn(*args, **kwargs):
+        return getattr(ops, probe.op)(*args, backend=backend, **kwargs)
+
     call = _Call(probe, device, dtype, torch.Generator().manual_seed(0))
     times = []
     try:

@@ -6,7 +6,8 @@ up to powers of two; the other arguments as they are) would run on a GPU by auto
 choice, fusedlm times X on every backend that can run the call there: the cuda and triton
 kernels, and the torch backend, PyTorch's own composition in the inputs' dtype (SDPA,
 cuBLAS products and eager elementwise passes), what users run without fusedlm (the
-reference, for an op that has no such composition). Each runs the forward, and the
+reference, in float32 or wider, is the yardstick of correctness, not a candidate). Each
+runs the forward, and the
 backward where the call takes gradients, on copies of the call's arguments, in a thread of
 its own (the caller's autocast, grad mode and saved-tensor hooks stay out), with the random
 generators put back after. The fastest wins for that class; ``fusedlm.explain`` quotes the
@@ -183,11 +184,10 @@ def _can_run(op: str, backend: str, args: tuple, kwargs: dict) -> bool:
 
 
 def _runnable(op: str, args: tuple, kwargs: dict, device: torch.device) -> list:
-    """The backends that can run the call on ``device``, in the automatic order: the
-    reference only where PyTorch's own composition cannot."""
-    names = [name for name in _AUTO_ORDER.get(device.type, ("reference",))
-             if _can_run(op, name, args, kwargs)]
-    return [name for name in names if name != "reference" or "torch" not in names]
+    """The backends but the reference that can run the call on ``device``, in the automatic
+    order."""
+    return [name for name in _AUTO_ORDER.get(device.type, ())
+            if name != "reference" and _can_run(op, name, args, kwargs)]
 
 
 def _measured(op: str, args: tuple, kwargs: dict, device: torch.device) -> dict:
