@@ -5,47 +5,6 @@
 namespace fusedlm {
 namespace {
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(-1) > 0, name, " must have a non-empty last dimension");
-}
-
-void check_like(const at::Tensor& t, const at::Tensor& like, const char* name, const char* other,
-                DeviceCheck device) {
-  device(t, name);
-  check_same_device(t, like, name, other);
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", other, " ",
-                    like.sizes(), ", got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", other,
-                   " (", like.scalar_type(), "), got ", t.scalar_type());
-}
-
-// t on x's device and of x's dtype.
-void check_operand(const at::Tensor& t, const at::Tensor& x, const char* name, DeviceCheck device) {
-  device(t, name);
-  check_same_device(t, x, name, "x");
-  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
-                   x.scalar_type(), "), got ", t.scalar_type());
-}
-
-// A contiguous [size] parameter checked against x, or an undefined tensor.
-at::Tensor vector_param(const std::optional<at::Tensor>& t, const at::Tensor& x, int64_t size,
-                        const char* name, DeviceCheck device) {
-  if (!present(t)) return at::Tensor();
-  device(*t, name);
-  check_same_device(*t, x, name, "x");
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == size, name, " must have shape [", size,
-                    "], got ", t->sizes());
-  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
-                   x.scalar_type(), "), got ", t->scalar_type());
-  return t->contiguous();
-}
-
-// A [hidden] parameter of x's last dimension.
-at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name,
-                 DeviceCheck device) {
-  return vector_param(t, x, x.size(-1), name, device);
-}
-
 void check_labels(const at::Tensor& labels, const at::Tensor& like, at::IntArrayRef batch_shape,
                   DeviceCheck device) {
   device(labels, "labels");
@@ -75,6 +34,52 @@ at::Tensor as_rows(const at::Tensor& t) {
 }
 
 at::Tensor nothing(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(-1) > 0, name, " must have a non-empty last dimension");
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* name, const char* other,
+                DeviceCheck device) {
+  device(t, name);
+  check_same_device(t, like, name, other);
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", other, " ",
+                    like.sizes(), ", got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", other,
+                   " (", like.scalar_type(), "), got ", t.scalar_type());
+}
+
+void check_operand(const at::Tensor& t, const at::Tensor& x, const char* name, DeviceCheck device) {
+  device(t, name);
+  check_same_device(t, x, name, "x");
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
+                   x.scalar_type(), "), got ", t.scalar_type());
+}
+
+at::Tensor vector_param(const std::optional<at::Tensor>& t, const at::Tensor& x, int64_t size,
+                        const char* name, DeviceCheck device) {
+  if (!present(t)) return at::Tensor();
+  device(*t, name);
+  check_same_device(*t, x, name, "x");
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == size, name, " must have shape [", size,
+                    "], got ", t->sizes());
+  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), name, " must have the dtype of x (",
+                   x.scalar_type(), "), got ", t->scalar_type());
+  return t->contiguous();
+}
+
+at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name,
+                 DeviceCheck device) {
+  return vector_param(t, x, x.size(-1), name, device);
+}
+
+void check_statistics(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType dtype,
+                      const at::Tensor& like, const char* other, DeviceCheck device) {
+  device(t, name);
+  check_same_device(t, like, name, other);
+  TORCH_CHECK_VALUE(t.numel() == rows && t.scalar_type() == dtype && t.is_contiguous(), name,
+                    " must be the forward's statistics");
+}
 
 LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                       const std::optional<at::Tensor>& weight,
@@ -112,13 +117,8 @@ LayerNormGradInputs add_layer_norm_grad_inputs(const at::Tensor& grad_out,
   in.weight = param(weight, summed, "weight", device);
   in.grad_out = as_rows(grad_out);
   in.summed = as_rows(summed);
-  for (auto [t, name] : {std::pair{&mean, "mean"}, std::pair{&rstd, "rstd"}}) {
-    device(*t, name);
-    check_same_device(*t, summed, name, "summed");
-    TORCH_CHECK_VALUE(t->numel() == in.summed.size(0) && t->scalar_type() == stat_dtype &&
-                          t->is_contiguous(),
-                      name, " must be the forward's statistics");
-  }
+  check_statistics(mean, "mean", in.summed.size(0), stat_dtype, summed, "summed", device);
+  check_statistics(rstd, "rstd", in.summed.size(0), stat_dtype, summed, "summed", device);
   // Without dropout dx is dsummed itself (the caller hands one tensor to both x and
   // residual); with it, dsummed is written only for a residual.
   if (!dropout || has_residual) in.dsummed = at::empty(summed.sizes(), in.summed.options());

@@ -28,6 +28,25 @@ at::Tensor as_rows(const at::Tensor& t);
 // An empty tensor: what a custom op returns for a result nobody asked for.
 at::Tensor nothing(const at::Tensor& like);
 
+// The checks every row-wise op makes (add_layer_norm, rms_norm), each raising with the
+// argument's name:
+// - t has a non-empty last dimension;
+void check_rows(const at::Tensor& t, const char* name);
+// - t has like's shape and dtype and lies on its device;
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* name, const char* other,
+                DeviceCheck device);
+// - t has x's dtype and lies on its device;
+void check_operand(const at::Tensor& t, const at::Tensor& x, const char* name, DeviceCheck device);
+// - t, where present, is [size] (or [hidden], x's last dimension) of x's dtype on its device:
+//   returned contiguous, or undefined where absent;
+at::Tensor vector_param(const std::optional<at::Tensor>& t, const at::Tensor& x, int64_t size,
+                        const char* name, DeviceCheck device);
+at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name,
+                 DeviceCheck device);
+// - t is a forward's contiguous per-row statistic: `rows` values of `dtype`, on like's device.
+void check_statistics(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType dtype,
+                      const at::Tensor& like, const char* other, DeviceCheck device);
+
 // --- add_layer_norm -----------------------------------------------------------------------
 
 // x and residual as [rows, hidden], weight and bias [hidden], contiguous; the optional

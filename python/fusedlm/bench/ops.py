@@ -109,6 +109,27 @@ def add_layer_norm(bench: Bench) -> Iterator[Case]:
                                       inputs, eager, unit="GB/s", work=(4 * size, 7 * size))
 
 
+def rms_norm(bench: Bench) -> Iterator[Case]:
+    for dtype in shapes_for(bench).dtypes:
+        for tokens, hidden in shapes_for(bench).layer_norm:
+            inputs = [bench.tensor(tokens, hidden, dtype=dtype), bench.tensor(hidden, dtype=dtype)]
+
+            def eager(x, w, hidden=hidden):
+                return F.rms_norm(x, (hidden,), w, 1e-6)
+
+            def transformers_llama(x, w):
+                """LlamaRMSNorm's forward, as transformers runs it: float32, then x's dtype."""
+                xf = x.float()
+                return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+            # Forward: x read, out written. Backward: the upstream gradient and x read, dx
+            # written.
+            size = tokens * hidden * inputs[0].element_size()
+            yield from _against_eager(bench, "rms_norm", f"{tokens}x{hidden} {_name(dtype)}",
+                                      inputs, eager, unit="GB/s", work=(2 * size, 5 * size),
+                                      baselines={"transformers-llama": transformers_llama})
+
+
 def bias_gelu(bench: Bench) -> Iterator[Case]:
     s = shapes_for(bench)
     for dtype in s.dtypes:
@@ -279,6 +300,6 @@ def attention(bench: Bench) -> Iterator[Case]:
                                   work=_attention_flops(batch * seq * (seq + 1) // 2, wide, dim))
 
 
-OPS = {"attention": attention, "add_layer_norm": add_layer_norm, "bias_gelu": bias_gelu,
-       "gelu_ffn": gelu_ffn, "cross_entropy": cross_entropy,
+OPS = {"attention": attention, "add_layer_norm": add_layer_norm, "rms_norm": rms_norm,
+       "bias_gelu": bias_gelu, "gelu_ffn": gelu_ffn, "cross_entropy": cross_entropy,
        "distillation_loss": distillation_loss, "masked_lm_loss": masked_lm_loss}

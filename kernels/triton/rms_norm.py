@@ -1,0 +1,120 @@
+"""rms_norm in Triton: out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps) per row.
+
+Forward: one program per row holds the whole row in registers, so each element of x is
+read once and out written once; the row's rstd (float32) is its only other traffic.
+Memory-bound, as add_layer_norm's: it should run near the device's copy bandwidth.
+
+Backward: each program walks a contiguous range of rows, rebuilding xhat = x * rstd from
+x and the saved rstd, writing dx row by row and keeping its share of dweight in float32
+registers; the shares land in a [programs, hidden] buffer summed over programs
+afterwards. The program count depends only on the shape and the device, so dweight is
+the same bit for bit on every run (no atomics).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import autotune, interpreting, rows_of
+
+
+def _configs():
+    return [triton.Config({}, num_warps=w) for w in (4, 8, 16, 2)]
+
+
+@autotune(_configs(), key=["N"])
+@triton.jit
+def _forward_kernel(X, W, OUT, RSTD, N, eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    offsets = row * N + cols
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    # Masked lanes load 0, which the sum of squares ignores. Unlike add_layer_norm's summed,
+    # x is not rounded before the backward reads it back, so the rstd out was computed with
+    # is the one to save: the backward's xhat is the forward's exactly.
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    out = x * rstd
+    if HAS_WEIGHT:
+        out *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@autotune(_configs(), key=["N"])
+@triton.jit
+def _backward_kernel(DY, X, RSTD, W, DX, DW_PART, rows, N, rows_per_program,
+                     HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = program.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, rows)
+    for row in range(first, last):
+        offsets = row * N + cols
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        # rstd * (g - x * rstd^2 * mean(g * x)) written with xhat = x * rstd: rstd^2 alone
+        # would overflow float32 for rows of tiny x when eps is small.
+        xhat = x * rstd
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * w
+        c = tl.sum(xhat * g, axis=0) / N
+        dx = (g - xhat * c) * rstd
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+    if HAS_WEIGHT:
+        tl.store(DW_PART + program * N + cols, dw, mask=mask)
+
+
+def _block(hidden: int) -> int:
+    return triton.next_power_of_2(hidden)
+
+
+def _programs(rows: int, device: torch.device) -> int:
+    """Backward programs: a few per multiprocessor, fixed per shape and device."""
+    slots = 8 if interpreting() else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return min(rows, slots)
+
+
+def _contiguous(t):
+    return None if t is None else t.contiguous()
+
+
+def rms_norm_forward(x, weight, eps):
+    hidden = x.shape[-1]
+    x2 = rows_of(x)
+    rows = x2.shape[0]
+    # A new contiguous tensor in x's shape, which the kernel fills as [rows, hidden]: not a
+    # view of a flat one (FSDP2 cannot follow in-place changes to a view a module returns).
+    out = x.new_empty(x.shape)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        w = _contiguous(weight)
+        _forward_kernel[(rows,)](x2, w, out, rstd, hidden, eps,
+                                 HAS_WEIGHT=w is not None, BLOCK_N=_block(hidden))
+    return out, rstd
+
+
+def rms_norm_backward(grad_out, x, rstd, weight, eps):
+    # eps is the op's (the reference backward recomputes rstd from it); the kernel reads
+    # the rstd the forward saved.
+    hidden = x.shape[-1]
+    x2 = rows_of(x)
+    rows = x2.shape[0]
+    dy = rows_of(grad_out)
+    dx = x.new_empty(x.shape)
+    programs = _programs(rows, x.device)
+    dw_part = (torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
+               if weight is not None else None)
+    if rows:
+        w = _contiguous(weight)
+        _backward_kernel[(programs,)](
+            dy, x2, rstd.contiguous(), w, dx, dw_part, rows, hidden, triton.cdiv(rows, programs),
+            HAS_WEIGHT=w is not None, BLOCK_N=_block(hidden))
+    dweight = dw_part.sum(0).to(x.dtype) if weight is not None else None
+    return dx, dweight
