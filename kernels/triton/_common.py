@@ -71,6 +71,45 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+# --- the row-wise ops (add_layer_norm, rms_norm) -----------------------------------------------
+# A forward program holds one row whole in registers; a backward program walks a contiguous
+# range of rows, keeping its share of the parameter gradients, which land in a
+# [programs, hidden] buffer summed over programs afterwards. The program count depends only
+# on the shape and the device, so those gradients repeat bit for bit (no atomics).
+
+def row_configs():
+    """What a row kernel is tuned over: its warps."""
+    return [triton.Config({}, num_warps=w) for w in (4, 8, 16, 2)]
+
+
+def row_block(hidden: int) -> int:
+    return triton.next_power_of_2(hidden)
+
+
+def row_programs(rows: int, device: torch.device) -> int:
+    """A backward's programs: a few per multiprocessor, fixed per shape and device."""
+    slots = 8 if interpreting() else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return min(rows, slots)
+
+
+def contiguous(t):
+    """t contiguous, or None."""
+    return None if t is None else t.contiguous()
+
+
+@triton.jit
+def program_rows(rows, rows_per_program):
+    """The rows [first, last) a backward program walks."""
+    first = tl.program_id(0).to(tl.int64) * rows_per_program
+    return first, tl.minimum(first + rows_per_program, rows)
+
+
+@triton.jit
+def load_row(P, offsets, mask):
+    """A row (or a [hidden] parameter) in float32, zeros past its end."""
+    return tl.load(P + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
 def rows_of(t: torch.Tensor) -> torch.Tensor:
     """t as a contiguous [rows, last dim] matrix."""
     return t.contiguous().view(-1, t.shape[-1])

@@ -15,10 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, interpreting, keep, rows_of, seed_of
-
-def _configs():
-    return [triton.Config({}, num_warps=w) for w in (4, 8, 16, 2)]
+from ._common import (autotune, contiguous, keep, load_row, program_rows, row_block, row_configs,
+                      row_programs, rows_of, seed_of)
 
 
 @triton.jit
@@ -32,7 +30,7 @@ def _row_stats(s, mask, N, eps):
     return mean, tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
 
 
-@autotune(_configs(), key=["N", "HAS_RESIDUAL", "DROPOUT"])
+@autotune(row_configs(), key=["N", "HAS_RESIDUAL", "DROPOUT"])
 @triton.jit(do_not_specialize=["seed"])
 def _forward_kernel(X, R, W, B, OUT, SUMMED, MEAN, RSTD, N, eps, p, seed,
                     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -65,7 +63,7 @@ def _forward_kernel(X, R, W, B, OUT, SUMMED, MEAN, RSTD, N, eps, p, seed,
     tl.store(RSTD + row, rstd)
 
 
-@autotune(_configs(), key=["N", "HAS_GRAD_SUMMED", "DROPOUT"])
+@autotune(row_configs(), key=["N", "HAS_GRAD_SUMMED", "DROPOUT"])
 @triton.jit(do_not_specialize=["seed"])
 def _backward_kernel(DY, DS_IN, SUMMED, MEAN, RSTD, W, DSUMMED, DX, DW_PART, DB_PART,
                      rows, N, rows_per_program, p, seed,
@@ -76,15 +74,13 @@ def _backward_kernel(DY, DS_IN, SUMMED, MEAN, RSTD, W, DSUMMED, DX, DW_PART, DB_
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = load_row(W, cols, mask)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    first = program.to(tl.int64) * rows_per_program
-    last = tl.minimum(first + rows_per_program, rows)
+    first, last = program_rows(rows, rows_per_program)
     for row in range(first, last):
         offsets = row * N + cols
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(SUMMED + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy, s = load_row(DY, offsets, mask), load_row(SUMMED, offsets, mask)
         rstd = tl.load(RSTD + row)
         xhat = tl.where(mask, (s - tl.load(MEAN + row)) * rstd, 0.0)
         wdy = dy
@@ -108,23 +104,9 @@ def _backward_kernel(DY, DS_IN, SUMMED, MEAN, RSTD, W, DSUMMED, DX, DW_PART, DB_
         tl.store(DB_PART + program * N + cols, db, mask=mask)
 
 
-def _block(hidden: int) -> int:
-    return triton.next_power_of_2(hidden)
-
-
-def _programs(rows: int, device: torch.device) -> int:
-    """Backward programs: a few per multiprocessor, fixed per shape and device."""
-    slots = 8 if interpreting() else 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return min(rows, slots)
-
-
-def _contiguous(t):
-    return None if t is None else t.contiguous()
-
-
 def add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed):
     hidden = x.shape[-1]
-    block = _block(hidden)
+    block = row_block(hidden)
     x2 = rows_of(x)
     r2 = rows_of(residual) if residual is not None else None
     rows = x2.shape[0]
@@ -134,7 +116,7 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed):
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     if rows:
-        w, b = _contiguous(weight), _contiguous(bias)
+        w, b = contiguous(weight), contiguous(bias)
         _forward_kernel[(rows,)](
             x2, r2, w, b, out, summed, mean, rstd, hidden, eps, dropout_p, seed_of(seed, dropout_p),
             HAS_RESIDUAL=r2 is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None,
@@ -145,7 +127,7 @@ def add_layer_norm_forward(x, residual, weight, bias, eps, dropout_p, seed):
 def add_layer_norm_backward(grad_out, grad_summed, summed, mean, rstd, weight, has_bias,
                             has_residual, dropout_p, seed):
     hidden = summed.shape[-1]
-    block = _block(hidden)
+    block = row_block(hidden)
     s2 = rows_of(summed)
     rows = s2.shape[0]
     dy = rows_of(grad_out)
@@ -155,11 +137,11 @@ def add_layer_norm_backward(grad_out, grad_summed, summed, mean, rstd, weight, h
     # with it, dsummed is written only for a residual. Both in summed's shape, as out.
     dsummed = summed.new_empty(summed.shape) if not dropout or has_residual else None
     dx = summed.new_empty(summed.shape) if dropout else None
-    programs = _programs(rows, summed.device)
+    programs = row_programs(rows, summed.device)
     dw_part = torch.empty((programs, hidden), dtype=torch.float32, device=summed.device)
     db_part = torch.empty_like(dw_part) if has_bias else None
     if rows:
-        w = _contiguous(weight)
+        w = contiguous(weight)
         _backward_kernel[(programs,)](
             dy, ds_in, s2, mean, rstd, w, dsummed, dx, dw_part, db_part, rows, hidden,
             triton.cdiv(rows, programs), dropout_p, seed_of(seed, dropout_p),

@@ -14,14 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, interpreting, rows_of
+from ._common import (autotune, contiguous, load_row, program_rows, row_block, row_configs,
+                      row_programs, rows_of)
 
 
-def _configs():
-    return [triton.Config({}, num_warps=w) for w in (4, 8, 16, 2)]
 
-
-@autotune(_configs(), key=["N"])
+@autotune(row_configs(), key=["N"])
 @triton.jit
 def _forward_kernel(X, W, OUT, RSTD, N, eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -40,22 +38,18 @@ def _forward_kernel(X, W, OUT, RSTD, N, eps, HAS_WEIGHT: tl.constexpr, BLOCK_N: 
     tl.store(RSTD + row, rstd)
 
 
-@autotune(_configs(), key=["N"])
+@autotune(row_configs(), key=["N"])
 @triton.jit
 def _backward_kernel(DY, X, RSTD, W, DX, DW_PART, rows, N, rows_per_program,
                      HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
-    program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = load_row(W, cols, mask)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    first = program.to(tl.int64) * rows_per_program
-    last = tl.minimum(first + rows_per_program, rows)
+    first, last = program_rows(rows, rows_per_program)
     for row in range(first, last):
-        offsets = row * N + cols
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy, x = load_row(DY, row * N + cols, mask), load_row(X, row * N + cols, mask)
         rstd = tl.load(RSTD + row)
         # rstd * (g - x * rstd^2 * mean(g * x)) written with xhat = x * rstd: rstd^2 alone
         # would overflow float32 for rows of tiny x when eps is small.
@@ -65,24 +59,10 @@ def _backward_kernel(DY, X, RSTD, W, DX, DW_PART, rows, N, rows_per_program,
             g = dy * w
         c = tl.sum(xhat * g, axis=0) / N
         dx = (g - xhat * c) * rstd
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
     if HAS_WEIGHT:
-        tl.store(DW_PART + program * N + cols, dw, mask=mask)
-
-
-def _block(hidden: int) -> int:
-    return triton.next_power_of_2(hidden)
-
-
-def _programs(rows: int, device: torch.device) -> int:
-    """Backward programs: a few per multiprocessor, fixed per shape and device."""
-    slots = 8 if interpreting() else 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return min(rows, slots)
-
-
-def _contiguous(t):
-    return None if t is None else t.contiguous()
+        tl.store(DW_PART + tl.program_id(0) * N + cols, dw, mask=mask)
 
 
 def rms_norm_forward(x, weight, eps):
@@ -94,9 +74,9 @@ def rms_norm_forward(x, weight, eps):
     out = x.new_empty(x.shape)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        w = _contiguous(weight)
+        w = contiguous(weight)
         _forward_kernel[(rows,)](x2, w, out, rstd, hidden, eps,
-                                 HAS_WEIGHT=w is not None, BLOCK_N=_block(hidden))
+                                 HAS_WEIGHT=w is not None, BLOCK_N=row_block(hidden))
     return out, rstd
 
 
@@ -108,13 +88,13 @@ def rms_norm_backward(grad_out, x, rstd, weight, eps):
     rows = x2.shape[0]
     dy = rows_of(grad_out)
     dx = x.new_empty(x.shape)
-    programs = _programs(rows, x.device)
+    programs = row_programs(rows, x.device)
     dw_part = (torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
                if weight is not None else None)
     if rows:
-        w = _contiguous(weight)
+        w = contiguous(weight)
         _backward_kernel[(programs,)](
             dy, x2, rstd.contiguous(), w, dx, dw_part, rows, hidden, triton.cdiv(rows, programs),
-            HAS_WEIGHT=w is not None, BLOCK_N=_block(hidden))
+            HAS_WEIGHT=w is not None, BLOCK_N=row_block(hidden))
     dweight = dw_part.sum(0).to(x.dtype) if weight is not None else None
     return dx, dweight
