@@ -37,16 +37,9 @@ struct AttentionNode : OpNode {
     const Tensor tl = lse.unpack(), sd = seed.unpack();
     const auto m = optional(mask.unpack()), b = optional(bias.unpack());
     const bool bias_grad = b && task_should_compute_output(3);
-    Tensor dq, dk, dv, dbias;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("attention", backend, dropout_p, "attention", grads[0],
-                                            tq, tk, tv, to, tl, m, b, causal, dropout_p, scale, sd,
-                                            bias_grad);
-      dq = taken[0], dk = taken[1], dv = taken[2], dbias = taken[3];
-    } else {
-      std::tie(dq, dk, dv, dbias) = dispatched<kAttentionBackward, Backward>().call(
-          grads[0], tq, tk, tv, to, tl, m, b, causal, dropout_p, scale, sd, bias_grad, backend);
-    }
+    const auto [dq, dk, dv, dbias] = backward_of<kAttentionBackward, Backward>(
+        *this, grads, {"attention", dropout_p}, grads[0], tq, tk, tv, to, tl, m, b, causal,
+        dropout_p, scale, sd, bias_grad);
     return {dq, dk, dv, bias_grad ? dbias : Tensor()};
   }
 };
@@ -55,12 +48,8 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
                                               const OptionalTensor& mask, const OptionalTensor& bias,
                                               bool causal, double dropout_p, double scale,
                                               const Tensor& seed, c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kAttention, Forward>().call(q, k, v, mask, bias, causal, dropout_p, scale,
+  auto outputs = below_autograd<kAttention, Forward>(q, k, v, mask, bias, causal, dropout_p, scale,
                                                      seed, backend);
-  }
   if (!recorded(q, k, v, bias)) return outputs;
   auto& [out, lse] = outputs;
   auto node = recording_node<AttentionNode>(q, k, v, bias);
@@ -102,17 +91,9 @@ struct AttentionVarlenNode : OpNode {
     if (no_gradient(grads)) return variable_list(num_outputs());
     const Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack(), to = out.unpack(getptr());
     const Tensor tl = lse.unpack(), cq = cu_q.unpack(), ck = cu_k.unpack(), sd = seed.unpack();
-    Tensor dq, dk, dv;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("attention_varlen", backend, dropout_p,
-                                            "attention_varlen", grads[0], tq, tk, tv, to, tl, cq,
-                                            ck, max_q, max_k, causal, dropout_p, scale, sd);
-      dq = taken[0], dk = taken[1], dv = taken[2];
-    } else {
-      std::tie(dq, dk, dv) = dispatched<kVarlenBackward, VarlenBackward>().call(
-          grads[0], tq, tk, tv, to, tl, cq, ck, max_q, max_k, causal, dropout_p, scale, sd,
-          backend);
-    }
+    const auto [dq, dk, dv] = backward_of<kVarlenBackward, VarlenBackward>(
+        *this, grads, {"attention_varlen", dropout_p}, grads[0], tq, tk, tv, to, tl, cq, ck, max_q,
+        max_k, causal, dropout_p, scale, sd);
     return {dq, dk, dv};
   }
 };
@@ -121,12 +102,8 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
     c10::SymInt max_q, c10::SymInt max_k, bool causal, double dropout_p, double scale,
     const Tensor& seed, c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kVarlen, VarlenForward>().call(q, k, v, cu_q, cu_k, max_q, max_k, causal,
+  auto outputs = below_autograd<kVarlen, VarlenForward>(q, k, v, cu_q, cu_k, max_q, max_k, causal,
                                                         dropout_p, scale, seed, backend);
-  }
   if (!recorded(q, k, v)) return outputs;
   auto& [out, lse] = outputs;
   auto node = recording_node<AttentionVarlenNode>(q, k, v);

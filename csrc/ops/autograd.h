@@ -17,6 +17,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -108,6 +109,15 @@ const c10::TypedOperatorHandle<typename WithBackend<Kernel>::type>& dispatched()
   return op;
 }
 
+// Op Name, whose kernels have the signature Kernel, called below autograd, on its kernel for
+// the tensors' device (`args`: the schema's, the backend last): what an op's Autograd kernel
+// runs first, and all it runs for a call autograd does not record.
+template <const char* Name, class Kernel, class... Args>
+auto below_autograd(const Args&... args) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  return dispatched<Name, Kernel>().call(args...);
+}
+
 inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 inline bool requires_grad(const std::optional<at::Tensor>& t) { return t && requires_grad(*t); }
 template <class T>
@@ -134,8 +144,7 @@ struct BelowAutograd<Name, Ret(Args...)> {
   static Ret run(typename SchemaArg<Args>::type... args, c10::string_view backend) {
     TORCH_CHECK(!recorded(args...), Name, " has no derivative: a gradient to be differentiated "
                 "again is fusedlm's reference backward (fusedlm.ops._op.reference_backward)");
-    at::AutoDispatchBelowADInplaceOrView below;
-    return dispatched<Name, Ret(Args...)>().call(args..., backend);
+    return below_autograd<Name, Ret(Args...)>(args..., backend);
   }
 };
 
@@ -172,6 +181,46 @@ variable_list reference_backward(const char* op, const std::string& backend, dou
   for (const auto grad : grads)
     out.push_back(grad.is_none() ? at::Tensor() : pybind11::cast<at::Tensor>(grad));
   return out;
+}
+
+// A list of gradients as a kernel returns them: one tensor, or a tuple of them.
+template <class Ret>
+struct FromList {
+  static Ret get(const variable_list& grads) { return grads.at(0); }
+};
+template <class... T>
+struct FromList<std::tuple<T...>> {
+  static std::tuple<T...> get(const variable_list& grads) {
+    return take(grads, std::index_sequence_for<T...>{});
+  }
+  template <size_t... I>
+  static std::tuple<T...> take(const variable_list& grads, std::index_sequence<I...>) {
+    return {grads.at(I)...};
+  }
+};
+
+// Whose reference backward stands in for a node's kernel: the op's (`op`), given the
+// forward's dropout_p, and the op the user called where it borrows `op`'s backward.
+struct Reference {
+  const char* op;
+  double dropout_p = 0.0;
+  const char* caller = nullptr;
+};
+
+// The gradients of a node's backward, as the kernels of backward op Name (of signature
+// Kernel) return them, from the kernel's arguments `args`: that kernel on the forward's
+// backend or, for output gradients it cannot serve (needs_reference_backward), the
+// reference backward.
+template <const char* Name, class Kernel, class... Args>
+auto backward_of(const OpNode& node, const variable_list& grads, const Reference& reference,
+                 const Args&... args) {
+  using Ret = decltype(dispatched<Name, Kernel>().call(args..., node.backend));
+  if (needs_reference_backward(grads)) {
+    return FromList<Ret>::get(reference_backward(reference.op, node.backend, reference.dropout_p,
+                                                 reference.caller ? reference.caller : reference.op,
+                                                 args...));
+  }
+  return dispatched<Name, Kernel>().call(args..., node.backend);
 }
 
 // Whether a loss's backward may hand out the gradients its forward saved as they are:

@@ -30,10 +30,8 @@ struct ScaledGradNode : OpNode {
     if (no_gradient(grads)) return variable_list(num_outputs());
     const Tensor grad = saved.unpack();
     if (unit_grad(grads[0], reduction)) return {grad};
-    if (needs_reference_backward(grads)) {
-      return {reference_backward("cross_entropy", backend, 0.0, op, grads[0], grad, reduction)[0]};
-    }
-    return {dispatched<kCrossEntropyBackward, ScaleBackward>().call(grads[0], grad, reduction, backend)};
+    return {backward_of<kCrossEntropyBackward, ScaleBackward>(
+        *this, grads, {"cross_entropy", 0.0, op}, grads[0], grad, reduction)};
   }
 };
 
@@ -59,12 +57,8 @@ std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Te
                                                   c10::SymInt ignore_index, double label_smoothing,
                                                   const std::string& reduction, bool with_grad,
                                                   c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kCrossEntropy, CrossEntropyForward>().call(
-        logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend);
-  }
+  auto outputs = below_autograd<kCrossEntropy, CrossEntropyForward>(
+      logits, labels, ignore_index, label_smoothing, reduction, with_grad, backend);
   if (recorded(logits)) record_loss(logits, outputs, reduction, backend, "cross_entropy",
                                       "fusedlm::CrossEntropyBackward");
   return outputs;
@@ -80,12 +74,8 @@ std::tuple<Tensor, Tensor> distillation_loss_autograd(const Tensor& student, con
                                                       double temperature,
                                                       const std::string& reduction, bool with_grad,
                                                       c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kDistillation, DistillationForward>().call(student, teacher, temperature,
+  auto outputs = below_autograd<kDistillation, DistillationForward>(student, teacher, temperature,
                                                                     reduction, with_grad, backend);
-  }
   if (recorded(student)) record_loss(student, outputs, reduction, backend, "distillation_loss",
                                        "fusedlm::DistillationLossBackward");
   return outputs;
@@ -123,18 +113,11 @@ struct MaskedLmLossNode : OpNode {
     const Tensor h = hidden.unpack(), w = weight.unpack(), y = labels.unpack();
     const auto b = optional(bias.unpack());
     Tensor dh = dhidden.unpack(), dw = dweight.unpack(), db = dbias.unpack();
-    if (unit_grad(grads[0], reduction)) {
-      // the saved gradients, as they are
-    } else if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward(
-          "masked_lm_loss", backend, 0.0, "masked_lm_loss", grads[0], h, w, b, y, dh, dw, db,
-          ignore_index, label_smoothing, reduction, chunk_rows, need_dhidden, need_dweight,
-          need_dbias);
-      dh = taken[0], dw = taken[1], db = taken[2];
-    } else {
-      std::tie(dh, dw, db) = dispatched<kMlmBackward, MlmBackward>().call(
-          grads[0], h, w, b, y, dh, dw, db, ignore_index, label_smoothing, reduction, chunk_rows,
-          need_dhidden, need_dweight, need_dbias, backend);
+    // With grad_output 1, the saved gradients as they are.
+    if (!unit_grad(grads[0], reduction)) {
+      std::tie(dh, dw, db) = backward_of<kMlmBackward, MlmBackward>(
+          *this, grads, {"masked_lm_loss"}, grads[0], h, w, b, y, dh, dw, db, ignore_index,
+          label_smoothing, reduction, chunk_rows, need_dhidden, need_dweight, need_dbias);
     }
     return {need_dhidden ? dh : Tensor(), need_dweight ? dw : Tensor(), need_dbias ? db : Tensor()};
   }
@@ -146,13 +129,9 @@ MlmOutputs masked_lm_loss_autograd(const Tensor& hidden, const Tensor& weight,
                                    const std::string& reduction, c10::SymInt chunk_rows,
                                    bool need_dhidden, bool need_dweight, bool need_dbias,
                                    c10::string_view backend) {
-  MlmOutputs outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kMlm, MlmForward>().call(hidden, weight, bias, labels, ignore_index,
-                                                     label_smoothing, reduction, chunk_rows,
-                                                     need_dhidden, need_dweight, need_dbias, backend);
-  }
+  auto outputs = below_autograd<kMlm, MlmForward>(hidden, weight, bias, labels, ignore_index,
+                                                   label_smoothing, reduction, chunk_rows,
+                                                   need_dhidden, need_dweight, need_dbias, backend);
   if (!recorded(hidden, weight, bias)) return outputs;
   auto& [loss, dhidden, dweight, dbias] = outputs;
   auto node = recording_node<MaskedLmLossNode>(hidden, weight, bias);

@@ -30,26 +30,15 @@ struct BiasGeluNode : OpNode {
     if (no_gradient(grads)) return variable_list(num_outputs());
     const Tensor input = x.unpack();
     const auto b = optional(bias.unpack());
-    Tensor dx, dbias;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("bias_gelu", backend, 0.0, "bias_gelu", grads[0],
-                                            input, b, approximate);
-      dx = taken[0], dbias = taken[1];
-    } else {
-      std::tie(dx, dbias) = dispatched<kBiasGeluBackward, BiasGeluBackward>().call(
-          grads[0], input, b, approximate, backend);
-    }
+    const auto [dx, dbias] = backward_of<kBiasGeluBackward, BiasGeluBackward>(
+        *this, grads, {"bias_gelu"}, grads[0], input, b, approximate);
     return {dx, b ? dbias : Tensor()};
   }
 };
 
 Tensor bias_gelu_autograd(const Tensor& x, const OptionalTensor& bias, const std::string& approximate,
                           c10::string_view backend) {
-  Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = dispatched<kBiasGelu, BiasGeluForward>().call(x, bias, approximate, backend);
-  }
+  auto out = below_autograd<kBiasGelu, BiasGeluForward>(x, bias, approximate, backend);
   if (!recorded(x, bias)) return out;
   auto node = recording_node<BiasGeluNode>(x, bias);
   record_outputs(node, out);
@@ -88,16 +77,9 @@ struct GeluFfnNode : OpNode {
     const Tensor input = x.unpack(), p = pre.unpack(), first = w1.unpack(), second = w2.unpack();
     const Tensor sd = seed.unpack();
     const auto bias1 = optional(b1.unpack()), bias2 = optional(b2.unpack());
-    Tensor dx, dw1, db1, dw2, db2;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("gelu_ffn", backend, dropout_p, "gelu_ffn", grads[0],
-                                            input, p, first, bias1, second, bias2, approximate,
-                                            dropout_p, sd);
-      dx = taken[0], dw1 = taken[1], db1 = taken[2], dw2 = taken[3], db2 = taken[4];
-    } else {
-      std::tie(dx, dw1, db1, dw2, db2) = dispatched<kGeluFfnBackward, GeluFfnBackward>().call(
-          grads[0], input, p, first, bias1, second, bias2, approximate, dropout_p, sd, backend);
-    }
+    const auto [dx, dw1, db1, dw2, db2] = backward_of<kGeluFfnBackward, GeluFfnBackward>(
+        *this, grads, {"gelu_ffn", dropout_p}, grads[0], input, p, first, bias1, second, bias2,
+        approximate, dropout_p, sd);
     return {dx, dw1, bias1 ? db1 : Tensor(), dw2, bias2 ? db2 : Tensor()};
   }
 };
@@ -107,12 +89,8 @@ std::tuple<Tensor, Tensor> gelu_ffn_autograd(const Tensor& x, const Tensor& w1,
                                              const OptionalTensor& b2, const std::string& approximate,
                                              double dropout_p, const Tensor& seed,
                                              c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kGeluFfn, GeluFfnForward>().call(x, w1, b1, w2, b2, approximate, dropout_p,
-                                                          seed, backend);
-  }
+  auto outputs = below_autograd<kGeluFfn, GeluFfnForward>(x, w1, b1, w2, b2, approximate,
+                                                          dropout_p, seed, backend);
   if (!recorded(x, w1, b1, w2, b2)) return outputs;
   auto& [out, pre] = outputs;
   auto node = recording_node<GeluFfnNode>(x, w1, b1, w2, b2);

@@ -35,16 +35,9 @@ struct AddLayerNormNode : OpNode {
     // Only summed was used: nothing flows back through the norm.
     const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(s);
     const auto grad_summed = optional(grads[1]);
-    Tensor dsummed, dx, dweight, dbias;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("add_layer_norm", backend, dropout_p, "add_layer_norm",
-                                            grad_out, grad_summed, s, m, r, w, has_bias,
-                                            has_residual, dropout_p, sd);
-      dsummed = taken[0], dx = taken[1], dweight = taken[2], dbias = taken[3];
-    } else {
-      std::tie(dsummed, dx, dweight, dbias) = dispatched<kBackwardOp, Backward>().call(
-          grad_out, grad_summed, s, m, r, w, has_bias, has_residual, dropout_p, sd, backend);
-    }
+    const auto [dsummed, dx, dweight, dbias] = backward_of<kBackwardOp, Backward>(
+        *this, grads, {"add_layer_norm", dropout_p}, grad_out, grad_summed, s, m, r, w, has_bias,
+        has_residual, dropout_p, sd);
     // Without dropout x's gradient is summed's: one tensor serves both inputs.
     return {dropout_p > 0 ? dx : dsummed, has_residual ? dsummed : Tensor(), w ? dweight : Tensor(),
             has_bias ? dbias : Tensor()};
@@ -55,11 +48,8 @@ Outputs add_layer_norm_autograd(const Tensor& x, const OptionalTensor& residual,
                                 const OptionalTensor& weight, const OptionalTensor& bias,
                                 double eps, double dropout_p, const Tensor& seed,
                                 c10::string_view backend) {
-  Outputs outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kOp, Forward>().call(x, residual, weight, bias, eps, dropout_p, seed, backend);
-  }
+  auto outputs = below_autograd<kOp, Forward>(x, residual, weight, bias, eps, dropout_p, seed,
+                                              backend);
   if (!recorded(x, residual, weight, bias)) return outputs;
   auto& [out, summed, mean, rstd] = outputs;
   auto node = recording_node<AddLayerNormNode>(x, residual, weight, bias);

@@ -30,26 +30,15 @@ struct LstmCellNode : OpNode {
     // recurrence hands them over as views).
     const Tensor grad_h = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(c);
     const Tensor grad_c = grads[1].defined() ? grads[1].contiguous() : at::zeros_like(c);
-    Tensor dgates, dc_prev;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("lstm_cell", backend, 0.0, "lstm_cell", grad_h, grad_c,
-                                            g, c, cell_clip);
-      dgates = taken[0], dc_prev = taken[1];
-    } else {
-      std::tie(dgates, dc_prev) = dispatched<kLstmCellBackward, Backward>().call(
-          grad_h, grad_c, g, c, cell_clip, backend);
-    }
+    const auto [dgates, dc_prev] = backward_of<kLstmCellBackward, Backward>(
+        *this, grads, {"lstm_cell"}, grad_h, grad_c, g, c, cell_clip);
     return {dgates, dc_prev};
   }
 };
 
 std::tuple<Tensor, Tensor> lstm_cell_autograd(const Tensor& gates, const Tensor& c_prev,
                                               double cell_clip, c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kLstmCell, Forward>().call(gates, c_prev, cell_clip, backend);
-  }
+  auto outputs = below_autograd<kLstmCell, Forward>(gates, c_prev, cell_clip, backend);
   if (!recorded(gates, c_prev)) return outputs;
   auto& [h, c] = outputs;
   auto node = recording_node<LstmCellNode>(gates, c_prev);

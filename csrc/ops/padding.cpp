@@ -27,20 +27,13 @@ struct PadNode : OpNode {
     std::lock_guard<std::mutex> lock(mutex_);
     if (no_gradient(grads)) return variable_list(num_outputs());
     const Tensor rows = indices.unpack();
-    if (needs_reference_backward(grads)) {
-      return {reference_backward("pad", backend, 0.0, "pad", grads[0], rows)[0]};
-    }
-    return {dispatched<kPadBackward, PadBackward>().call(grads[0], rows, backend)};
+    return {backward_of<kPadBackward, PadBackward>(*this, grads, {"pad"}, grads[0], rows)};
   }
 };
 
 Tensor pad_autograd(const Tensor& packed, const Tensor& indices, c10::SymInt batch,
                     c10::SymInt seqlen, c10::string_view backend) {
-  Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = dispatched<kPad, PadForward>().call(packed, indices, batch, seqlen, backend);
-  }
+  auto out = below_autograd<kPad, PadForward>(packed, indices, batch, seqlen, backend);
   if (!recorded(packed)) return out;
   auto node = recording_node<PadNode>(packed);
   record_outputs(node, out);
@@ -70,10 +63,7 @@ struct UnpadNode : OpNode {
     std::lock_guard<std::mutex> lock(mutex_);
     if (no_gradient(grads)) return variable_list(num_outputs());
     const Tensor rows = indices.unpack();
-    if (needs_reference_backward(grads)) {
-      return {reference_backward("unpad", backend, 0.0, "unpad", grads[0], rows, batch, seqlen)[0]};
-    }
-    return {dispatched<kPad, PadForward>().call(grads[0], rows, batch, seqlen, backend)};
+    return {backward_of<kPad, PadForward>(*this, grads, {"unpad"}, grads[0], rows, batch, seqlen)};
   }
 };
 
@@ -90,11 +80,7 @@ std::tuple<Tensor, Tensor, Tensor, c10::SymInt> unpad_kernel(const Tensor& hidde
 std::tuple<Tensor, Tensor, Tensor, c10::SymInt> unpad_autograd(const Tensor& hidden,
                                                                const Tensor& mask,
                                                                c10::string_view backend) {
-  std::tuple<Tensor, Tensor, Tensor, c10::SymInt> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kUnpad, SymUnpadForward>().call(hidden, mask, backend);
-  }
+  auto outputs = below_autograd<kUnpad, SymUnpadForward>(hidden, mask, backend);
   if (!recorded(hidden)) return outputs;
   auto& packed = std::get<0>(outputs);
   auto node = recording_node<UnpadNode>(hidden);

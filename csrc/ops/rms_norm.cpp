@@ -28,26 +28,15 @@ struct RmsNormNode : OpNode {
     if (no_gradient(grads)) return variable_list(num_outputs());
     const Tensor input = x.unpack(), r = rstd.unpack();
     const auto w = optional(weight.unpack());
-    Tensor dx, dweight;
-    if (needs_reference_backward(grads)) {
-      const auto taken = reference_backward("rms_norm", backend, 0.0, "rms_norm", grads[0], input,
-                                            r, w, eps);
-      dx = taken[0], dweight = taken[1];
-    } else {
-      std::tie(dx, dweight) =
-          dispatched<kBackwardOp, Backward>().call(grads[0], input, r, w, eps, backend);
-    }
+    const auto [dx, dweight] =
+        backward_of<kBackwardOp, Backward>(*this, grads, {"rms_norm"}, grads[0], input, r, w, eps);
     return {dx, w ? dweight : Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> rms_norm_autograd(const Tensor& x, const OptionalTensor& weight,
                                              double eps, c10::string_view backend) {
-  std::tuple<Tensor, Tensor> outputs;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    outputs = dispatched<kOp, Forward>().call(x, weight, eps, backend);
-  }
+  auto outputs = below_autograd<kOp, Forward>(x, weight, eps, backend);
   if (!recorded(x, weight)) return outputs;
   auto& [out, rstd] = outputs;
   auto node = recording_node<RmsNormNode>(x, weight);
