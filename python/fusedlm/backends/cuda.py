@@ -1,12 +1,10 @@
 """The cuda backend: fusedlm's hand-written CUDA kernels (kernels/cuda/), compiled into fusedlm._C.
 
-It has add_layer_norm, bias_gelu, cross_entropy and masked_lm_loss, for float32, bfloat16
-and float16; gelu_ffn (cuBLAS's products around one fused bias, GELU and dropout pass, or
-its own tensor-core product with those in its epilogue) and attention and attention_varlen
-(FlashAttention-2 on the tensor cores) take what their op files declare
-(fusedlm/ops/gelu.py, attention.py); other calls fall through to triton. The attention
-backward is deterministic: no atomics, each gradient element is written once, so equal
-inputs give equal gradients bit for bit.
+An op has cuda kernels where kernels/cuda/ defines them (<op>_forward and <op>_backward,
+in kernels/cuda/<op>.cu), for float32, bfloat16 and float16 unless its op file declares
+less (gelu_ffn and attention do: fusedlm/ops/gelu.py, attention.py); other calls fall
+through to triton. The attention backward is deterministic: no atomics, each gradient
+element is written once, so equal inputs give equal gradients bit for bit.
 
 A FUSEDLM_CUDA=emulate build compiles the same kernels as C++ against a CPU emulator
 of CUDA, which acts as the GPU FUSEDLM_EMULATE_ARCH names (sm_80, the default, or

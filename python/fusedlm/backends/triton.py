@@ -1,8 +1,8 @@
 """The triton backend: kernels in fusedlm.triton_kernels (kernels/triton/).
 
 Runs on CUDA tensors; with TRITON_INTERPRET=1 it also runs on CPU tensors when
-asked for by name (how the kernels are tested without a GPU). Every op but unpad and
-pad, for float32, bfloat16 and float16.
+asked for by name (how the kernels are tested without a GPU). An op has Triton kernels
+where kernels/triton/<op file>.py exists, for float32, bfloat16 and float16.
 """
 import importlib
 import importlib.util
