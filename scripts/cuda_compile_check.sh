@@ -3,8 +3,7 @@
 # sources.txt) for sm_80 and sm_90a against the installed PyTorch's headers (a
 # CPU-only PyTorch is enough), then reports each kernel's registers, spills and the
 # occupancy they allow (scripts/cuda_resources.py, also written to
-# build/cuda-check/resources.json). A compile error, or a kernel over its register
-# budget or spilling where it must not, fails.
+# build/cuda-check/resources.json). A compile error, or a kernel that spills, fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

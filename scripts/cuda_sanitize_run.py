@@ -1,110 +1,106 @@
-"""One small run of every cuda-backend kernel, forward and backward, for compute-sanitizer.
+"""A run of every cuda-backend kernel, forward and backward, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python scripts/cuda_sanitize_run.py
+    compute-sanitizer --tool memcheck python scripts/cuda_sanitize_run.py [--small]
 
-Shapes take each kernel through its vector and one-element paths, rows longer than the
-layer norm's register cache, dropout, ignored labels, the masked-LM chunks, and the
-attention and FFN kernels' partial blocks. It checks
-no values (the tests do): it exits non-zero when the cuda backend cannot run.
+The calls are the ops' own probes (fusedlm/ops/<op>.py), small and real, each in every
+dtype the op's cuda kernels take: once as declared, checked against the reference as
+verification at first use checks them, and once more with dropout where the op has it.
+A probe that names kernel paths runs again with them turned off one after another, as
+their declaration orders them (so the paths a path replaces run too). The probes take the
+kernels through their vector and one-element rows, rows past the layer norms' register
+cache, ignored labels, the masked-LM chunks, attention's one-kernel and three-kernel
+backward, its resident and streamed walks and partial blocks, and the FFN's partial tiles.
+
+It exits non-zero when the cuda backend cannot run or a probe's result is off. On a
+FUSEDLM_CUDA=emulate build it runs on the CPU emulator (`--small`: the small probes only),
+which checks memory accesses itself.
 """
-import importlib
-import itertools
+import argparse
+import inspect
 import sys
 
 import torch
 
 import fusedlm
-from fusedlm.backends import cuda as cuda_backend
-ce_module = importlib.import_module("fusedlm.ops.cross_entropy")  # the module, not the op it exports
+from fusedlm.backends import Emulated, cuda as cuda_backend, declared, kernel
+from fusedlm.verify import probes
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DROPOUT = 0.1
 
 
-def grads(outputs, inputs):
-    present = [t for t in inputs if t is not None]
-    used = [o for o in outputs if o.requires_grad]
-    torch.autograd.grad(used, present, [torch.randn_like(o) for o in used])
+def path_settings(probe) -> list:
+    """The probe's kernel paths turned off one after another: [(), (p1,), (p1, p2), ...]."""
+    return [probe.paths[:n] for n in range(len(probe.paths) + 1)]
 
 
-def main() -> int:
+def inputs(probe, device, dtype) -> tuple:
+    """The probe's (args, kwargs) on device, its floating tensors in dtype, as leaves."""
+    args, kwargs = probe.make(torch.Generator().manual_seed(0))
+    args = [(a.to(device, dtype).requires_grad_() if a.is_floating_point() else a.to(device))
+            if isinstance(a, torch.Tensor) else a for a in args]
+    return args, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def with_dropout(probe, device, dtype) -> None:
+    """One forward and backward of the probe with dropout_p = DROPOUT (no values checked:
+    the reference cannot redraw the kernels' mask)."""
+    args, kwargs = inputs(probe, device, dtype)
+    outputs = getattr(fusedlm.ops, probe.op)(*args, dropout_p=DROPOUT, backend="cuda", **kwargs)
+    outputs = [o for o in (outputs if isinstance(outputs, tuple) else (outputs,))
+               if o.requires_grad]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True)
+
+
+def taken(probe, device, dtype) -> bool:
+    """Whether the op's cuda kernels take the probe in dtype (else automatic choice would
+    hand it to another backend)."""
+    args, kwargs = inputs(probe, device, dtype)
+    try:
+        fusedlm.explain(probe.op, *args, backend="cuda", **kwargs)
+    except RuntimeError:
+        return False
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="only the small probes")
+    small = parser.parse_args(argv).small
     status = fusedlm.backends()["cuda"]
-    if status is not True:
+    if status is not True and not isinstance(status, Emulated):
         print(f"the cuda backend cannot run: {status}", file=sys.stderr)
         return 1
-    cuda = dict(device="cuda", requires_grad=True)
-    for dtype in (torch.float32, torch.bfloat16):
-        # add_layer_norm: 64 (vectors), 33 (one element per load), 9000 (past the cache).
-        for hidden in (64, 33, 9000):
-            x, r = (torch.randn(5, hidden, dtype=dtype, **cuda) for _ in range(2))
-            w, b = (torch.randn(hidden, dtype=dtype, **cuda) for _ in range(2))
-            for p in (0.0, 0.2):
-                grads(fusedlm.ops.add_layer_norm(x, r, w, b, dropout_p=p, backend="cuda"), (x, r, w, b))
-        # bias_gelu
-        for width in (64, 33):
-            x = torch.randn(40, width, dtype=dtype, **cuda)
-            b = torch.randn(width, dtype=dtype, **cuda)
-            for approximate in ("none", "tanh"):
-                grads([fusedlm.ops.bias_gelu(x, b, approximate, backend="cuda")], (x, b))
-        # cross_entropy: 203 classes (unaligned rows), ignored labels, label smoothing.
-        logits = torch.randn(7, 203, dtype=dtype, **cuda)
-        labels = torch.tensor([0, 5, -100, 202, 17, -100, 100], device="cuda")
-        for reduction in ("mean", "none"):
-            loss = fusedlm.ops.cross_entropy(logits, labels, label_smoothing=0.1,
-                                             reduction=reduction, backend="cuda")
-            grads([loss], (logits,))
-        # masked_lm_loss in chunks of 2 rows.
-        hidden = torch.randn(7, 16, dtype=dtype, **cuda)
-        weight = torch.randn(203, 16, dtype=dtype, **cuda)
-        bias = torch.randn(203, dtype=dtype, **cuda)
-        saved = ce_module.LOGITS_CHUNK_BYTES
-        ce_module.LOGITS_CHUNK_BYTES = 2 * 203 * hidden.element_size()
+    device = torch.device("cpu" if cuda_backend.emulated() else "cuda")
+    failures = []
+    for op in declared():
         try:
-            for reduction in ("sum", "none"):
-                loss = fusedlm.ops.masked_lm_loss(hidden, weight, bias, labels, reduction=reduction,
-                                                  backend="cuda")
-                grads([loss], (hidden, weight, bias))
-        finally:
-            ce_module.LOGITS_CHUNK_BYTES = saved
-    # attention: head dims 64 and 128, query and key tails past a block of 64, padding,
-    # the causal diagonal with more queries than keys, dropout; the resident path (up to
-    # 512) and the streamed one, whose forward runs on wgmma on sm_90 unless turned off;
-    # the one-kernel backward of one chunk of keys and of three, and the three kernels
-    # past 512 keys; varlen with an empty sequence.
-    cases = ((64, 70, 67, True), (128, 70, 67, True), (64, 300, 260, True),
-             (64, 603, 600, True), (128, 603, 600, True), (64, 603, 600, False))
-    for dtype in (torch.bfloat16, torch.float16):
-        for head_dim, seq_q, seq_k, wgmma in cases:
-            cuda_backend.set_path("attention_wgmma", wgmma)
-            q = torch.randn(2, seq_q, 2, head_dim, dtype=dtype, **cuda).transpose(1, 2)
-            k, v = (torch.randn(2, 2, seq_k, head_dim, dtype=dtype, **cuda) for _ in range(2))
-            mask = torch.rand(2, seq_k, device="cuda") < 0.3
-            for causal, p in ((False, 0.0), (True, 0.1)):
-                out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=causal,
-                                            dropout_p=p, backend="cuda")
-                grads([out], (q, k, v))
-            cu_q = torch.tensor([0, 5, 5, 75], dtype=torch.int32, device="cuda")
-            cu_k = torch.tensor([0, 66, 70, 79], dtype=torch.int32, device="cuda")
-            q, k, v = (torch.randn(n, 2, head_dim, dtype=dtype, **cuda) for n in (75, 79, 79))
-            out = fusedlm.ops.attention_varlen(q, k, v, cu_q, cu_k, 70, 66, causal=True,
-                                               dropout_p=0.1, backend="cuda")
-            grads([out], (q, k, v))
-    # gelu_ffn: partial 128-row and 128-column blocks, a K tail inside a 32-wide (64-wide
-    # on wgmma) step, and K longer than the 3-stage pipeline; with and without biases and
-    # dropout; cuBLAS's products with the GELU passes, and the fused product on wgmma
-    # (sm_90) and on mma.sync.
-    products = ((True, True), (False, True), (False, False))  # (ffn_cublas, ffn_wgmma)
-    for dtype, (cublas, wgmma) in itertools.product((torch.bfloat16, torch.float16), products):
-        cuda_backend.set_path("ffn_cublas", cublas)
-        cuda_backend.set_path("ffn_wgmma", wgmma)
-        for rows, d_in, d_ff, d_out in ((130, 48, 136, 40), (7, 264, 256, 136)):
-            x = torch.randn(rows, d_in, dtype=dtype, **cuda)
-            w1 = torch.randn(d_ff, d_in, dtype=dtype, **cuda)
-            w2 = torch.randn(d_out, d_ff, dtype=dtype, **cuda)
-            b1, b2 = torch.randn(d_ff, dtype=dtype, **cuda), torch.randn(d_out, dtype=dtype, **cuda)
-            for biases, approximate, p in (((b1, b2), "none", 0.0), ((None, None), "tanh", 0.1)):
-                out = fusedlm.ops.gelu_ffn(x, w1, biases[0], w2, biases[1],
-                                           approximate=approximate, dropout_p=p, backend="cuda")
-                grads([out], (x, w1, *biases, w2))
-    fusedlm._C.cuda.dropout_mask(torch.tensor(3), 5, [3, 7], 0.5, torch.cuda.current_device())
-    torch.cuda.synchronize()
+            kernel("cuda", op)
+        except KeyError:
+            continue
+        drops = "dropout_p" in inspect.signature(getattr(fusedlm.ops, op)).parameters
+        for probe in probes.probes(op) + ([] if small else probes.probes(op, "real")):
+            for dtype in (d for d in DTYPES if taken(probe, device, d)):
+                for off in path_settings(probe):
+                    for name in probe.paths:
+                        cuda_backend.set_path(name, name not in off)
+                    outcome = probes.run(probe, "cuda", device, dtype)
+                    what = f"{op}, {probe.name}, {str(dtype)[6:]}"
+                    what += f", {' and '.join(off)} off" if off else ""
+                    print(f"{what}: {outcome.error:.2g} ({outcome.worst})")
+                    if not outcome.within(dtype):
+                        failures.append(what)
+                    if drops:
+                        with_dropout(probe, device, dtype)
+                for name in probe.paths:
+                    cuda_backend.set_path(name, True)
+    if device.type == "cuda":
+        fusedlm._C.cuda.dropout_mask(torch.tensor(3), 5, [3, 7], 0.5, torch.cuda.current_device())
+        torch.cuda.synchronize()
+    if failures:
+        print("off the reference: " + "; ".join(failures), file=sys.stderr)
+        return 1
     print("ran every cuda kernel")
     return 0
 

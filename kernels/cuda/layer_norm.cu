@@ -1,36 +1,26 @@
 // add_layer_norm on CUDA: summed = dropout(x) + residual and out = LayerNorm(summed),
-// forward and backward.
+// forward and backward, on the row-wise kernels' layout (rows.cuh: a group of threads per
+// row, its share of the row in registers).
 //
-// Both kernels give each row a group of threads, sized from the width so that every
-// thread keeps its share of the row in registers at no more than 64 registers
-// (__launch_bounds__(1024)), half an SM's threads resident.
+// Forward: x and the residual are read once and out and summed written once. Rows of up
+// to 512 elements take one warp, four rows to a block, and reduce by shuffles alone. Rows
+// longer than the group's registers hold (16384 elements, 8192 taken one at a time) read
+// their remaining vectors back from summed, which the thread has just written (L2). out
+// normalises summed before rounding, as the reference does; the saved statistics are
+// those of summed as stored, since the backward rebuilds xhat from it and xhat must have
+// mean 0 and variance 1 exactly there (else rows of near-zero variance turn bf16/fp16
+// rounding into gradients of 1/sqrt(eps) times it). Both sets come from the same three row
+// reductions: the sum, the centred sum (the rounding of the first mean, corrected: rows of
+// equal values then centre to exact zeros) and the centred sum of squares. Vectors read
+// back from summed have only their stored values, so in rows past the register cache out
+// normalises those. Traffic: 2 reads and 2 writes per element with a residual, plus the
+// weight and bias per row (cache hits); it should run near the copy bandwidth.
 //
-// Forward: a group of 32 to 1024 threads per row (a power of two below 128, so that
-// groups fill blocks of 128), each caching up to kForwardElements floats of the row, so
-// x and the residual are read once and out and summed written once. Rows of up to 512
-// elements take one warp, four rows to a block, and reduce by shuffles alone. Rows longer
-// than 1024 threads hold (16384 elements, 8192 taken one at a time) read their remaining
-// vectors back from summed, which the thread has just written (L2). out normalises
-// summed before rounding, as the reference does; the saved statistics are those of
-// summed as stored, since the backward rebuilds xhat from it and xhat must have mean 0
-// and variance 1 exactly there (else rows of near-zero variance turn bf16/fp16 rounding
-// into gradients of 1/sqrt(eps) times it). Both sets come from the
-// same three row reductions: the sum, the centred sum (the rounding of the first mean,
-// corrected: rows of equal values then centre to exact zeros) and the centred sum of
-// squares. Vectors read back from summed have only their stored values, so in rows past
-// the register cache out normalises those. Traffic: 2 reads and 2 writes per element
-// with a residual, plus the weight and bias per row (cache hits); it should run near the
-// copy bandwidth.
-//
-// Backward: one group per block, of as many warps as the row needs at kBackwardElements
-// columns a thread, walking a contiguous range of rows one at a time. Each thread keeps
-// xhat and weight * dy of its columns in registers between the row's two passes, and the
-// block's shares of dweight and dbias for them in shared memory (columns past the cached
-// ones, in rows over 8192 elements, accumulate in the block's row of partial sums in
-// global memory directly). The shares land in a [blocks, hidden] float32 buffer that a
-// second kernel sums over blocks in order. The block count depends only on the shape and the device: no atomics, and the
-// parameter gradients repeat bit for bit. Traffic: 2 or 3 reads (grad_out, summed,
-// grad_summed) and 1 or 2 writes per element.
+// Backward: each thread keeps xhat and weight * dy of its columns in registers between
+// the row's two passes, and the block's shares of dweight and dbias for them in shared
+// memory (columns past the cached ones, in rows over 8192 elements, accumulate in the
+// block's row of partial sums in global memory directly). Traffic: 2 or 3 reads
+// (grad_out, summed, grad_summed) and 1 or 2 writes per element.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -39,19 +29,11 @@
 #include "cuda/common.h"
 #include "cuda/runtime.h"
 #include "ops/compiled_kernel.h"
+#include "rows.cuh"
 
 namespace fusedlm::cuda::kernels::layer_norm {
 
-constexpr int kForwardElements = 16;  // values of summed a forward thread keeps
-constexpr int kBackwardElements = 8;  // columns a backward thread keeps (2 floats each)
-constexpr int kMaxThreads = 1024;     // a block's, so that a thread has 64 registers
-constexpr int kMinBlock = 128;        // threads of the forward's block: whole rows' groups
-
-// The vectors of N elements a forward thread keeps: fewer of single elements, which need
-// an address each.
-constexpr int forward_cached(int n) {
-  return n == 1 ? kForwardElements / 2 : kForwardElements / n;
-}
+using namespace row_kernels;
 
 // Dynamic shared memory of the forward: group_sum's 2 * 32 floats.
 constexpr size_t kSharedBytes = 2 * 32 * sizeof(float);
@@ -179,16 +161,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// sums[0 .. N) += add: a vector of a block's row of partial sums.
-template <int N>
-__device__ __forceinline__ void add_to(float* sums, const float (&add)[N]) {
-  float acc[N];
-  load<N>(sums, acc);
-#pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] += add[i];
-  store<N>(sums, acc);
-}
-
 template <typename T, int N>
 __global__ void __launch_bounds__(kMaxThreads) add_layer_norm_backward_kernel(
     const T* __restrict__ dy, const T* __restrict__ grad_summed, const T* __restrict__ summed,
@@ -299,16 +271,8 @@ __global__ void __launch_bounds__(kMaxThreads) add_layer_norm_backward_kernel(
   }
 
   for (int64_t v = threadIdx.x; v < cached; v += group) {
-    if (dw_row) {
-      float share[N];
-      load<N>(dw_cached + v * N, share);
-      store<N>(dw_row + v * N, share);
-    }
-    if (db_row) {
-      float share[N];
-      load<N>(db_cached + v * N, share);
-      store<N>(db_row + v * N, share);
-    }
+    if (dw_row) copy_share<N>(dw_row + v * N, dw_cached + v * N);
+    if (db_row) copy_share<N>(db_row + v * N, db_cached + v * N);
   }
 }
 
@@ -319,22 +283,6 @@ __global__ void __launch_bounds__(kMaxThreads) add_layer_norm_backward_kernel(
 namespace fusedlm::cuda {
 
 using namespace kernels::layer_norm;
-
-namespace {
-
-// The threads that own a row of `vecs` vectors when each keeps `cached` of them: whole
-// warps, as few as hold the row (all 1024 for longer rows), a power of two if `pow2`.
-int row_group(int64_t vecs, int cached, bool pow2) {
-  const int64_t warps = std::min<int64_t>(kMaxThreads / 32, ceil_div(ceil_div(vecs, cached), 32));
-  int group = 32;
-  if (pow2)
-    while (group < warps * 32) group *= 2;
-  else
-    group = static_cast<int>(std::max<int64_t>(1, warps) * 32);
-  return group;
-}
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -397,11 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     const bool vector = cols % V == 0 && all_aligned16(gp, gsp, sp, wp, dsp, dxp);
     const int n = vector ? V : 1;
     const int threads = row_group(cols / n, kBackwardElements / n, false);
-    // Enough blocks to fill the device (2048 threads an SM), but at least 8 rows each, so
-    // the partial sums stay small next to the rows themselves. Fixed per shape and device.
-    const int64_t resident = int64_t(multiprocessors()) * (2048 / threads);
-    const int64_t rows_per_block = std::max<int64_t>(8, ceil_div(rows, resident));
-    const int64_t blocks = ceil_div(rows, rows_per_block);
+    const auto [rows_per_block, blocks] = row_blocks(rows, threads);
     auto partial = options.dtype(at::kFloat);
     auto dw_part = at::empty({in.weight.defined() ? blocks : 0, cols}, partial);
     auto db_part = at::empty({has_bias ? blocks : 0, cols}, partial);

@@ -236,10 +236,13 @@ def _attention_composition(q, k, v, key_padding_mask, attn_bias, causal, dropout
     return laid_out_like(q, out), None
 
 
-def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False):
+def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False, seq_k=None):
+    seq_k = seq_k or seq
+
     def make(g):
-        q, k, v = (randn(g, batch, heads, seq, head_dim) for _ in range(3))
-        mask = padding(g, batch, seq) if masked else None
+        q = randn(g, batch, heads, seq, head_dim)
+        k, v = (randn(g, batch, heads, seq_k, head_dim) for _ in range(2))
+        mask = padding(g, batch, seq_k) if masked else None
         return (q, k, v), {"causal": causal, "key_padding_mask": mask}
     return make
 
@@ -254,6 +257,11 @@ ATTENTION = Op(
         Probe("causal, head dim 128", _attention_probe(2, 2, 70, 128, causal=True),
               paths=RESIDENT),
         Probe("seq 600 (streamed K/V)", _attention_probe(1, 2, 600, 64), paths=WGMMA),
+        # The one-kernel backward over three chunks of keys; the three-kernel one past 512
+        # keys, with more queries than keys under a causal mask.
+        Probe("260 keys, padded", _attention_probe(2, 2, 260, 64, masked=True), paths=RESIDENT),
+        Probe("603 queries over 600 keys, causal, head dim 128",
+              _attention_probe(1, 2, 603, 128, causal=True, seq_k=600), paths=WGMMA),
         Probe.real("BERT-base, padded 8 x 128", _attention_probe(8, 12, 128, 64, masked=True),
                    paths=RESIDENT),
         Probe.real("GPT-2 small, causal 2 x 1024", _attention_probe(2, 12, 1024, 64, causal=True),

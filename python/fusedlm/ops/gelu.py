@@ -175,6 +175,8 @@ GELU_FFN = Op(
     reference_kernels=(_gelu_ffn_reference_forward, _gelu_ffn_reference_backward),
     composition=_gelu_ffn_composition,
     probes=(Probe("130 rows", _gelu_ffn_probe(130, 128, 256), paths=FFN_PATHS),
+            # A K tail inside the fused product's step, past its pipeline's stages.
+            Probe("7 rows, d_in 264", _gelu_ffn_probe(7, 264, 256), paths=FFN_PATHS),
             Probe.real("BERT-base, 1024 x 768 -> 3072", _gelu_ffn_probe(1024, 768, 3072),
                        paths=FFN_PATHS)),
     # The cuda kernel's tensor-core tiles load 16-byte vectors of 8 halves; its grid's y
