@@ -81,6 +81,22 @@ void check_statistics(const at::Tensor& t, const char* name, int64_t rows, at::S
                     " must be the forward's statistics");
 }
 
+RowInputs row_inputs(const at::Tensor& x, DeviceCheck device) {
+  device(x, "x");
+  check_rows(x, "x");
+  RowInputs in;
+  in.x = as_rows(x);
+  in.rows = in.x.size(0), in.cols = in.x.size(1);
+  return in;
+}
+
+RowInputs row_grad_inputs(const at::Tensor& grad_out, const at::Tensor& x, DeviceCheck device) {
+  RowInputs in = row_inputs(x, device);
+  check_like(grad_out, x, "grad_out", "x", device);
+  in.grad_out = as_rows(grad_out);
+  return in;
+}
+
 LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                       const std::optional<at::Tensor>& weight,
                                       const std::optional<at::Tensor>& bias, DeviceCheck device) {

@@ -47,6 +47,15 @@ at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const 
 void check_statistics(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType dtype,
                       const at::Tensor& like, const char* other, DeviceCheck device);
 
+// A row-wise op's rows: x, on the backend's device with a non-empty last dimension, as
+// contiguous [rows, cols]; for a backward also grad_out, of x's shape, dtype and device.
+struct RowInputs {
+  at::Tensor x, grad_out;
+  int64_t rows, cols;
+};
+RowInputs row_inputs(const at::Tensor& x, DeviceCheck device);
+RowInputs row_grad_inputs(const at::Tensor& grad_out, const at::Tensor& x, DeviceCheck device);
+
 // --- add_layer_norm -----------------------------------------------------------------------
 
 // x and residual as [rows, hidden], weight and bias [hidden], contiguous; the optional

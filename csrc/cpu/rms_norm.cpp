@@ -175,16 +175,14 @@ void for_blocks(int64_t rows, int64_t cols, F&& f) {
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
                                                     const std::optional<at::Tensor>& weight,
                                                     double eps) {
-  check_cpu(x, "x");
-  check_rows(x, "x");
+  const auto in = row_inputs(x, check_cpu);
   const auto w = param(weight, x, "weight", check_cpu);
-  const auto rows_of_x = as_rows(x);
-  const int64_t rows = rows_of_x.size(0), cols = rows_of_x.size(1);
-  auto out = at::empty(x.sizes(), rows_of_x.options());
-  auto rstd = at::empty({rows}, rows_of_x.options().dtype(acc_dtype(x.scalar_type())));
+  const int64_t rows = in.rows, cols = in.cols;
+  auto out = at::empty(x.sizes(), in.x.options());
+  auto rstd = at::empty({rows}, in.x.options().dtype(acc_dtype(x.scalar_type())));
   const auto dtype = kernel_dtype(x);
   const size_t row_bytes = cols * x.element_size(), stat_bytes = rstd.element_size();
-  const char* xp = static_cast<const char*>(rows_of_x.data_ptr());
+  const char* xp = static_cast<const char*>(in.x.data_ptr());
   char *op = static_cast<char*>(out.data_ptr()), *rp = static_cast<char*>(rstd.data_ptr());
   const void* wp = w.defined() ? w.data_ptr() : nullptr;
   for_blocks(rows, cols, [&](int64_t, int64_t begin, int64_t end) {
@@ -201,22 +199,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
                                                      const at::Tensor& x, const at::Tensor& rstd,
                                                      const std::optional<at::Tensor>& weight,
                                                      double /*eps*/) {
-  check_cpu(x, "x");
-  check_rows(x, "x");
-  check_like(grad_out, x, "grad_out", "x", check_cpu);
+  const auto in = row_grad_inputs(grad_out, x, check_cpu);
   const auto w = param(weight, x, "weight", check_cpu);
-  const auto xs = as_rows(x), dys = as_rows(grad_out);
-  const int64_t rows = xs.size(0), cols = xs.size(1);
+  const int64_t rows = in.rows, cols = in.cols;
   const auto acc = acc_dtype(x.scalar_type());
   check_statistics(rstd, "rstd", rows, acc, x, "x", check_cpu);
-  auto dx = at::empty(x.sizes(), xs.options());
+  auto dx = at::empty(x.sizes(), in.x.options());
   const int64_t blocks = (rows + kReduceBlockRows - 1) / kReduceBlockRows;
   auto partials = partial_sums(w.defined() ? blocks : 0, cols, acc);
   const auto dtype = kernel_dtype(x);
   const size_t row_bytes = cols * x.element_size(), stat_bytes = rstd.element_size();
   const size_t part_bytes = cols * partials.element_size();
-  const char *gp = static_cast<const char*>(dys.data_ptr()),
-             *xp = static_cast<const char*>(xs.data_ptr()),
+  const char *gp = static_cast<const char*>(in.grad_out.data_ptr()),
+             *xp = static_cast<const char*>(in.x.data_ptr()),
              *rp = static_cast<const char*>(rstd.data_ptr());
   char* dxp = static_cast<char*>(dx.data_ptr());
   char* dwp = w.defined() ? static_cast<char*>(partials.data_ptr()) : nullptr;

@@ -223,13 +223,12 @@ using namespace kernels::rms_norm;
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
                                                     const std::optional<at::Tensor>& weight,
                                                     double eps) {
-  check_device_tensor(x, "x");
-  check_rows(x, "x");
+  const auto in = row_inputs(x, check_device_tensor);
   const auto w = param(weight, x, "weight", check_device_tensor);
-  const auto xs = as_rows(x);
   const DeviceGuard guard(x);
 
-  const int64_t rows = xs.size(0), cols = xs.size(1);
+  const at::Tensor& xs = in.x;
+  const int64_t rows = in.rows, cols = in.cols;
   // out in x's shape (contiguous, so the kernel sees [rows, cols]): an op's output must
   // not be a view.
   auto out = at::empty(x.sizes(), xs.options());
@@ -263,13 +262,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
                                                      const at::Tensor& x, const at::Tensor& rstd,
                                                      const std::optional<at::Tensor>& weight,
                                                      double /*eps*/) {
-  check_device_tensor(x, "x");
-  check_rows(x, "x");
-  check_like(grad_out, x, "grad_out", "x", check_device_tensor);
+  const auto in = row_grad_inputs(grad_out, x, check_device_tensor);
   const auto w = param(weight, x, "weight", check_device_tensor);
-  const auto xs = as_rows(x), dys = as_rows(grad_out);
-  const int64_t rows = xs.size(0), cols = xs.size(1);
-  check_statistics(rstd, "rstd", rows, at::kFloat, x, "x", check_device_tensor);
+  check_statistics(rstd, "rstd", in.rows, at::kFloat, x, "x", check_device_tensor);
+  const at::Tensor &xs = in.x, &dys = in.grad_out;
+  const int64_t rows = in.rows, cols = in.cols;
   const DeviceGuard guard(x);
 
   auto dx = at::empty(x.sizes(), xs.options());
