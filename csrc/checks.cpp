@@ -81,37 +81,36 @@ void check_statistics(const at::Tensor& t, const char* name, int64_t rows, at::S
                     " must be the forward's statistics");
 }
 
-RowInputs row_inputs(const at::Tensor& x, DeviceCheck device) {
+RowInputs row_inputs(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                     DeviceCheck device) {
   device(x, "x");
   check_rows(x, "x");
   RowInputs in;
-  in.x = as_rows(x);
-  in.rows = in.x.size(0), in.cols = in.x.size(1);
+  in.weight = param(weight, x, "weight", device);
+  in.x = x.contiguous();
+  in.cols = x.size(-1);
+  in.rows = x.numel() / in.cols;  // (check_rows: cols > 0)
   return in;
 }
 
-RowInputs row_grad_inputs(const at::Tensor& grad_out, const at::Tensor& x, DeviceCheck device) {
-  RowInputs in = row_inputs(x, device);
+RowInputs row_grad_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                          const std::optional<at::Tensor>& weight, DeviceCheck device) {
+  RowInputs in = row_inputs(x, weight, device);
   check_like(grad_out, x, "grad_out", "x", device);
-  in.grad_out = as_rows(grad_out);
+  in.grad_out = grad_out.contiguous();
   return in;
 }
 
 LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                       const std::optional<at::Tensor>& weight,
                                       const std::optional<at::Tensor>& bias, DeviceCheck device) {
-  device(x, "x");
-  check_rows(x, "x");
   LayerNormInputs in;
+  static_cast<RowInputs&>(in) = row_inputs(x, weight, device);
   if (present(residual)) {
     check_like(*residual, x, "residual", "x", device);
     in.residual = residual->contiguous();
   }
-  in.weight = param(weight, x, "weight", device);
   in.bias = param(bias, x, "bias", device);
-  in.x = x.contiguous();
-  in.cols = x.size(-1);
-  in.rows = x.numel() / in.cols;  // (check_rows: cols > 0)
   return in;
 }
 

@@ -47,24 +47,25 @@ at::Tensor param(const std::optional<at::Tensor>& t, const at::Tensor& x, const 
 void check_statistics(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType dtype,
                       const at::Tensor& like, const char* other, DeviceCheck device);
 
-// A row-wise op's rows: x, on the backend's device with a non-empty last dimension, as
-// contiguous [rows, cols]; for a backward also grad_out, of x's shape, dtype and device.
+// A row-wise op's inputs (add_layer_norm, rms_norm): x, on the backend's device with a
+// non-empty last dimension, contiguous (read as [rows, cols] through its data; no view,
+// whose dispatch a small call would pay for), and its [cols] weight (undefined where
+// absent); for a backward also grad_out, of x's shape, dtype and device, contiguous.
 struct RowInputs {
-  at::Tensor x, grad_out;
+  at::Tensor x, weight, grad_out;
   int64_t rows, cols;
 };
-RowInputs row_inputs(const at::Tensor& x, DeviceCheck device);
-RowInputs row_grad_inputs(const at::Tensor& grad_out, const at::Tensor& x, DeviceCheck device);
+RowInputs row_inputs(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                     DeviceCheck device);
+RowInputs row_grad_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                          const std::optional<at::Tensor>& weight, DeviceCheck device);
 
 // --- add_layer_norm -----------------------------------------------------------------------
 
-// x and residual as [rows, hidden], weight and bias [hidden], contiguous; the optional
-// ones undefined when absent.
-// x and residual contiguous (read as [rows, cols] through their data; no views, whose
-// dispatch a small call would pay for); weight and bias [cols] or undefined.
-struct LayerNormInputs {
-  at::Tensor x, residual, weight, bias;
-  int64_t rows, cols;
+// row_inputs', and the residual (x's shape, contiguous) and bias ([cols]), undefined where
+// absent.
+struct LayerNormInputs : RowInputs {
+  at::Tensor residual, bias;
 };
 LayerNormInputs add_layer_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                       const std::optional<at::Tensor>& weight,

@@ -175,8 +175,8 @@ void for_blocks(int64_t rows, int64_t cols, F&& f) {
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
                                                     const std::optional<at::Tensor>& weight,
                                                     double eps) {
-  const auto in = row_inputs(x, check_cpu);
-  const auto w = param(weight, x, "weight", check_cpu);
+  const auto in = row_inputs(x, weight, check_cpu);
+  const at::Tensor& w = in.weight;
   const int64_t rows = in.rows, cols = in.cols;
   auto out = at::empty(x.sizes(), in.x.options());
   auto rstd = at::empty({rows}, in.x.options().dtype(acc_dtype(x.scalar_type())));
@@ -199,8 +199,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
                                                      const at::Tensor& x, const at::Tensor& rstd,
                                                      const std::optional<at::Tensor>& weight,
                                                      double /*eps*/) {
-  const auto in = row_grad_inputs(grad_out, x, check_cpu);
-  const auto w = param(weight, x, "weight", check_cpu);
+  const auto in = row_grad_inputs(grad_out, x, weight, check_cpu);
+  const at::Tensor& w = in.weight;
   const int64_t rows = in.rows, cols = in.cols;
   const auto acc = acc_dtype(x.scalar_type());
   check_statistics(rstd, "rstd", rows, acc, x, "x", check_cpu);

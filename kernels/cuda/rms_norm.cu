@@ -223,11 +223,10 @@ using namespace kernels::rms_norm;
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
                                                     const std::optional<at::Tensor>& weight,
                                                     double eps) {
-  const auto in = row_inputs(x, check_device_tensor);
-  const auto w = param(weight, x, "weight", check_device_tensor);
+  const auto in = row_inputs(x, weight, check_device_tensor);
   const DeviceGuard guard(x);
 
-  const at::Tensor& xs = in.x;
+  const at::Tensor &xs = in.x, &w = in.weight;
   const int64_t rows = in.rows, cols = in.cols;
   // out in x's shape (contiguous, so the kernel sees [rows, cols]): an op's output must
   // not be a view.
@@ -262,10 +261,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out,
                                                      const at::Tensor& x, const at::Tensor& rstd,
                                                      const std::optional<at::Tensor>& weight,
                                                      double /*eps*/) {
-  const auto in = row_grad_inputs(grad_out, x, check_device_tensor);
-  const auto w = param(weight, x, "weight", check_device_tensor);
+  const auto in = row_grad_inputs(grad_out, x, weight, check_device_tensor);
   check_statistics(rstd, "rstd", in.rows, at::kFloat, x, "x", check_device_tensor);
-  const at::Tensor &xs = in.x, &dys = in.grad_out;
+  const at::Tensor &xs = in.x, &dys = in.grad_out, &w = in.weight;
   const int64_t rows = in.rows, cols = in.cols;
   const DeviceGuard guard(x);
 

@@ -56,24 +56,29 @@ def _fake_backward(grad_out, x, rstd, weight, eps):
 
 # --- reference ---------------------------------------------------------------------------------
 
+def _rstd(x, eps):
+    """1 / sqrt(mean(x^2) + eps) of each row, [..., 1], in the accumulation dtype."""
+    xa = x.to(acc_dtype(x.dtype))
+    return torch.rsqrt(xa.square().mean(-1, keepdim=True) + eps)
+
+
+def _normalised(x, weight, eps):
+    """(the output, its rstd [..., 1])."""
+    rstd = _rstd(x, eps)
+    out = x.to(rstd.dtype) * rstd
+    if weight is not None:
+        out = out * weight.to(rstd.dtype)
+    return out.to(x.dtype), rstd
+
+
 def rms_norm_reference(x, weight=None, eps=1e-6):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, in the accumulation dtype."""
-    acc = acc_dtype(x.dtype)
-    xa = x.to(acc)
-    out = xa * torch.rsqrt(xa.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        out = out * weight.to(acc)
-    return out.to(x.dtype)
-
-
-def _rstd(x, eps):
-    """1 / sqrt(mean(x^2) + eps) per row, in the accumulation dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(acc_dtype(x.dtype))
-    return torch.rsqrt(rows.square().mean(-1) + eps)
+    return _normalised(x, weight, eps)[0]
 
 
 def _reference_forward(x, weight, eps):
-    return rms_norm_reference(x, weight, eps), _rstd(x, eps)
+    out, rstd = _normalised(x, weight, eps)
+    return out, rstd.reshape(-1)
 
 
 def _reference_backward(grad_out, x, rstd, weight, eps):
@@ -83,10 +88,11 @@ def _reference_backward(grad_out, x, rstd, weight, eps):
     hidden = x.shape[-1]
     xa = x.reshape(-1, hidden).to(acc)
     dy = grad_out.reshape(-1, hidden).to(acc)
-    r = _rstd(x, eps)[:, None]
+    r = _rstd(x, eps).reshape(-1, 1)
+    xhat = xa * r
     g = dy if weight is None else dy * weight.to(acc)
-    dx = r * (g - xa * r.square() * (g * xa).mean(-1, keepdim=True))
-    dweight = (dy * xa * r).sum(0).to(weight.dtype) if weight is not None else None
+    dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dweight = (dy * xhat).sum(0).to(weight.dtype) if weight is not None else None
     return dx.view(x.shape).to(x.dtype), dweight
 
 
