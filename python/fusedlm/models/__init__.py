@@ -1,5 +1,5 @@
 """Models of the pretraining era as transformers models on fusedlm's fused ops: BERT,
-RoBERTa, ALBERT, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), and ELMo.
+RoBERTa, ALBERT, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), ELMo, and ULMFiT's AWD-LSTM.
 
 Each class named as in transformers subclasses ``transformers.PreTrainedModel``, takes
 transformers' config class and loads the same checkpoints, so transformers' loader,
@@ -14,6 +14,8 @@ except ImportError as e:
 from .albert import (AlbertForMaskedLM, AlbertForPreTraining, AlbertForQuestionAnswering,
                      AlbertForSequenceClassification, AlbertForTokenClassification, AlbertModel,
                      AlbertPreTrainedModel)
+from .awd_lstm import (AWDLSTMConfig, AWDLSTMForLanguageModeling, AWDLSTMForSequenceClassification,
+                       AWDLSTMModel)
 from .bert import (BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering,
                    BertForSequenceClassification, BertForTokenClassification, BertModel,
                    BertPreTrainedModel)
@@ -32,7 +34,8 @@ from .roberta import (RobertaForMaskedLM, RobertaForQuestionAnswering,
                       RobertaForSequenceClassification, RobertaForTokenClassification, RobertaModel,
                       RobertaPreTrainedModel)
 
-__all__ = ["AlbertForMaskedLM", "AlbertForPreTraining", "AlbertForQuestionAnswering",
+__all__ = ["AWDLSTMConfig", "AWDLSTMForLanguageModeling", "AWDLSTMForSequenceClassification",
+           "AWDLSTMModel", "AlbertForMaskedLM", "AlbertForPreTraining", "AlbertForQuestionAnswering",
            "AlbertForSequenceClassification", "AlbertForTokenClassification", "AlbertModel",
            "AlbertPreTrainedModel", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
            "BertForSequenceClassification", "BertForTokenClassification", "BertModel",

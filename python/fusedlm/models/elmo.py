@@ -13,6 +13,7 @@ The config and models are transformers' (``PretrainedConfig``, ``PreTrainedModel
 ``save_pretrained`` / ``from_pretrained`` (config.json + model.safetensors), ``.device``,
 ``.dtype`` and activation checkpointing are theirs.
 """
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -27,6 +28,7 @@ from transformers.utils import ModelOutput
 
 from .. import ops
 from ..ops.lstm_cell import lstm_cell
+from ._lstm import recur, reverse_within, time_major
 
 # The character ids of AllenNLP's ELMoCharacterMapper: bytes are 0-255, then the markers.
 # Every id is stored plus one, so that 0 is the padding of tokens past a sentence's end.
@@ -213,46 +215,30 @@ class LstmDirection(nn.Module):
         """x [batch, seq, input], mask bool [batch, seq] (True = token) -> [batch, seq, proj]."""
         if self.use_torch_lstm:
             return self._torch_forward(x, mask)
-        batch, seq, _ = x.shape
         weight = self.state_linearity.weight.t()  # [proj, 4 * cell]
-        # The input's share of the gates and the bias, every step at once, time-major: each
-        # step then adds W_h h in one addmm on a contiguous block. unbind, not inputs[t]: the
-        # backward of one unbind stacks the steps' gradients once, where each select's
-        # would add a whole [seq, batch, 4 * cell] gradient per step.
-        inputs = (self.input_linearity(x) + self.state_linearity.bias).transpose(0, 1).contiguous()
-        inputs = inputs.unbind(0)  # seq x [batch, 4 * cell]
-        h = weight.new_zeros(batch, weight.shape[0])
-        c = weight.new_zeros(batch, self.state_projection.weight.shape[1])
-        outputs = [None] * seq
-        for t, everyone in self._steps(mask):
-            gates = torch.addmm(inputs[t], h, weight)
-            # The cell state stays in the parameters' dtype under autocast.
-            cell_out, c_new = lstm_cell(gates.to(c.dtype), c, cell_clip=self.cell_clip)
-            h_new = self.state_projection(cell_out)
-            if self.proj_clip is not None:
-                h_new = torch.clamp(h_new, -self.proj_clip, self.proj_clip)
-            if everyone:
-                c, h, outputs[t] = c_new, h_new.to(h.dtype), h_new
-                continue
-            keep = mask[:, t, None]
-            c = torch.where(keep, c_new, c)
-            h = torch.where(keep, h_new.to(h.dtype), h)
-            outputs[t] = h_new * keep
-        return torch.stack(outputs, dim=1)
+        # The input's share of the gates and the bias, every step at once: each step then
+        # adds W_h h in one addmm on a contiguous block.
+        inputs = time_major(self.input_linearity(x) + self.state_linearity.bias)
+        h = weight.new_zeros(x.shape[0], weight.shape[0])
+        c = weight.new_zeros(x.shape[0], self.state_projection.weight.shape[1])
+        outputs, _ = recur(functools.partial(self._step, weight=weight), inputs, (h, c), mask,
+                           self.go_forward)
+        return outputs
 
-    def _steps(self, mask: Tensor):
-        """(t, whether every sequence has a token at t) in this direction's order. Those
-        steps need no masking; which they are is data, read once per call (not traced)."""
-        order = range(mask.shape[1]) if self.go_forward else reversed(range(mask.shape[1]))
-        if torch.compiler.is_compiling():
-            return ((t, False) for t in order)
-        full = mask.all(dim=0).tolist()
-        return ((t, full[t]) for t in order)
+    def _step(self, x_t: Tensor, state: tuple, weight: Tensor) -> tuple:
+        h, c = state
+        gates = torch.addmm(x_t, h, weight)
+        # The cell state stays in the parameters' dtype under autocast.
+        cell_out, c_new = lstm_cell(gates.to(c.dtype), c, cell_clip=self.cell_clip)
+        h_new = self.state_projection(cell_out)
+        if self.proj_clip is not None:
+            h_new = torch.clamp(h_new, -self.proj_clip, self.proj_clip)
+        return h_new, (h_new.to(h.dtype), c_new)
 
     def _torch_forward(self, x: Tensor, mask: Tensor) -> Tensor:
         lengths = mask.sum(dim=1)
         if not self.go_forward:
-            x = _reverse_within(x, lengths)
+            x = reverse_within(x, lengths)
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True,
                                                    enforce_sorted=False)
         b_hh = self.state_linearity.bias
@@ -265,15 +251,7 @@ class LstmDirection(nn.Module):
         shell = nn.LSTM(x.shape[-1], cell, proj_size=proj, batch_first=True, device="meta")
         out, _ = torch.func.functional_call(shell, params, (packed,))
         out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
-        return out if self.go_forward else _reverse_within(out, lengths)
-
-
-def _reverse_within(x: Tensor, lengths: Tensor) -> Tensor:
-    """Each sequence of x [batch, seq, ...] reversed over its first lengths[b] positions."""
-    seq = x.shape[1]
-    steps = torch.arange(seq, device=x.device)
-    index = torch.where(steps < lengths[:, None], lengths[:, None] - 1 - steps, steps)
-    return x.gather(1, index[:, :, None].expand_as(x))
+        return out if self.go_forward else reverse_within(out, lengths)
 
 
 class ElmoLstm(nn.Module):
