@@ -5,7 +5,9 @@ corpus and saved with the model as ``tokenizer.json``.
 whose <|endoftext|> separates documents; ``roberta-bpe``: RoBERTa's byte-level BPE
 (case kept, <s> text </s>, <pad> and <mask>); ``words``: ELMo's softmax vocabulary, the
 most frequent words (case kept) and [UNK] (ELMo reads each word's characters; the ids
-only name the word to predict).
+only name the word to predict); ``ulmfit``: ULMFiT's word vocabulary, the most frequent
+lower-cased words, with [UNK], [PAD] and [CLS] (fastai's xxunk, xxpad and xxbos: ids 0, 1
+and 2), [CLS] beginning each text.
 
 The encoders' special tokens are known by their role (:func:`role_id`): [PAD] or <pad>,
 [CLS] or <s>, [SEP] or </s>, [MASK] or <mask>, [UNK] or <unk>.
@@ -20,6 +22,7 @@ from .errors import UsageError
 FILE_NAME = "tokenizer.json"
 WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+ULMFIT_SPECIALS = ("[UNK]", "[PAD]", "[CLS]")
 ENDOFTEXT = "<|endoftext|>"
 # Each role's token in a WordPiece vocabulary and in RoBERTa's.
 ROLES = {"pad": ("[PAD]", "<pad>"), "cls": ("[CLS]", "<s>"), "sep": ("[SEP]", "</s>"),
@@ -36,8 +39,8 @@ def _tokenizers():
 
 
 def train(kind: str, documents: Sequence[str], vocab_size: int):
-    """A ``kind`` tokenizer ("wordpiece", "bpe", "roberta-bpe" or "words") of at most
-    vocab_size tokens."""
+    """A ``kind`` tokenizer ("wordpiece", "bpe", "roberta-bpe", "words" or "ulmfit") of at
+    most vocab_size tokens."""
     tk = _tokenizers()
     if kind == "wordpiece":
         tokenizer = _wordpiece(_trained_wordpiece_vocab(documents, vocab_size))
@@ -66,6 +69,15 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
         trainer = tk.trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"],
                                                show_progress=False)
         tokenizer.train_from_iterator(documents, trainer)
+    elif kind == "ulmfit":
+        tokenizer = tk.Tokenizer(tk.models.WordLevel(unk_token="[UNK]"))
+        tokenizer.normalizer = tk.normalizers.Lowercase()
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+        trainer = tk.trainers.WordLevelTrainer(vocab_size=vocab_size, show_progress=False,
+                                               special_tokens=list(ULMFIT_SPECIALS))
+        tokenizer.train_from_iterator(documents, trainer)
+        tokenizer.post_processor = tk.processors.TemplateProcessing(
+            single="[CLS] $A", special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]"))])
     else:
         raise ValueError(f"no tokenizer of kind {kind!r}")
     return tokenizer

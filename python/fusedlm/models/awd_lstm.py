@@ -38,6 +38,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import ModelOutput
 
 from .. import ops
+from ..nn._autocast import lower
 from ..ops.lstm_cell import lstm_cell
 from ._lstm import recur, reverse_within, time_major
 
@@ -424,21 +425,22 @@ class AWDLSTMForLanguageModeling(AWDLSTMPreTrainedModel):
         for reading, lstm, decoder in zip(readings, self.awd_lstm.lstms, self.decoders):
             raw = reading.outputs[-1]
             dropped = decoder.output_dp(raw)
-            weight = lstm.encoder.weight.to(dropped.dtype)
-            bias = decoder.bias.to(dropped.dtype)
+            # The decoder's product in the autocast dtype, as F.linear's.
+            hidden, weight, bias = lower(dropped, lstm.encoder.weight, decoder.bias)
+            weight, bias = weight.to(hidden.dtype), bias.to(hidden.dtype)
             read_mask = None if mask is None else reading.in_text_order(mask)
             if labels is not None:
                 targets = reading.in_text_order(labels)
                 if read_mask is not None:
                     targets = targets.masked_fill(~read_mask, -100)
                 targets = F.pad(targets[:, 1:], (0, 1), value=-100)
-                loss = ops.masked_lm_loss(dropped, weight, bias, targets)
+                loss = ops.masked_lm_loss(hidden, weight, bias, targets)
                 if self.training:
                     loss = loss + activation_regularisation(
                         dropped, raw, read_mask, self.config.ar_alpha, self.config.tar_beta)
                 losses.append(loss)
             if labels is None or not self.training or return_logits:
-                logits.append(reading.in_text_order(F.linear(dropped, weight, bias)))
+                logits.append(reading.in_text_order(F.linear(hidden, weight, bias)))
             else:
                 logits.append(None)
         layers = text_order_layers(readings) if output_hidden_states else None
