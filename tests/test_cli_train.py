@@ -18,7 +18,8 @@ from fusedlm.cli import train as train_module
 from fusedlm.cli.distributed import Processes
 from fusedlm.cli.train import read_metrics
 from fusedlm.cli.tokenizer import load as load_tokenizer
-from fusedlm.models import (AlbertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
+from fusedlm.models import (AlbertForPreTraining, AWDLSTMForLanguageModeling,
+                            AWDLSTMForSequenceClassification, BertForMaskedLM, BertForSequenceClassification,
                             BertForTokenClassification, ElectraForJointPreTraining,
                             ElectraForPreTraining, ELMo, ElmoBiLM, RobertaForMaskedLM,
                             RobertaForSequenceClassification)
@@ -409,6 +410,9 @@ def test_finetune_bad_input(capsys, tmp_path, bert):
     for argv, message in cases:
         code, _, err = run_cli(capsys, *base, *argv)
         assert code == 2 and err.count("\n") == 1 and message in err, err
+    code, _, err = run_cli(capsys, *base, "--task", "classify", "--train", data / "classify_train.csv",
+                           "--eval", data / "classify_eval.jsonl", "--lm-epochs", 2, "--bptt", 9)
+    assert code == 2 and "--lm-epochs, --bptt: only a ULMFiT language model takes these" in err
     assert not (tmp_path / "out").exists()
     code, _, err = run_cli(capsys, "finetune", "--model", bert, "--task", "classify", "--train",
                            data / "classify_train.csv", "--eval", data / "classify_eval.jsonl",
@@ -589,3 +593,60 @@ def test_elmo_pretrain_then_embed(capsys, tmp_path, corpus):
     torch.testing.assert_close(vectors, torch.stack(expect), atol=1e-5, rtol=1e-5)
     code, _, err = run_cli(capsys, "fill-mask", "--model", out, "a [MASK]")
     assert code == 2 and "fill-mask needs a model of one of albert, bert, distilbert, electra, roberta, not elmo" in err
+
+
+def test_ulmfit_three_stages_then_generate_and_embed(capsys, tmp_path, corpus):
+    """Stage 1 (pretrain), stages 2 and 3 (finetune: the language models on the task's text
+    with its words added, then the classifier, scored every epoch), and the folders'
+    generate and embed."""
+    out = tmp_path / "ulmfit"
+    _pretrained(capsys, "ulmfit", corpus, out, steps=4)
+    lm = AWDLSTMForLanguageModeling.from_pretrained(out).eval()
+    assert lm.config.directions == "both" and lm.config.emb_size == 128
+    data = _labelled_data(tmp_path)
+    classifier_dir = tmp_path / "classifier"
+    code, stdout, err = run_cli(capsys, "finetune", "--model", out, "--task", "classify",
+                                "--train", data / "classify_train.csv", "--eval",
+                                data / "classify_eval.jsonl", "--epochs", 2, "--lm-epochs", 2,
+                                "--batch-size", 16, "--device", "cpu", "--out", classifier_dir)
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0].startswith("added ") and "awful" in lines[0]
+    assert [line.split()[:2] for line in lines[1:5]] == [["lm_epoch", "1"], ["lm_epoch", "2"],
+                                                         ["epoch", "1"], ["epoch", "2"]]
+    assert "accuracy" in lines[3] and "f1" in lines[3]
+    scores = json.loads((classifier_dir / "eval.json").read_text())
+    assert scores["epoch"] == 2 and 0 <= scores["accuracy"] <= 1
+    classifier = AWDLSTMForSequenceClassification.from_pretrained(classifier_dir)
+    tokenizer = load_tokenizer(classifier_dir)
+    assert classifier.config.vocab_size == tokenizer.get_vocab_size() > lm.config.vocab_size
+    assert tokenizer.token_to_id("awful") is not None
+    assert list(classifier.config.id2label.values()) == ["neg", "pos"]
+    # Fine-tuned: the encoder moved from the language model's.
+    assert not torch.equal(classifier.awd_lstm.lstms[0].rnns[0].weight_hh,
+                           lm.awd_lstm.lstms[0].rnns[0].weight_hh)
+
+    code, text, err = run_cli(capsys, "generate", "--model", out, "--prompt", "Return the",
+                              "--max-new-tokens", 5, "--temperature", 0, "--device", "cpu")
+    assert code == 0, err
+    ids = load_tokenizer(out).encode("Return the", add_special_tokens=False).ids
+    expect = lm.generate(torch.tensor([ids]), max_new_tokens=5)[0, len(ids):]
+    assert text.strip() == ("Return the " + load_tokenizer(out).decode(expect.tolist())).strip()
+
+    lines_file = tmp_path / "lines.txt"
+    lines_file.write_text("Return the value.\nRaise an error\n")
+    code, _, err = run_cli(capsys, "embed", "--model", classifier_dir, lines_file, "--device", "cpu")
+    assert code == 0, err
+    import numpy as np
+
+    vectors = torch.from_numpy(np.load(tmp_path / "lines.npy"))
+    with torch.no_grad():
+        expect = [classifier.awd_lstm(torch.tensor([tokenizer.encode(t).ids])).last_hidden_state[0].mean(0)
+                  for t in ("Return the value.", "Raise an error")]
+    torch.testing.assert_close(vectors, torch.stack(expect), atol=1e-5, rtol=1e-5)
+    assert vectors.shape == (2, 256)  # both directions
+
+    code, _, err = run_cli(capsys, "finetune", "--model", out, "--task", "tag", "--train",
+                           data / "tag_train.jsonl", "--eval", data / "tag_eval.jsonl",
+                           "--device", "cpu", "--out", tmp_path / "tagger")
+    assert code == 2 and "ULMFiT model fine-tunes a classifier" in err

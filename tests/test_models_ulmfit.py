@@ -672,3 +672,30 @@ def test_models_are_exported():
         "AWDLSTMConfig", "AWDLSTMModel", "AWDLSTMForLanguageModeling",
         "AWDLSTMForSequenceClassification"))
     assert math.isclose(AWDLSTMConfig().output_p, 0.1) and AWDLSTMConfig().emb_size == 400
+
+
+def test_resize_token_embeddings_starts_new_words_at_the_mean():
+    model = _perturbed(AWDLSTMForLanguageModeling(_config(directions="both"))).eval()
+    ids = _ids(2, 5)
+    before = model(ids).logits
+    model.resize_token_embeddings(VOCAB + 4)
+    assert model.config.vocab_size == VOCAB + 4
+    for lstm, decoder in zip(model.awd_lstm.lstms, model.decoders):
+        weight = lstm.encoder.weight
+        torch.testing.assert_close(weight[VOCAB:], weight[:VOCAB].mean(0).expand(4, -1))
+        torch.testing.assert_close(decoder.bias[VOCAB:], decoder.bias[:VOCAB].mean().expand(4))
+    after = model(ids).logits
+    torch.testing.assert_close(after[..., :VOCAB], before)
+    model(_ids(2, 5) + 2, labels=ids).loss.backward()  # the new ids are read and trained
+
+
+def test_add_words_extends_the_word_vocabulary():
+    from fusedlm.cli import tokenizer as tok
+
+    tokenizer = tok.train("ulmfit", ["the cat sat on the mat", "the dog"], 100)
+    size = tokenizer.get_vocab_size()
+    extended, added = tok.add_words(tokenizer, ["A zebra and a Zebra", "one yak", "and zebra"])
+    assert added == ["zebra", "a", "and"]  # seen twice at least, the most frequent first
+    assert extended.get_vocab_size() == size + 3 and extended.token_to_id("zebra") == size
+    assert extended.encode("zebra cat").ids == [extended.token_to_id("[CLS]"), size,
+                                               tokenizer.token_to_id("cat")]

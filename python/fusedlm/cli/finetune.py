@@ -3,7 +3,8 @@
 reporting accuracy and F1 on --eval after every epoch. The folder may be any of
 transformers' BERT or ELECTRA layouts: the task head starts new (for BERT's classifier,
 with the pooler when the folder has none), every other weight is the folder's, and its
-pretraining heads are left unread."""
+pretraining heads are left unread. A ULMFiT language model runs ULMFiT's stages 2 and 3
+(:mod:`fusedlm.cli.ulmfit`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, rng
+from . import checkpoint, rng, ulmfit
 from . import tokenizer as tok
 from .common import (DTYPES, add_device_argument, atomic_write, load_model, positive_int,
                      resolve_device)
@@ -33,12 +34,15 @@ DESCRIPTION = """Fine-tunes a BERT or ELECTRA folder (the task head starts new, 
 weight is the folder's) on --train and reports accuracy and F1 on --eval (macro F1 over the
 classes for classify; micro F1 over the tags other than O for tag). Files: CSV, TSV or JSONL
 with a text and a label column; for tag, words and labels are lists or space-separated strings
-of equal length."""
+of equal length. A ULMFiT language model folder (fusedlm pretrain --model ulmfit) is
+fine-tuned as ULMFiT does: the language model on the training texts (and --unlabelled), then
+the classifier with gradual unfreezing, discriminative rates and slanted triangular
+schedules."""
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
-                   help="a BERT or ELECTRA folder (transformers' layout)")
+                   help="a BERT or ELECTRA folder (transformers' layout), or a ULMFiT language model")
     p.add_argument("--task", required=True, choices=("classify", "tag"))
     p.add_argument("--train", required=True, metavar="FILE")
     p.add_argument("--eval", required=True, metavar="FILE")
@@ -51,12 +55,13 @@ def add_arguments(p) -> None:
                    help="tokens per text; longer texts are cut (default 128)")
     p.add_argument("--lr", type=float,
                    help="peak learning rate (default by width: 1e-3 up to hidden 128, 3e-4 up "
-                        "to 256, else 5e-5)")
+                        "to 256, else 5e-5; ULMFiT: 2e-2 for the top layer group)")
     p.add_argument("--warmup", type=float, default=0.1, help="share of the steps (default 0.1)")
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--clip", type=float, help="gradient norm clip (default 1.0; ULMFiT 0.1)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     add_device_argument(p)
     p.add_argument("--seed", type=int, default=0)
+    ulmfit.add_arguments(p.add_argument_group("ULMFiT (a ULMFiT language model folder)"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {out} already holds a checkpoint: choose another --out")
     if (args.lr is not None and not args.lr > 0) or not 0 <= args.warmup < 1:
         raise UsageError("--lr must be positive and --warmup in [0, 1)")
+    if args.clip is not None and args.clip < 0:
+        raise UsageError(f"--clip must not be negative, got {args.clip}")
     train = read_examples(args.train, args.task, args.text_column, args.label_column, "--train")
     test = read_examples(args.eval, args.task, args.text_column, args.label_column, "--eval")
     names = sorted(set(_flat(train.labels, args.task)))
@@ -73,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--eval has labels --train lacks: {', '.join(unseen[:5])}")
     device = resolve_device(args.device)
     rng.seed(args.seed)
+    if ulmfit.holds_ulmfit(args.model):
+        return ulmfit.finetune(args, out, train, test, names, device)
+    ulmfit.refuse_arguments(args)
     # The task head starts new; every other weight comes from the folder.
     spec, model, tokenizer = load_model(args.model, args.task, device, num_labels=len(names),
                                         id2label=dict(enumerate(names)),
@@ -83,33 +93,42 @@ def run(args: argparse.Namespace) -> int:
     tokenizer.enable_truncation(args.seq_len)
     lr = args.lr or _default_lr(model.config.hidden_size)
     index = {name: i for i, name in enumerate(names)}
-    train_set, test_set = (_encode(tokenizer, e, index, args.task) for e in (train, test))
+    train_set, test_set = (encode_examples(tokenizer, e, index, args.task) for e in (train, test))
     pad = tok.role_id(tokenizer, "pad")
 
     batches = -(-len(train_set) // args.batch_size)
     trainer = Trainer(model, lr=lr, warmup=int(args.warmup * batches * args.epochs),
-                      steps=batches * args.epochs, clip=args.clip, dtype=DTYPES[args.dtype],
-                      device=device, processes=Processes())
+                      steps=batches * args.epochs, clip=1.0 if args.clip is None else args.clip,
+                      dtype=DTYPES[args.dtype], device=device, processes=Processes())
     scores = {}
     for epoch in range(1, args.epochs + 1):
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
-            args.seed * 1_000_003 + epoch)).tolist()
-        losses = []
-        for start in range(0, len(order), args.batch_size):
-            inputs = _collate([train_set[i] for i in order[start:start + args.batch_size]], pad,
-                              device)
-            losses.append(trainer.step([functools.partial(_loss, inputs=inputs)])[0])
-        scores = _evaluate(model, test_set, test, names, args, pad, device)
-        scores = {"epoch": epoch, "train_loss": sum(losses) / len(losses), **scores}
-        print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                       for k, v in scores.items()))
+        scores = train_epoch(trainer, train_set, test_set, test, names, args, pad, device, epoch)
+    save_fine_tuned(out, model, tokenizer, names, scores)
+    return 0
+
+
+def train_epoch(trainer, train_set: list, test_set: list, test, names: list, args, pad: int,
+                device, epoch: int) -> dict:
+    """One epoch over train_set in a seeded order, then the scores on test_set, printed."""
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
+        args.seed * 1_000_003 + epoch)).tolist()
+    losses = []
+    for start in range(0, len(order), args.batch_size):
+        inputs = collate([train_set[i] for i in order[start:start + args.batch_size]], pad, device)
+        losses.append(trainer.step([functools.partial(_loss, inputs=inputs)])[0])
+    scores = evaluate(trainer.model, test_set, test, names, args, pad, device)
+    scores = {"epoch": epoch, "train_loss": sum(losses) / len(losses), **scores}
+    print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in scores.items()))
+    return scores
+
+
+def save_fine_tuned(out: Path, model, tokenizer, names: list, scores: dict) -> None:
     with quiet():
         model.save_pretrained(out)
     atomic_write(out / tok.FILE_NAME, lambda f: f.write(tokenizer.to_str().encode()))
     atomic_write(out / LABELS_NAME, lambda f: f.write(json.dumps(names).encode()))
     atomic_write(out / SCORES_NAME, lambda f: f.write(json.dumps(scores).encode()))
     print(f"saved to {out}")
-    return 0
 
 
 def _default_lr(hidden: int) -> float:
@@ -121,7 +140,7 @@ def _flat(labels: list, task: str) -> list:
     return [t for row in labels for t in row] if task == "tag" else labels
 
 
-def _encode(tokenizer, examples, index: dict, task: str) -> list:
+def encode_examples(tokenizer, examples, index: dict, task: str) -> list:
     """[(token ids, labels)]: classify, one label id; tag, one per token, on the first
     token of each word (-100 on the others and on [CLS] / [SEP])."""
     if task == "classify":
@@ -138,7 +157,7 @@ def _encode(tokenizer, examples, index: dict, task: str) -> list:
     return items
 
 
-def _collate(items: list, pad: int, device) -> dict:
+def collate(items: list, pad: int, device) -> dict:
     """Pads a batch on the right: input_ids, attention_mask, labels."""
     width = max(len(ids) for ids, _ in items)
     ids = torch.full((len(items), width), pad, dtype=torch.long)
@@ -162,11 +181,11 @@ def _loss(model, inputs: dict):
 
 
 @torch.no_grad()
-def _evaluate(model, items: list, examples, names: list, args, pad: int, device) -> dict:
+def evaluate(model, items: list, examples, names: list, args, pad: int, device) -> dict:
     model.eval()
     predicted = []
     for start in range(0, len(items), args.batch_size):
-        inputs = _collate(items[start:start + args.batch_size], pad, device)
+        inputs = collate(items[start:start + args.batch_size], pad, device)
         best = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits.argmax(-1)
         if args.task == "classify":
             predicted.extend(names[i] for i in best.tolist())

@@ -502,7 +502,58 @@ ELMO = ModelSpec(
     export=_elmo_export, hidden=_elmo_hidden,
     layers=lambda model: [*model.lstm.forward_layers, *model.lstm.backward_layers])
 
-SPECS = {spec.name: spec for spec in (BERT, ROBERTA, ALBERT, DISTILBERT, ELECTRA, ELMO, GPT)}
+# ULMFiT: fastai's AWD-LSTM language models, forward and backward, on lower-cased words;
+# each text begins with [CLS] (fastai's xxbos) in one stream cut into blocks.
+
+def _ulmfit_build(size: Size, tokenizer, dropout: Optional[float], embedding_size=None):
+    from ..models.awd_lstm import AWDLSTMConfig, AWDLSTMForLanguageModeling
+
+    base = size.hidden >= AWDLSTMConfig.emb_size
+    rates = {} if dropout is None else {name: dropout for name in
+                                        ("embed_p", "input_p", "hidden_p", "weight_p", "output_p")}
+    return AWDLSTMForLanguageModeling(AWDLSTMConfig(
+        vocab_size=tokenizer.get_vocab_size(), pad_token_id=tok.role_id(tokenizer, "pad"),
+        emb_size=AWDLSTMConfig.emb_size if base else size.hidden,
+        hidden_size=AWDLSTMConfig.hidden_size if base else 3 * size.hidden,
+        directions="both", **rates))
+
+
+def ulmfit_blocks(documents, tokenizer, seq_len: int) -> Tensor:
+    cls = tok.role_id(tokenizer, "cls")
+    return pack([[cls, *ids] for ids in token_ids(tokenizer, documents)], seq_len, None)
+
+
+def _padded_batch(tokenizer, texts, device) -> tuple:
+    """(ids, attention mask) of texts, each begun with [CLS] and padded on the right."""
+    pad = tok.role(tokenizer, "pad")
+    tokenizer.enable_padding(pad_id=tokenizer.token_to_id(pad), pad_token=pad)
+    try:
+        batch = tokenizer.encode_batch(list(texts))
+    finally:
+        tokenizer.no_padding()
+    ids = torch.tensor([e.ids for e in batch], device=device)
+    return ids, torch.tensor([e.attention_mask for e in batch], device=device)
+
+
+def _ulmfit_hidden(model, tokenizer, texts, device) -> tuple:
+    ids, mask = _padded_batch(tokenizer, texts, device)
+    out = model(ids, attention_mask=mask).last_hidden_state.float()
+    return out, mask.bool(), 0
+
+
+ULMFIT_LM = loading.Head("awd_lstm.AWDLSTMForLanguageModeling")
+
+ULMFIT = ModelSpec(
+    name="ulmfit", model_type="awd_lstm", tokenizer="ulmfit", build=_ulmfit_build,
+    blocks=ulmfit_blocks, batch=_gpt_batch, loss=_lm_loss,
+    # A language model's folder holds the decoders' biases, a classifier's its heads.
+    heads={"pretrain": ULMFIT_LM, "generate": ULMFIT_LM, "lm-finetune": ULMFIT_LM,
+           "embed": loading.Head("awd_lstm.AWDLSTMModel", unused=("decoders.", "classifiers."))},
+    positions=lambda config: sys.maxsize, hidden=_ulmfit_hidden,
+    # The embeddings, which the decoders read too, stay in the root.
+    layers=lambda model: [rnn for lstm in model.awd_lstm.lstms for rnn in lstm.rnns])
+
+SPECS = {spec.name: spec for spec in (BERT, ROBERTA, ALBERT, DISTILBERT, ELECTRA, ELMO, GPT, ULMFIT)}
 SPECS_BY_TYPE = {spec.model_type: spec for spec in SPECS.values()}
 
 

@@ -14,6 +14,7 @@ The encoders' special tokens are known by their role (:func:`role_id`): [PAD] or
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -81,6 +82,29 @@ def train(kind: str, documents: Sequence[str], vocab_size: int):
     else:
         raise ValueError(f"no tokenizer of kind {kind!r}")
     return tokenizer
+
+
+def add_words(tokenizer, documents: Sequence[str], min_count: int = 2) -> tuple:
+    """A word-level tokenizer with the words of ``documents`` it lacks, seen at least
+    ``min_count`` times (fastai's vocabulary of a target corpus), given the ids after its
+    own (the most frequent first). Returns (the tokenizer, the words added)."""
+    from collections import Counter
+
+    tk = _tokenizers()
+    data = json.loads(tokenizer.to_str())
+    if data["model"]["type"] != "WordLevel":
+        raise ValueError("add_words needs a word-level tokenizer")
+    vocab = data["model"]["vocab"]
+    counts = Counter()
+    for text in documents:
+        if tokenizer.normalizer is not None:
+            text = tokenizer.normalizer.normalize_str(text)
+        counts.update(word for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text))
+    added = sorted((w for w, n in counts.items() if n >= min_count and w not in vocab),
+                   key=lambda w: (-counts[w], w))
+    first = max(vocab.values()) + 1
+    vocab.update((word, first + i) for i, word in enumerate(added))
+    return tk.Tokenizer.from_str(json.dumps(data)), added
 
 
 def _wordpiece(vocab=None):

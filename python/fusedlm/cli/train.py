@@ -1,5 +1,5 @@
 """The training loop shared by pretrain and finetune: AdamW with linear warm-up and
-decay, gradient accumulation and clipping, autocast (with loss scaling for fp16), and
+decay (or a recipe's optimizer and schedule), gradient accumulation and clipping, autocast (with loss scaling for fp16), and
 the progress display and metrics log."""
 from __future__ import annotations
 
@@ -48,11 +48,15 @@ class Trainer:
     reduced on the last micro-batch only."""
 
     def __init__(self, model: nn.Module, *, lr: float, warmup: int, steps: int, clip: float,
-                 dtype: torch.dtype, device: torch.device, processes: Processes):
+                 dtype: torch.dtype, device: torch.device, processes: Processes,
+                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None):
+        """``optimizer`` and ``scheduler`` (a recipe's own) replace AdamW at ``lr`` with the
+        linear schedule over ``warmup`` and ``steps``."""
         self.model, self.clip, self.dtype, self.device = model, clip, dtype, device
         self.processes = processes
-        self.optimizer = adamw(model, lr)
-        self.scheduler = linear_schedule(self.optimizer, warmup, steps)
+        self.optimizer = optimizer if optimizer is not None else adamw(model, lr)
+        self.scheduler = (scheduler if scheduler is not None
+                          else linear_schedule(self.optimizer, warmup, steps))
         scaler = torch.amp.GradScaler
         if processes.fsdp:
             # Each process sees only its shard's gradients: whether any is inf is agreed

@@ -296,6 +296,32 @@ class AWDLSTMPreTrainedModel(PreTrainedModel):
         report = _fastai.load(model, state_dict, strict=strict)
         return (model, report) if output_loading_info else model
 
+    def resize_token_embeddings(self, new_num_tokens: int) -> nn.Embedding:
+        """The vocabulary grown (or cut) to new_num_tokens, as fastai adapts a pretrained
+        model to a new vocabulary (match_embeds): every direction's embedding row of a new
+        token is the mean of the old rows, its decoder bias the mean of the old biases.
+        Returns the first direction's embedding."""
+        if new_num_tokens < 1:
+            raise ValueError(f"new_num_tokens must be at least 1, got {new_num_tokens}")
+        encoder = self if isinstance(self, AWDLSTMModel) else self.awd_lstm
+        kept = min(new_num_tokens, self.config.vocab_size)
+        with torch.no_grad():
+            for lstm in encoder.lstms:
+                old = lstm.encoder.weight
+                weight = old.new_empty(new_num_tokens, old.shape[1])
+                weight[:kept] = old[:kept]
+                weight[kept:] = old.mean(dim=0)
+                lstm.encoder.weight = nn.Parameter(weight)
+                lstm.encoder.num_embeddings = new_num_tokens
+            for decoder in getattr(self, "decoders", ()):
+                old = decoder.bias
+                bias = old.new_empty(new_num_tokens)
+                bias[:kept] = old[:kept]
+                bias[kept:] = old.mean()
+                decoder.bias = nn.Parameter(bias)
+        self.config.vocab_size = encoder.config.vocab_size = new_num_tokens
+        return encoder.lstms[0].encoder
+
     def to_fastai(self) -> Union[dict, tuple]:
         """The state dict(s) of fastai's model of this one: one per direction (a tuple of
         the forward and the backward one with directions="both")."""
