@@ -699,3 +699,15 @@ def test_add_words_extends_the_word_vocabulary():
     assert extended.get_vocab_size() == size + 3 and extended.token_to_id("zebra") == size
     assert extended.encode("zebra cat").ids == [extended.token_to_id("[CLS]"), size,
                                                tokenizer.token_to_id("cat")]
+
+
+def test_readme_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("### ULMFiT\n", 1)[1].split("\n## ", 1)[0]
+    scope = {}
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "README.md", "exec"), scope)
+    assert all(p.grad is None for p in scope["classifier"].awd_lstm.parameters())  # frozen
+    assert all(p.grad is not None for p in scope["classifier"].classifiers.parameters())

@@ -11,7 +11,10 @@ randomly initialised. BERT and ELECTRA: batch 8 x seq 128, lengths uniform in [6
 without padding; generate adds 32 tokens greedily to a 16-token prompt at batch 1 (both
 sides with a KV cache, neither stopping early). ELMo: LSTM cell 512, projection 128,
 filters [[1, 32], [2, 32], [3, 64], [4, 128]], one highway layer, 16 sentences of 10 to 20
-random words. Training steps run in training mode (dropout on). The rate is real tokens
+random words. ULMFiT: the forward language model at fastai's sizes (batch 64 x bptt 72,
+embedding 400, hidden 1152, 3 layers, vocabulary 60000) and dropout, against fastai's
+AWD_LSTM language model when fastai is installed. Training steps run in training mode
+(dropout on). The rate is real tokens
 (new tokens for generate) per second. fusedlm's models and their twins are transformers
 models of the same class names and weights, so both sides run transformers' generate.
 
@@ -61,16 +64,23 @@ class Sizes:
     base_ffn: int
     base_layers: int
     base_vocab: int
+    ulmfit_batch: int
+    ulmfit_bptt: int
+    ulmfit_emb: int
+    ulmfit_hidden: int
+    ulmfit_vocab: int
 
 
 FULL = Sizes(batch=8, seq=128, hidden=256, layers=4, heads=4, ffn=1024, vocab=8192, prompt=16,
              new_tokens=32, elmo_batch=16, elmo_words=20, elmo_lstm=512, elmo_projection=128,
              elmo_filters=((1, 32), (2, 32), (3, 64), (4, 128)), base_hidden=768, base_heads=12,
-             base_ffn=3072, base_layers=12, base_vocab=30522)
+             base_ffn=3072, base_layers=12, base_vocab=30522, ulmfit_batch=64, ulmfit_bptt=72,
+             ulmfit_emb=400, ulmfit_hidden=1152, ulmfit_vocab=60000)
 QUICK = Sizes(batch=2, seq=16, hidden=32, layers=2, heads=2, ffn=64, vocab=300, prompt=4,
               new_tokens=4, elmo_batch=2, elmo_words=6, elmo_lstm=32, elmo_projection=16,
               elmo_filters=((1, 8), (2, 8)), base_hidden=32, base_heads=2, base_ffn=64,
-              base_layers=2, base_vocab=300)
+              base_layers=2, base_vocab=300, ulmfit_batch=2, ulmfit_bptt=8, ulmfit_emb=16,
+              ulmfit_hidden=24, ulmfit_vocab=300)
 
 
 def sizes_for(bench: Bench) -> Sizes:
@@ -294,6 +304,53 @@ def elmo(bench: Bench) -> Iterator[Case]:
     yield _case("ELMo embed forward", shape, _ours(embedder, embed), int(real.sum()), {})
 
 
+def _fastai_language_model(model, bench: Bench) -> tuple[dict, dict]:
+    """({"fastai": fastai's language model of the same weights and dropout}, {}) or ({},
+    {"fastai": why not})."""
+    try:
+        from fastai.text.models.awdlstm import AWD_LSTM
+        from fastai.text.models.core import get_language_model
+    except ImportError:
+        return {}, {"fastai": "fastai is not installed (pip install fastai): an optional baseline"}
+    c = model.config
+    settings = dict(emb_sz=c.emb_size, n_hid=c.hidden_size, n_layers=c.n_layers,
+                    pad_token=c.pad_token_id, bidir=False, tie_weights=True, out_bias=True,
+                    **{name: getattr(c, name) for name in
+                       ("embed_p", "input_p", "hidden_p", "weight_p", "output_p")})
+    theirs = get_language_model(AWD_LSTM, c.vocab_size, config=settings)
+    theirs.load_state_dict(model.to_fastai())
+    return {"fastai": theirs.to(bench.device)}, {}
+
+
+def ulmfit(bench: Bench) -> Iterator[Case]:
+    """ULMFiT's language model (the forward AWD-LSTM at fastai's sizes and dropout, tied
+    decoder, AR and TAR) training on one batch of bptt tokens per sequence, against fastai's
+    own (its RNNRegularizer's loss terms, its state reset each step as ours starts at zero)."""
+    import torch.nn.functional as F
+
+    z = sizes_for(bench)
+    config = models.AWDLSTMConfig(vocab_size=z.ulmfit_vocab, emb_size=z.ulmfit_emb,
+                                  hidden_size=z.ulmfit_hidden)
+    model = models.AWDLSTMForLanguageModeling(config).to(bench.device)
+    ids = torch.randint(2, z.ulmfit_vocab, (z.ulmfit_batch, z.ulmfit_bptt), device=bench.device)
+    steps = _ours(model, _train_step({"input_ids": ids, "labels": ids}))
+    twin, skipped = _fastai_language_model(model, bench)
+
+    def fastai_step(lm):
+        lm.train().zero_grad(set_to_none=True)
+        lm.reset()
+        decoded, raw, dropped = lm(ids)
+        loss = F.cross_entropy(decoded[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss = loss + config.ar_alpha * dropped.float().pow(2).mean()
+        loss = loss + config.tar_beta * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean()
+        loss.backward()
+
+    steps |= {name: _step(lambda m=m: fastai_step(m)) for name, m in twin.items()}
+    yield _case("ULMFiT LM training step",
+                f"{z.ulmfit_batch}x{z.ulmfit_bptt}, emb {z.ulmfit_emb}, hidden {z.ulmfit_hidden}, "
+                f"vocab {z.ulmfit_vocab}", steps, ids.numel(), skipped)
+
+
 def encoder_layer(bench: Bench) -> Iterator[Case]:
     from torch import nn
 
@@ -466,5 +523,6 @@ def gpt2_small(bench: Bench) -> Iterator[Case]:
 
 
 MODELS = {"bert": bert, "roberta": roberta, "albert": albert, "distilbert": distilbert, "gpt": gpt,
-          "electra": electra, "elmo": elmo, "encoder-layer": encoder_layer, "hf-bert": hf_bert,
+          "electra": electra, "elmo": elmo, "ulmfit": ulmfit, "encoder-layer": encoder_layer,
+          "hf-bert": hf_bert,
           "bert-base": bert_base, "gpt2-small": gpt2_small}
