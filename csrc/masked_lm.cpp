@@ -24,6 +24,25 @@ MlmInputs inputs(const MlmBackend& backend, const at::Tensor& hidden, const at::
   return in;
 }
 
+// Products of a long inner dimension on the CPU are summed in blocks of this many, in order:
+// BLAS may split a longer one between threads, and its sum's order then depends on how many
+// there are (fusedlm's CPU kernels give the same bits on any number of threads).
+constexpr int64_t kOrderedInner = 256;
+
+// out = a @ b, or out += a @ b with accumulate; on the CPU in blocks of kOrderedInner.
+void ordered_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  const int64_t inner = a.size(1);
+  const int64_t block = a.is_cpu() ? kOrderedInner : inner;
+  for (int64_t k0 = 0; k0 < inner; k0 += block) {
+    const int64_t len = std::min(block, inner - k0);
+    const auto a_part = a.narrow(1, k0, len), b_part = b.narrow(0, k0, len);
+    if (k0 == 0 && !accumulate)
+      at::mm_out(out, a_part, b_part);
+    else
+      out.addmm_(a_part, b_part);
+  }
+}
+
 // Projects the labelled rows chunk by chunk and runs the backend's cross-entropy on each.
 // Returns their losses [n] (accumulation dtype). With grads, each chunk's gradient,
 // grad_scale * row_scale[row] * d(loss_row)/d(logits), is folded into the gradients
@@ -51,14 +70,12 @@ at::Tensor project_chunks(const MlmBackend& backend, const MlmInputs& in, double
         row_scale.defined() ? row_scale.index_select(0, rows) : at::Tensor());
     if (!grads) continue;
     // logits now holds the chunk's gradient.
-    if (grads->dhidden.defined())
-      grads->dhidden.view(in.hidden.sizes()).index_copy_(0, rows, at::mm(logits, in.weight));
-    if (grads->dweight.defined()) {
-      if (c0 == 0)
-        at::mm_out(grads->dweight, logits.t(), h);
-      else
-        grads->dweight.addmm_(logits.t(), h);
+    if (grads->dhidden.defined()) {
+      auto dh = at::empty({m, in.weight.size(1)}, logits.options());
+      ordered_mm(dh, logits, in.weight, false);
+      grads->dhidden.view(in.hidden.sizes()).index_copy_(0, rows, dh);
     }
+    if (grads->dweight.defined()) ordered_mm(grads->dweight, logits.t(), h, c0 != 0);
     if (grads->dbias.defined()) grads->dbias.add_(col_sum);
   }
   return losses;

@@ -26,6 +26,7 @@ from .corpus import read_corpus
 from .data import BlockOrder
 from .distributed import Processes
 from .errors import UsageError
+from .fine_tuning import encode_examples, save_fine_tuned, train_epoch
 from .train import Trainer
 
 # The options only ULMFiT takes, and their defaults.
@@ -70,7 +71,6 @@ def _setting(args, name):
 def finetune(args, out, train, test, names: list, device) -> int:
     from ..models.awd_lstm import CLASSIFIER_DROPOUT, AWDLSTMForSequenceClassification, dropout_rates
     from ..models.ulmfit import CLIP, slanted_triangular, ulmfit_optimizer, unfreeze_top
-    from .finetune import encode_examples, save_fine_tuned, train_epoch
 
     if args.task != "classify":
         raise UsageError("--task: a ULMFiT model fine-tunes a classifier (--task classify)")

@@ -13,20 +13,19 @@ from typing import Union
 
 from torch import nn
 
-from .awd_lstm import (DIRECTIONS, AWDLSTMForLanguageModeling, AWDLSTMForSequenceClassification,
-                       AWDLSTMModel)
-
 # Where an AWD_LSTM's keys start in fastai's layouts: a classifier's, a language model's, its own.
 ENCODER_PREFIXES = ("0.module.", "0.", "")
 
 
 def _ours(model: nn.Module, direction: int) -> tuple:
-    """(the prefix of direction's encoder in our state dict, of its head or None)."""
-    root = "" if isinstance(model, AWDLSTMModel) else "awd_lstm."
+    """(the prefix of direction's encoder in our state dict, of its head or None): the
+    encoder model holds the LSTMs itself, a language model has decoders, a classifier
+    classifiers."""
+    root = "" if hasattr(model, "lstms") else "awd_lstm."
     head = None
-    if isinstance(model, AWDLSTMForLanguageModeling):
+    if hasattr(model, "decoders"):
         head = f"decoders.{direction}."
-    elif isinstance(model, AWDLSTMForSequenceClassification):
+    elif hasattr(model, "classifiers"):
         head = f"classifiers.{direction}."
     return f"{root}lstms.{direction}.", head
 
@@ -43,10 +42,10 @@ def _names(model: nn.Module, direction: int, prefix: str) -> tuple:
         copies[f"{fa}module.weight_hh_l0"] = f"{fa}weight_hh_l0_raw"
         for name in ("weight_ih", "bias_ih", "bias_hh"):
             names[f"{fa}module.{name}_l0"] = f"{ours}{name}"
-    if isinstance(model, AWDLSTMForLanguageModeling):
+    if hasattr(model, "decoders"):
         copies["1.decoder.weight"] = f"{prefix}encoder.weight"
         names["1.decoder.bias"] = f"{head}bias"
-    elif isinstance(model, AWDLSTMForSequenceClassification):
+    elif hasattr(model, "classifiers"):
         for j, block in enumerate(model.classifiers[direction].layers):
             fa, ours = f"1.layers.{j}.", f"{head}layers.{j}."
             for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
@@ -56,8 +55,8 @@ def _names(model: nn.Module, direction: int, prefix: str) -> tuple:
     return names, copies
 
 
-def _directions(model, state_dicts) -> list:
-    n = len(DIRECTIONS[model.config.directions])
+def _directions(model, state_dicts, directions: tuple) -> list:
+    n = len(directions)
     if isinstance(state_dicts, dict):
         state_dicts = (state_dicts,)
     if not isinstance(state_dicts, (tuple, list)) or len(state_dicts) != n:
@@ -68,14 +67,15 @@ def _directions(model, state_dicts) -> list:
     return [sd["model"] if isinstance(sd.get("model"), dict) else sd for sd in state_dicts]
 
 
-def load(model: nn.Module, state_dicts: Union[dict, tuple], strict: bool) -> dict:
-    """Loads fastai state dicts into ``model``; returns the missing and unexpected keys
-    (in fastai's names, prefixed with the direction when there are two)."""
+def load(model: nn.Module, state_dicts: Union[dict, tuple], strict: bool, directions: tuple) -> dict:
+    """Loads fastai state dicts (one per name of ``directions``) into ``model``; returns the
+    missing and unexpected keys (in fastai's names, prefixed with the direction when there
+    are two)."""
     state = model.state_dict()
     missing, unexpected = [], []
-    both = len(DIRECTIONS[model.config.directions]) > 1
-    for d, sd in enumerate(_directions(model, state_dicts)):
-        tag = f"{DIRECTIONS[model.config.directions][d]}:" if both else ""
+    both = len(directions) > 1
+    for d, sd in enumerate(_directions(model, state_dicts, directions)):
+        tag = f"{directions[d]}:" if both else ""
         prefix = next((p for p in ENCODER_PREFIXES if f"{p}encoder.weight" in sd), None)
         if prefix is None:
             raise ValueError(f"state_dict{f' ({tag[:-1]})' if both else ''} holds no fastai "
@@ -99,13 +99,13 @@ def load(model: nn.Module, state_dicts: Union[dict, tuple], strict: bool) -> dic
     return {"missing_keys": missing, "unexpected_keys": unexpected}
 
 
-def save(model: nn.Module) -> Union[dict, tuple]:
+def save(model: nn.Module, directions: tuple) -> Union[dict, tuple]:
     """fastai's state dict of each direction of ``model``, in the order fastai's modules
     list them (its loader for pretrained weights goes by that order)."""
     state = model.state_dict()
     prefix = model._fastai_encoder
     out = []
-    for d in range(len(DIRECTIONS[model.config.directions])):
+    for d in range(len(directions)):
         names, copies = _names(model, d, prefix)
         tensors = {fa: state[ours].detach().clone() for fa, ours in names.items()}
         ordered = {f"{prefix}encoder.weight": tensors[f"{prefix}encoder.weight"],

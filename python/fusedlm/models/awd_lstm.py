@@ -40,6 +40,7 @@ from transformers.utils import ModelOutput
 from .. import ops
 from ..nn._autocast import lower
 from ..ops.lstm_cell import lstm_cell
+from . import _fastai
 from ._lstm import recur, reverse_within, time_major
 
 # fastai's dropout rates: awd_lstm_lm_config (the config's defaults) and awd_lstm_clas_config.
@@ -290,10 +291,8 @@ class AWDLSTMPreTrainedModel(PreTrainedModel):
         The parts of the model a state dict lacks keep their initial values; strict=True
         raises on any missing or unexpected key. With output_loading_info, returns (model,
         {"missing_keys": [...], "unexpected_keys": [...]}) in fastai's names."""
-        from . import _fastai
-
         model = cls(config)
-        report = _fastai.load(model, state_dict, strict=strict)
+        report = _fastai.load(model, state_dict, strict, DIRECTIONS[config.directions])
         return (model, report) if output_loading_info else model
 
     def resize_token_embeddings(self, new_num_tokens: int) -> nn.Embedding:
@@ -325,9 +324,7 @@ class AWDLSTMPreTrainedModel(PreTrainedModel):
     def to_fastai(self) -> Union[dict, tuple]:
         """The state dict(s) of fastai's model of this one: one per direction (a tuple of
         the forward and the backward one with directions="both")."""
-        from . import _fastai
-
-        return _fastai.save(self)
+        return _fastai.save(self, DIRECTIONS[self.config.directions])
 
 
 class AWDLSTMModel(AWDLSTMPreTrainedModel):
