@@ -208,12 +208,15 @@ class AWDLSTM(nn.Module):
 @dataclass
 class Reading:
     """One direction's reading of a batch: its layers' outputs and last states in its own
-    reading order, and how to put a tensor back in the text's order."""
+    reading order, and how to put a tensor back in the text's order. ``mask`` (None
+    without padding) is the same in both orders: a text reversed within its length keeps
+    its padding at the end."""
 
     outputs: list
     state: list
     backwards: bool
     lengths: Tensor
+    mask: Optional[Tensor]
 
     def in_text_order(self, x: Tensor) -> Tensor:
         return reverse_within(x, self.lengths) if self.backwards else x
@@ -347,7 +350,7 @@ class AWDLSTMModel(AWDLSTMPreTrainedModel):
             backwards = name == "backward"
             ids = reverse_within(input_ids, lengths) if backwards else input_ids
             outputs, last = lstm(ids, mask, None if state is None else state[d])
-            readings.append(Reading(outputs, last, backwards, lengths))
+            readings.append(Reading(outputs, last, backwards, lengths, mask))
         return readings
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
@@ -440,7 +443,6 @@ class AWDLSTMForLanguageModeling(AWDLSTMPreTrainedModel):
         forward direction predicts labels[t + 1] at t, the backward one labels[t - 1];
         -100 and padding are ignored)."""
         readings = self.awd_lstm.read(input_ids, attention_mask, state)
-        mask = None if attention_mask is None else attention_mask.bool()
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(labels.shape)}")
@@ -451,16 +453,15 @@ class AWDLSTMForLanguageModeling(AWDLSTMPreTrainedModel):
             # The decoder's product in the autocast dtype, as F.linear's.
             hidden, weight, bias = lower(dropped, lstm.encoder.weight, decoder.bias)
             weight, bias = weight.to(hidden.dtype), bias.to(hidden.dtype)
-            read_mask = None if mask is None else reading.in_text_order(mask)
             if labels is not None:
                 targets = reading.in_text_order(labels)
-                if read_mask is not None:
-                    targets = targets.masked_fill(~read_mask, -100)
+                if reading.mask is not None:
+                    targets = targets.masked_fill(~reading.mask, -100)
                 targets = F.pad(targets[:, 1:], (0, 1), value=-100)
                 loss = ops.masked_lm_loss(hidden, weight, bias, targets)
                 if self.training:
                     loss = loss + activation_regularisation(
-                        dropped, raw, read_mask, self.config.ar_alpha, self.config.tar_beta)
+                        dropped, raw, reading.mask, self.config.ar_alpha, self.config.tar_beta)
                 losses.append(loss)
             if labels is None or not self.training or return_logits:
                 logits.append(reading.in_text_order(F.linear(hidden, weight, bias)))
@@ -600,7 +601,6 @@ class AWDLSTMForSequenceClassification(AWDLSTMPreTrainedModel):
                 labels: Optional[Tensor] = None, output_hidden_states: bool = False,
                 return_dict: Optional[bool] = None) -> SequenceClassifierOutput:
         readings = self.awd_lstm.read(input_ids, attention_mask)
-        mask = None if attention_mask is None else attention_mask.bool()
         regression = self.config.num_labels == 1
         if labels is not None and labels.shape != input_ids.shape[:1]:
             raise ValueError(f"labels must have shape ({input_ids.shape[0]},), got "
@@ -615,8 +615,7 @@ class AWDLSTMForSequenceClassification(AWDLSTMPreTrainedModel):
             loss = (F.mse_loss(logits[:, 0].float(), labels.float()) if regression
                     else ops.cross_entropy(logits, labels))
             if self.training:
-                read_mask = None if mask is None else reading.in_text_order(mask)
-                loss = loss + activation_regularisation(raw, raw, read_mask, self.config.ar_alpha,
+                loss = loss + activation_regularisation(raw, raw, reading.mask, self.config.ar_alpha,
                                                         self.config.tar_beta)
             losses.append(loss)
         if len(heads) == 1:
