@@ -534,22 +534,34 @@ if __name__ == "__main__":
 POINTWISE = 1e-4
 
 
-def softmax_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, scale=None):
+def softmax_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, scale=None,
+                      window_size=(-1, -1)):
     """softmax(q k^T * scale + bias) v over [..., seq, head_dim], computed in q's dtype; rows
-    that see no key are zeros; causal aligns to the bottom right.
+    that see no key are zeros. k and v may have fewer heads (dim -3) than q: each serves a
+    group of consecutive query heads. Causal and window_size (left, right; -1 unbounded)
+    align to the bottom right: query i sees key j when i + off - left <= j <= i + off + right,
+    off = seq_k - seq_q.
 
     Below float64 (plain PyTorch's error, against which kernels are measured) the
     probabilities are exp(scores - logsumexp(scores)), as FlashAttention's backward forms
     them: with large scores, the rounding of the log-sum-exp (|lse| ulp) is the error of
     every probability of its row. In float64 (the truth) they are softmax's."""
     seq_q, seq_k = q.shape[-2], k.shape[-2]
+    if q.dim() > 2 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if attn_bias is not None:
         scores = scores + attn_bias
     allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device)
+    left, right = window_size
     if causal:
         allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
+    if right >= 0:
+        allowed = torch.tril(allowed, diagonal=seq_k - seq_q + right)
+    if left >= 0:
+        allowed = torch.triu(allowed, diagonal=seq_k - seq_q - left)
     allowed = allowed.expand(scores.shape)
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]

@@ -364,9 +364,11 @@ def test_attention_outputs_are_not_views(backend, bias_shape):
     skip_if_refused(backend, "attention", q, k, v, attn_bias=bias)
     seed = next_seed(0.0)
     with torch.no_grad():
-        out, lse = torch.ops.fusedlm.attention(q, k, v, None, bias, False, 0.0, 0.25, seed, backend)
+        out, lse = torch.ops.fusedlm.attention(q, k, v, None, bias, False, -1, -1, 0.0, 0.25, seed,
+                                               backend)
         grads = torch.ops.fusedlm.attention_backward(torch.randn_like(out), q, k, v, out, lse, None,
-                                                     bias, False, 0.0, 0.25, seed, True, backend)
+                                                     bias, False, -1, -1, 0.0, 0.25, seed, True,
+                                                     backend)
     assert grads[3].shape == bias.shape
     assert [t._base is None for t in (out, lse, *grads)] == [True] * 6
 
@@ -1017,19 +1019,43 @@ def _fuzz_scale(d):
     return None if d.chance(0.7) else d.choice([0.01, 0.3, 2.0])
 
 
+def _kv_heads(d, heads):
+    """Mostly q's heads; often a divisor of them (grouped-query, or multi-query at 1)."""
+    if heads == 1 or d.chance(0.6):
+        return heads
+    return d.choice([n for n in range(1, heads) if heads % n == 0])
+
+
+def _window(d):
+    """Mostly none; often a left bound, a right one or both, down to 0 (the diagonal)."""
+    if d.chance(0.6):
+        return (-1, -1)
+    bound = [d.choice([0, 1, 5, 31, 64]) for _ in range(2)]
+    return d.choice([(bound[0], -1), (-1, bound[1]), tuple(bound)])
+
+
+def _more_kv_heads(heads):
+    """A corruption: k with more heads than q (which no number of query heads divides)."""
+    def corrupt(t):
+        k = t["k"].detach()
+        return {**t, "k": k[:, :1].expand(-1, heads + 1, -1, -1).contiguous()}
+    return "k with more heads than q", "k", corrupt
+
+
 def draw_attention(d):
     dtype = d.dtype()
-    batch, heads = d.size(0, 3), d.size(1, 3)
+    batch, heads = d.size(0, 3), d.size(1, 4)
+    kv_heads = _kv_heads(d, heads)
     seq_q, seq_k = d.size(0, 70, (1, 63, 64, 65)), d.size(0, 70, (1, 63, 64, 65))
     head_dim, head_dim_v = _head_dims(d)
     magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
     # Expanded over batch or heads (as multi-query attention shares k and v), not over a
     # sequence: equal keys or values make gradients zero by symmetry.
     d.tensor("q", (batch, heads, seq_q, head_dim), dtype, scale=magnitude, expand_dims=(0, 1))
-    d.tensor("k", (batch, heads, seq_k, head_dim), dtype, expand_dims=(0, 1))
-    d.tensor("v", (batch, heads, seq_k, head_dim_v), dtype, expand_dims=(0, 1))
+    d.tensor("k", (batch, kv_heads, seq_k, head_dim), dtype, expand_dims=(0, 1))
+    d.tensor("v", (batch, kv_heads, seq_k, head_dim_v), dtype, expand_dims=(0, 1))
     causal = d.chance(0.4)
-    options = {"causal": causal, "scale": _fuzz_scale(d)}
+    options = {"causal": causal, "scale": _fuzz_scale(d), "window_size": _window(d)}
     if d.chance(0.4):
         mask = torch.rand(batch, seq_k, generator=d.generator) < d.choice([0.1, 0.5, 1.0])
         d.index_tensor("key_padding_mask", mask, ("contiguous", "strided", "transposed"))
@@ -1043,19 +1069,22 @@ def draw_attention(d):
 
     def arguments(t):
         return (t["q"], t["k"], t["v"]), {**options, "key_padding_mask": t.get("key_padding_mask"),
-                                          "attn_bias": t.get("attn_bias")}
+                                          "attn_bias": t.get("attn_bias"),
+                                          "window_size": t.get("window_size", options["window_size"])}
 
     def reference_(t):
         return (softmax_attention(t["q"], t["k"], t["v"], key_padding_mask=t.get("key_padding_mask"),
                                   attn_bias=t.get("attn_bias"), **options),)
 
-    bad = [fuzz.grown("k", 3), fuzz.grown("v", 2), fuzz.with_extra_dim("q"), fuzz.grown("q", 1)]
+    bad = [fuzz.grown("k", 3), fuzz.grown("v", 2), fuzz.with_extra_dim("q"), _more_kv_heads(heads),
+           fuzz.replaced("window_size", (-2, 3), "window_size below -1")]
     if "key_padding_mask" in d.index:
         bad.append(fuzz.grown("key_padding_mask", 1))
     bias = d.leaves.get("attn_bias")
     if bias is not None and len(bias[0].shape) == 4:
         bad.append(fuzz.with_extra_dim("attn_bias"))
-    return Case("attention", f"attention {dtype} causal={causal} scale={options['scale']}",
+    return Case("attention", f"attention {dtype} causal={causal} scale={options['scale']} "
+                f"kv_heads={kv_heads}/{heads} window={options['window_size']}",
                 arguments, reference_, floors=(1.0,), dtype=dtype, bad=tuple(bad))
 
 
@@ -1088,25 +1117,27 @@ def draw_attention_varlen(d):
 
 def _varlen_case(d, lengths_q, lengths_k):
     """attention_varlen over sequences of these lengths, the rest drawn."""
-    dtype, batch, heads = d.dtype(), len(lengths_q), d.size(1, 3)
+    dtype, batch, heads = d.dtype(), len(lengths_q), d.size(1, 4)
+    kv_heads = _kv_heads(d, heads)
     head_dim, head_dim_v = _head_dims(d)
     magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
     total_q, total_k = sum(lengths_q), sum(lengths_k)
     d.tensor("q", (total_q, heads, head_dim), dtype, scale=magnitude, expand_dims=(1,))
-    d.tensor("k", (total_k, heads, head_dim), dtype, expand_dims=(1,))
-    d.tensor("v", (total_k, heads, head_dim_v), dtype, expand_dims=(1,))
+    d.tensor("k", (total_k, kv_heads, head_dim), dtype, expand_dims=(1,))
+    d.tensor("v", (total_k, kv_heads, head_dim_v), dtype, expand_dims=(1,))
     d.index_tensor("cu_seqlens_q", _offsets(lengths_q))
     d.index_tensor("cu_seqlens_k", _offsets(lengths_k))
     # max_seqlen may exceed the longest sequence (it bounds them)
     max_q = max(lengths_q, default=0) + (d.size(0, 5) if d.chance(0.2) else 0)
     max_k = max(lengths_k, default=0) + (d.size(0, 5) if d.chance(0.2) else 0)
-    causal, scale = d.chance(0.5), _fuzz_scale(d)
-    d.note(f"lengths_q={lengths_q} lengths_k={lengths_k}")
+    causal, scale, window = d.chance(0.5), _fuzz_scale(d), _window(d)
+    d.note(f"lengths_q={lengths_q} lengths_k={lengths_k} kv_heads={kv_heads}/{heads} "
+           f"window={window}")
 
     def arguments(t):
         return ((t["q"], t["k"], t["v"], t["cu_seqlens_q"], t["cu_seqlens_k"],
                  t.get("max_seqlen_q", max_q), max_k),
-                {"causal": causal, "scale": scale})
+                {"causal": causal, "scale": scale, "window_size": window})
 
     def reference_(t):
         outs = []
@@ -1115,7 +1146,7 @@ def _varlen_case(d, lengths_q, lengths_k):
             rows_k = slice(sum(lengths_k[:b]), sum(lengths_k[:b + 1]))
             outs.append(softmax_attention(t["q"][rows_q].transpose(0, 1), t["k"][rows_k].transpose(0, 1),
                                           t["v"][rows_k].transpose(0, 1), causal=causal,
-                                          scale=scale).transpose(0, 1))
+                                          scale=scale, window_size=window).transpose(0, 1))
         return (torch.cat(outs) if outs else t["q"].new_zeros((0, heads, head_dim_v)),)
 
     cu_q = _offsets(lengths_q)

@@ -16,7 +16,7 @@ def _malformed_calls():
     packed = torch.randn(6, 2, 8)
     cu = torch.tensor([0, 6], dtype=torch.int32)
     seed = torch.tensor([0])
-    out, lse = C.attention_forward(q, q, q, None, None, False, 0.0, 1.0, seed)
+    out, lse = C.attention_forward(q, q, q, None, None, False, -1, -1, 0.0, 1.0, seed)
     return {
         "layer_norm residual shape": lambda: C.add_layer_norm_forward(
             x, torch.randn(3, 8), None, None, 1e-5, 0.0, seed),
@@ -30,13 +30,13 @@ def _malformed_calls():
             True, True, False),
         "cu_seqlens past the tokens": lambda: C.attention_varlen_forward(
             packed, packed, packed, cu, torch.tensor([0, 7], dtype=torch.int32), 6, 7, False,
-            0.0, 1.0, seed),
+            -1, -1, 0.0, 1.0, seed),
         "sequence longer than max_seqlen": lambda: C.attention_varlen_forward(
-            packed, packed, packed, cu, cu, 4, 6, False, 0.0, 1.0, seed),
+            packed, packed, packed, cu, cu, 4, 6, False, -1, -1, 0.0, 1.0, seed),
         "key padding mask shape": lambda: C.attention_forward(
-            q, q, q, torch.zeros(1, 4, dtype=torch.bool), None, False, 0.0, 1.0, seed),
+            q, q, q, torch.zeros(1, 4, dtype=torch.bool), None, False, -1, -1, 0.0, 1.0, seed),
         "saved lse shape": lambda: C.attention_backward(
-            out, q, q, q, out, lse[:, :1], None, None, False, 0.0, 1.0, seed, False),
+            out, q, q, q, out, lse[:, :1], None, None, False, -1, -1, 0.0, 1.0, seed, False),
         "kv cache overflow": lambda: C.attention_with_kvcache_forward(
             q.transpose(1, 2), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8),
             torch.tensor([3], dtype=torch.int32), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8),

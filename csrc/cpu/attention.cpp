@@ -1034,10 +1034,12 @@ void backward(const Problem& pb, const Grads& g) {
 
 Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& key_padding_mask,
-                       const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
-                       double scale, const at::Tensor& seed) {
-  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, dropout_p, scale, check_cpu),
+                       const std::optional<at::Tensor>& attn_bias, bool causal,
+                       int64_t window_left, int64_t window_right, double dropout_p, double scale,
+                       const at::Tensor& seed) {
+  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, window_left, window_right, dropout_p, scale, check_cpu),
              padded_rows(q), padded_rows(k), padded_rows(v), q.scalar_type(), seed);
+  TORCH_CHECK_VALUE(!grouped_or_windowed(pb), "the cpu attention takes neither grouped key/value heads nor a window");
   pb.gather_keys(present(key_padding_mask) ? *key_padding_mask : at::Tensor());
   if (present(attn_bias)) {
     check_cpu(*attn_bias, "attn_bias");
@@ -1076,11 +1078,13 @@ void read_offsets(const at::Tensor& cu, const char* name, int64_t total, int64_t
 
 Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
-                       double scale, const at::Tensor& seed) {
+                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                       int64_t window_left, int64_t window_right, double dropout_p, double scale,
+                       const at::Tensor& seed) {
   Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, dropout_p, scale, check_cpu),
+                              causal, window_left, window_right, dropout_p, scale, check_cpu),
              packed_rows(q), packed_rows(k), packed_rows(v), q.scalar_type(), seed);
+  TORCH_CHECK_VALUE(!grouped_or_windowed(pb), "the cpu attention takes neither grouped key/value heads nor a window");
   read_offsets(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q", pb.q_row0,
                pb.q_len);
   read_offsets(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k, "max_seqlen_k", pb.k_row0,
@@ -1107,7 +1111,7 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
                     "q and the caches must have 4 dimensions");
   const auto qt = q.transpose(1, 2), kt = k_cache.transpose(1, 2), vt = v_cache.transpose(1, 2);
-  Problem pb(padded_attention(qt, kt, vt, std::nullopt, true, 0.0, scale, check_cpu),
+  Problem pb(padded_attention(qt, kt, vt, std::nullopt, true, -1, -1, 0.0, scale, check_cpu),
              padded_rows(qt), padded_rows(kt), padded_rows(vt), q.scalar_type(), at::Tensor());
   const int64_t batch = pb.batch, max_len = pb.seq_k;
   auto lengths = [&](const at::Tensor& t, const char* name) {
@@ -1170,9 +1174,11 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
-    bool causal, double dropout_p, double scale, const at::Tensor& seed) {
+    bool causal, int64_t window_left, int64_t window_right, double dropout_p, double scale,
+    const at::Tensor& seed) {
   const Problem pb =
-      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                     dropout_p, scale, seed);
   auto out = empty_like_layout(q, {pb.batch, pb.heads, q.size(2), pb.dv}, q.scalar_type());
   auto lse = at::empty({pb.batch, pb.heads, q.size(2)}, q.options().dtype(pb.acc));
   forward(pb, padded_rows(out), lse_rows(lse, false));
@@ -1185,10 +1191,11 @@ FUSEDLM_KERNEL(attention_forward);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
-    const at::Tensor& seed, bool bias_grad) {
+    const std::optional<at::Tensor>& attn_bias, bool causal, int64_t window_left,
+    int64_t window_right, double dropout_p, double scale, const at::Tensor& seed, bool bias_grad) {
   const Problem pb =
-      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                     dropout_p, scale, seed);
   check_saved(pb, q, grad, out, lse, pb.acc, check_cpu);
   auto dq = empty_like_layout(q, q.sizes(), q.scalar_type());
   auto dk = empty_like_layout(k, k.sizes(), k.scalar_type());
@@ -1221,9 +1228,11 @@ FUSEDLM_KERNEL(attention_backward);
 std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-    double dropout_p, double scale, const at::Tensor& seed) {
+    int64_t window_left, int64_t window_right, double dropout_p, double scale,
+    const at::Tensor& seed) {
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, dropout_p, scale, seed);
+                                    max_seqlen_k, causal, window_left, window_right, dropout_p,
+                                    scale, seed);
   auto out = empty_like_layout(q, {q.size(0), pb.heads, pb.dv}, q.scalar_type());
   auto lse = at::empty({pb.heads, q.size(0)}, q.options().dtype(pb.acc));
   forward(pb, packed_rows(out), lse_rows(lse, true));
@@ -1236,9 +1245,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-    double dropout_p, double scale, const at::Tensor& seed) {
+    int64_t window_left, int64_t window_right, double dropout_p, double scale,
+    const at::Tensor& seed) {
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, dropout_p, scale, seed);
+                                    max_seqlen_k, causal, window_left, window_right, dropout_p,
+                                    scale, seed);
   check_saved(pb, q, grad, out, lse, pb.acc, check_cpu);
   auto dq = empty_like_layout(q, q.sizes(), q.scalar_type());
   auto dk = empty_like_layout(k, k.sizes(), k.scalar_type());

@@ -1263,6 +1263,7 @@ struct Problem : AttentionProblem {
  private:
   // What the kernels are compiled for, and the grid's limits.
   void check_kernel_limits(const at::Tensor& q_) const {
+    TORCH_CHECK_VALUE(!grouped_or_windowed(*this), "the cuda attention takes neither grouped key/value heads nor a window");
     TORCH_CHECK_TYPE(q_.scalar_type() == at::kBFloat16 || q_.scalar_type() == at::kHalf,
                      "the cuda attention takes bfloat16 or float16");
     TORCH_CHECK_VALUE((dk == 64 || dk == 128) && dv == dk,
@@ -1275,10 +1276,11 @@ struct Problem : AttentionProblem {
 
 Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& key_padding_mask,
-                       const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p,
-                       double scale, const at::Tensor& seed) {
+                       const std::optional<at::Tensor>& attn_bias, bool causal,
+                       int64_t window_left, int64_t window_right, double dropout_p, double scale,
+                       const at::Tensor& seed) {
   TORCH_CHECK_VALUE(!present(attn_bias), "the cuda attention takes no attn_bias");
-  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, dropout_p, scale,
+  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, window_left, window_right, dropout_p, scale,
                               check_device_tensor),
              q, k, v, seed);
   if (present(key_padding_mask)) pb.key_padding = key_padding_mask->contiguous();
@@ -1289,10 +1291,11 @@ Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // A sequence longer than max_seqlen gets rows no block covers.
 Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal, double dropout_p,
-                       double scale, const at::Tensor& seed) {
+                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                       int64_t window_left, int64_t window_right, double dropout_p, double scale,
+                       const at::Tensor& seed) {
   Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, dropout_p, scale, check_device_tensor),
+                              causal, window_left, window_right, dropout_p, scale, check_device_tensor),
              q, k, v, seed);
   pb.cu_q = cu_seqlens_q.contiguous();
   pb.cu_k = cu_seqlens_k.contiguous();
@@ -1469,10 +1472,12 @@ std::pair<at::Tensor, at::Tensor> saved(const Problem& pb, const at::Tensor& q,
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_bias,
-    bool causal, double dropout_p, double scale, const at::Tensor& seed) {
+    bool causal, int64_t window_left, int64_t window_right, double dropout_p, double scale,
+    const at::Tensor& seed) {
   const DeviceGuard guard(q, "q");
   const Problem pb =
-      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                     dropout_p, scale, seed);
   Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
   auto lse = at::empty({pb.batch, pb.heads, pb.seq_q}, q.options().dtype(at::kFloat));
   forward(pb, out.buffer, lse);
@@ -1483,12 +1488,13 @@ FUSEDLM_KERNEL(attention_forward);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& attn_bias, bool causal, double dropout_p, double scale,
-    const at::Tensor& seed, bool bias_grad) {
+    const std::optional<at::Tensor>& attn_bias, bool causal, int64_t window_left,
+    int64_t window_right, double dropout_p, double scale, const at::Tensor& seed, bool bias_grad) {
   const DeviceGuard guard(q, "q");
   TORCH_CHECK_VALUE(!bias_grad, "the cuda attention takes no attn_bias, so no bias gradient");
   const Problem pb =
-      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed);
+      padded_problem(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                     dropout_p, scale, seed);
   const auto [g, o] = saved(pb, q, grad, out, lse);
   Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
   Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));
@@ -1501,10 +1507,12 @@ FUSEDLM_KERNEL(attention_backward);
 std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-    double dropout_p, double scale, const at::Tensor& seed) {
+    int64_t window_left, int64_t window_right, double dropout_p, double scale,
+    const at::Tensor& seed) {
   const DeviceGuard guard(q, "q");
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, dropout_p, scale, seed);
+                                    max_seqlen_k, causal, window_left, window_right, dropout_p,
+                                    scale, seed);
   Output out(empty_like_layout(q, q.sizes(), q.scalar_type()));
   auto lse = at::empty({pb.heads, q.size(0)}, q.options().dtype(at::kFloat));
   forward(pb, out.buffer, lse);
@@ -1516,10 +1524,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-    double dropout_p, double scale, const at::Tensor& seed) {
+    int64_t window_left, int64_t window_right, double dropout_p, double scale,
+    const at::Tensor& seed) {
   const DeviceGuard guard(q, "q");
   const Problem pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, dropout_p, scale, seed);
+                                    max_seqlen_k, causal, window_left, window_right, dropout_p,
+                                    scale, seed);
   const auto [g, o] = saved(pb, q, grad, out, lse);
   Output dq(empty_like_layout(q, q.sizes(), q.scalar_type()));
   Output dk(empty_like_layout(k, k.sizes(), k.scalar_type()));

@@ -503,14 +503,24 @@ class _Problem:
 
 # --- attention -----------------------------------------------------------------------------------
 
-def _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
+def _refuse_groups_and_window(q, k, window_left, window_right):
+    if k.shape[-3 if k.dim() == 4 else 1] != q.shape[-3 if q.dim() == 4 else 1] or \
+            window_left >= 0 or window_right >= 0:
+        raise ValueError("the triton attention takes neither grouped key/value heads nor a window")
+
+
+def _padded(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right, dropout_p,
+            scale, seed):
+    _refuse_groups_and_window(q, k, window_left, window_right)
     batch, _, seq_q, _ = q.shape
     return _Problem(q, k, v, key_padding_mask, attn_bias, None, None, batch, seq_q, k.shape[2],
                     causal, dropout_p, scale, seed, _padded_strides)
 
 
-def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
-    problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
+def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                      dropout_p, scale, seed):
+    problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                      dropout_p, scale, seed)
     batch, heads, seq_q, _ = q.shape
     out = empty_like_layout(q, (batch, heads, seq_q, v.shape[3]))
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
@@ -518,9 +528,10 @@ def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, s
     return out, lse
 
 
-def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, dropout_p,
-                       scale, seed, bias_grad):
-    problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed)
+def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal, window_left,
+                       window_right, dropout_p, scale, seed, bias_grad):
+    problem = _padded(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                      dropout_p, scale, seed)
     dq, dk, dv = (empty_like_layout(t, t.shape) for t in (q, k, v))
     if not bias_grad:
         problem.backward(grad, out, lse, dq, dk, dv, None)
@@ -543,15 +554,17 @@ def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, cau
 
 # --- attention_varlen ----------------------------------------------------------------------------
 
-def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed):
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, window_right, dropout_p,
+            scale, seed):
+    _refuse_groups_and_window(q, k, window_left, window_right)
     return _Problem(q, k, v, None, None, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, causal,
                     dropout_p, scale, seed, _packed_strides)
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             causal, dropout_p, scale, seed):
+                             causal, window_left, window_right, dropout_p, scale, seed):
     problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      dropout_p, scale, seed)
+                      window_left, window_right, dropout_p, scale, seed)
     total_q, heads, _ = q.shape
     out = empty_like_layout(q, (total_q, heads, v.shape[2]))
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
@@ -560,9 +573,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 def attention_varlen_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, causal, dropout_p, scale, seed):
+                              max_seqlen_k, causal, window_left, window_right, dropout_p, scale,
+                              seed):
     problem = _packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      dropout_p, scale, seed)
+                      window_left, window_right, dropout_p, scale, seed)
     # Zeros: rows of sequences with no keys (or no queries) are never written.
     dq, dk, dv = (empty_like_layout(t, t.shape).zero_() for t in (q, k, v))
     problem.backward(grad, out, lse, dq, dk, dv, None)

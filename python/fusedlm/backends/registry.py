@@ -64,6 +64,8 @@ class Supports:
     max_head_dim: Optional[int] = None  # ... or the largest
     same_head_dim_v: bool = False  # v's head_dim must be q's
     bias: bool = True  # an attn_bias
+    grouped: bool = True  # fewer key/value heads than query heads (attention)
+    window: bool = True  # a sliding window (attention)
     multiple_of: int = 1  # every feature size (gelu_ffn's d_in, d_ff and d_out)
     max_width: Optional[int] = None  # the last dimension (add_layer_norm's hidden size)
     # ((feature, largest), ...): counts one launch's grid holds (gelu_ffn's rows;
@@ -99,6 +101,10 @@ class Supports:
             return f"the {kernel} takes v with q's head_dim ({head_dim}), not {head_dim_v}"
         if bias and not self.bias:
             return f"the {kernel} takes no attn_bias"
+        if features.get("grouped") and not self.grouped:
+            return f"the {kernel} takes no grouped key/value heads"
+        if features.get("window") and not self.window:
+            return f"the {kernel} takes no window"
         if any(size % self.multiple_of for size in sizes):
             return f"the {kernel} takes sizes that are multiples of {self.multiple_of}, not {sizes}"
         if self.max_width is not None and width is not None and width > self.max_width:

@@ -1,5 +1,11 @@
 """attention and attention_varlen: fused softmax(q k^T * scale + bias) v, FlashAttention style.
 
+k and v may have fewer heads than q (grouped-query and multi-query attention): query head
+h reads key/value head h // (heads // kv_heads), in place. A sliding window
+``window_size=(left, right)`` lets query i see the keys j with
+i + off - left <= j <= i + off + right (off = seq_k - seq_q, the bottom-right alignment of
+causal; -1 leaves a side unbounded), alone or with causal and padding masks.
+
 Forward keeps only the output and each row's log-sum-exp (float32; float64 for
 float64 inputs); backward recomputes the probabilities from them. Dropout draws a
 seed from torch's generator, and backward regenerates the mask from that seed.
@@ -31,10 +37,12 @@ __all__ = ["attention", "attention_varlen"]
 # and have no bias operand. The triton kernels hold a block of q's rows and of the output
 # in registers: head dims up to 256.
 _SUPPORTS = {
+    "cpu": Supports(grouped=False, window=False),
     # The cuda kernels' grid is (query blocks, heads, sequences): y and z at most 65535.
     "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False,
+                     grouped=False, window=False,
                      max_counts=(("heads", 65535), ("sequences", 65535))),
-    "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256),
+    "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256, grouped=False, window=False),
 }
 
 
@@ -49,6 +57,42 @@ def _resolve_scale(scale, head_dim) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     return float(scale)
+
+
+def _resolve_window(window_size) -> tuple:
+    """(left, right) as ints, each -1 (unbounded) or >= 0."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    if not ok:
+        raise ValueError(f"window_size must be (left, right), each an int >= 0 or -1 for no "
+                         f"bound, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_groups(heads: int, k: Tensor, kv_heads: int) -> None:
+    if kv_heads < 1 and heads > 0 or kv_heads and heads % kv_heads:
+        raise ValueError(f"k and v must have a number of heads that divides q's ({heads}), got "
+                         f"k of shape {tuple(k.shape)}")
+
+
+def visible_keys(seq_q, seq_k, causal, window_size, device, len_q=None, len_k=None):
+    """bool [.., seq_q, seq_k]: the keys each query may see under ``causal`` and
+    ``window_size``, aligned to the bottom right of lengths len_q and len_k (tensors
+    [..., 1, 1] for one offset per sequence; default seq_q and seq_k). None: every key."""
+    left, right = window_size
+    if not causal and left < 0 and right < 0:
+        return None
+    rows = torch.arange(seq_q, device=device)[:, None]
+    keys = torch.arange(seq_k, device=device)
+    diagonal = rows + ((seq_k if len_k is None else len_k) - (seq_q if len_q is None else len_q))
+    allowed = torch.ones((), dtype=torch.bool, device=device)
+    if causal:
+        right = 0
+    if right >= 0:
+        allowed = allowed & (keys <= diagonal + right)
+    if left >= 0:
+        allowed = allowed & (keys >= diagonal - left)
+    return allowed.expand(*allowed.shape[:-2], seq_q, seq_k)
 
 
 def _check_head_dims(q: Tensor, v: Tensor) -> None:
@@ -85,38 +129,42 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, max_na
 
 @planner("attention")
 def plan_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, dropout_p=0.0,
-                   scale=None, backend=None):
+                   scale=None, window_size=(-1, -1), backend=None):
     check.tensor("q", q, ndim=4)
     check.tensor("k", k, ndim=4)
     check.tensor("v", v, ndim=4)
     check.tensor("key_padding_mask", key_padding_mask, ndim=2, dtypes=(torch.bool,), optional=True)
     check.tensor("attn_bias", attn_bias, optional=True)
     batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    check.shape("k", k, (batch, heads, seq_k, head_dim))
-    check.shape("v", v, (batch, heads, seq_k, v.shape[3]))
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    check.shape("k", k, (batch, kv_heads, seq_k, head_dim))
+    _check_groups(heads, k, kv_heads)
+    check.shape("v", v, (batch, kv_heads, seq_k, v.shape[3]))
     check.shape("key_padding_mask", key_padding_mask, (batch, seq_k))
     _check_head_dims(q, v)
     _check_bias(attn_bias, (batch, heads, seq_q, seq_k))
     _check_flag("causal", causal)
     check.probability("dropout_p", dropout_p)
     _resolve_scale(scale, head_dim)
+    window = _resolve_window(window_size)
     check.same_dtype(q=q, k=k, v=v, attn_bias=attn_bias)
     device = check.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_bias=attn_bias)
     return choose("attention", device, backend, dtype=q.dtype, head_dim=head_dim,
                   head_dim_v=v.shape[3], causal=causal, dropout=dropout_p > 0,
                   bias=attn_bias is not None, mask=key_padding_mask is not None, heads=heads,
-                  sequences=batch)
+                  sequences=batch, grouped=kv_heads != heads, window=window != (-1, -1))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               key_padding_mask: Optional[Tensor] = None, attn_bias: Optional[Tensor] = None,
               dropout_p: float = 0.0, scale: Optional[float] = None,
-              backend: Optional[str] = None) -> Tensor:
-    """softmax(q k^T * scale + attn_bias) v over q/k/v [batch, heads, seq, head_dim].
+              window_size: tuple = (-1, -1), backend: Optional[str] = None) -> Tensor:
+    """softmax(q k^T * scale + attn_bias) v over q [batch, heads, seq, head_dim] and k/v
+    [batch, kv_heads, seq_k, head_dim], kv_heads dividing heads.
 
-    Like ``F.scaled_dot_product_attention``: k/v may have another seq than q, and any
-    strides (e.g. transposed views of [batch, seq, heads, head_dim]). key_padding_mask
+    Like ``F.scaled_dot_product_attention`` (with ``enable_gqa``): k/v may have another seq
+    than q, and any strides (e.g. transposed views of [batch, seq, heads, head_dim]).
+    window_size is (left, right) as in the module docstring. key_padding_mask
     is bool [batch, seq_k], True = padding. attn_bias is an additive float bias
     broadcastable to [batch, heads, seq_q, seq_k] (never expanded in memory); when it
     requires grad its gradient is summed to its shape. causal aligns to the bottom
@@ -124,39 +172,48 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     to 1 / sqrt(head_dim).
     """
     choice = plan_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                            attn_bias=attn_bias, dropout_p=dropout_p, scale=scale, backend=backend)
+                            attn_bias=attn_bias, dropout_p=dropout_p, scale=scale,
+                            window_size=window_size, backend=backend)
     out, _ = ATTENTION.call(choice.backend, q, k, v, key_padding_mask, attn_bias, causal,
-                       float(dropout_p), _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
+                            *_resolve_window(window_size), float(dropout_p),
+                            _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
     return out
 
 
-def _attention_fake(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
+def _attention_fake(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                    dropout_p, scale, seed):
     batch, heads, seq_q, _ = q.shape
     return (empty_like_layout(q, (batch, heads, seq_q, v.shape[3])),
             q.new_empty((batch, heads, seq_q), dtype=acc_dtype(q.dtype)))
 
 
 def _attention_fake_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal,
-                             dropout_p, scale, seed, bias_grad):
+                             window_left, window_right, dropout_p, scale, seed, bias_grad):
     return (empty_like_layout(q, q.shape), empty_like_layout(k, k.shape),
             empty_like_layout(v, v.shape),
             attn_bias.new_empty(attn_bias.shape) if bias_grad else None)
 
 
 def attention_reference(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None,
-                        dropout_p=0.0, scale=None, dropout_mask=None, return_lse=False):
-    """softmax(q k^T * scale + bias, masked) v for q/k/v [batch, heads, seq, head_dim].
+                        dropout_p=0.0, scale=None, window_size=(-1, -1), dropout_mask=None,
+                        return_lse=False):
+    """softmax(q k^T * scale + bias, masked) v for q [batch, heads, seq, head_dim] and k/v
+    [batch, kv_heads, seq_k, head_dim] (each key/value head repeated for its group of
+    query heads).
 
-    key_padding_mask is bool [batch, seq_k], True = padding. causal aligns to the
-    bottom right when seq_q != seq_k. Rows with every key masked are zeros. With
+    key_padding_mask is bool [batch, seq_k], True = padding. causal and window_size align
+    to the bottom right when seq_q != seq_k. Rows with every key masked are zeros. With
     return_lse, also each row's log-sum-exp [batch, heads, seq_q] (+inf for such rows).
     """
     seq_q, seq_k = q.shape[-2], k.shape[-2]
-    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed, diagonal=seq_k - seq_q)
+    allowed = visible_keys(seq_q, seq_k, causal, window_size, q.device)
+    if allowed is None:
+        allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
+    group = q.shape[-3] // max(k.shape[-3], 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     return attend(q, k, v, allowed, attn_bias, scale, dropout_p, dropout_mask, return_lse)
 
 
@@ -182,25 +239,27 @@ def attend(q, k, v, allowed, attn_bias=None, scale=None, dropout_p=0.0, dropout_
     return out, lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
-def _attention_seeded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed, *,
-                      return_lse=False):
+def _attention_seeded(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
+                      dropout_p, scale, seed, *, return_lse=False):
     keep = keep_mask(seed, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), dropout_p, q.device)
     return attention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                                attn_bias=attn_bias, dropout_p=dropout_p, scale=scale,
-                               dropout_mask=keep, return_lse=return_lse)
+                               window_size=(window_left, window_right), dropout_mask=keep,
+                               return_lse=return_lse)
 
 
-def _attention_reference_forward(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale,
-                                 seed):
-    out, lse = _attention_seeded(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale,
-                                 seed, return_lse=True)
+def _attention_reference_forward(q, k, v, key_padding_mask, attn_bias, causal, window_left,
+                                 window_right, dropout_p, scale, seed):
+    out, lse = _attention_seeded(q, k, v, key_padding_mask, attn_bias, causal, window_left,
+                                 window_right, dropout_p, scale, seed, return_lse=True)
     return laid_out_like(q, out), lse
 
 
 def _attention_reference_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, causal,
-                                  dropout_p, scale, seed, bias_grad):
+                                  window_left, window_right, dropout_p, scale, seed, bias_grad):
     def run(q, k, v, bias):
-        return _attention_seeded(q, k, v, key_padding_mask, bias, causal, dropout_p, scale, seed)
+        return _attention_seeded(q, k, v, key_padding_mask, bias, causal, window_left,
+                                 window_right, dropout_p, scale, seed)
     dq, dk, dv, dbias = vjp(run, (q, k, v, attn_bias), (grad,), (True, True, True, bias_grad))
     return laid_out_like(q, dq), laid_out_like(k, dk), laid_out_like(v, dv), dbias
 
@@ -209,41 +268,47 @@ def _attention_reference_backward(grad, q, k, v, out, lse, key_padding_mask, att
 
 def _sdpa(q, k, v, allowed, attn_bias, top_left_causal, dropout_p, scale):
     """torch's scaled_dot_product_attention over the keys ``allowed`` (bool, broadcastable
-    to the scores; None: every key) with the additive attn_bias. A row with no allowed key
-    is zeros, as the op promises: SDPA would make it NaN, so it attends every key and is
-    zeroed after, which zeroes its gradients too."""
+    to the scores; None: every key) with the additive attn_bias, k and v grouped when they
+    have fewer heads than q. A row with no allowed key is zeros, as the op promises: SDPA
+    would make it NaN, so it attends every key and is zeroed after, which zeroes its
+    gradients too."""
     mask = empty = None
     if allowed is not None:
         empty = ~allowed.any(-1, keepdim=True)
         mask = allowed | empty
     if attn_bias is not None:
         mask = attn_bias if mask is None else torch.where(mask, attn_bias, float("-inf"))
+    grouped = {"enable_gqa": True} if k.shape[-3] != q.shape[-3] else {}
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                         is_causal=top_left_causal, scale=scale)
+                                         is_causal=top_left_causal, scale=scale, **grouped)
     return out if empty is None else out.masked_fill(empty, 0)
 
 
-def _attention_composition(q, k, v, key_padding_mask, attn_bias, causal, dropout_p, scale, seed):
+def _attention_composition(q, k, v, key_padding_mask, attn_bias, causal, window_left,
+                           window_right, dropout_p, scale, seed):
     seq_q, seq_k = q.shape[-2], k.shape[-2]
+    window = (window_left, window_right)
     allowed = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
     # SDPA's own causal mask (its fastest kernels) aligns to the top left, and takes no
     # other mask beside it.
-    top_left = causal and seq_q == seq_k and allowed is None and attn_bias is None
-    if causal and not top_left:
-        below = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(seq_k - seq_q)
-        allowed = below if allowed is None else allowed & below
+    top_left = (causal and seq_q == seq_k and allowed is None and attn_bias is None
+                and window == (-1, -1))
+    visible = None if top_left else visible_keys(seq_q, seq_k, causal, window, q.device)
+    if visible is not None:
+        allowed = visible if allowed is None else allowed & visible
     out = _sdpa(q, k, v, allowed, attn_bias, top_left, dropout_p, scale)
     return laid_out_like(q, out), None
 
 
-def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False, seq_k=None):
+def _attention_probe(batch, heads, seq, head_dim, *, causal=False, masked=False, seq_k=None,
+                     kv_heads=None, window_size=(-1, -1)):
     seq_k = seq_k or seq
 
     def make(g):
         q = randn(g, batch, heads, seq, head_dim)
-        k, v = (randn(g, batch, heads, seq_k, head_dim) for _ in range(2))
+        k, v = (randn(g, batch, kv_heads or heads, seq_k, head_dim) for _ in range(2))
         mask = padding(g, batch, seq_k) if masked else None
-        return (q, k, v), {"causal": causal, "key_padding_mask": mask}
+        return (q, k, v), {"causal": causal, "key_padding_mask": mask, "window_size": window_size}
     return make
 
 
@@ -280,16 +345,18 @@ def _check_max_seqlen(name: str, value) -> None:
 
 @planner("attention_varlen")
 def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                          causal=False, dropout_p=0.0, scale=None, backend=None):
+                          causal=False, dropout_p=0.0, scale=None, window_size=(-1, -1),
+                          backend=None):
     check.tensor("q", q, ndim=3)
     check.tensor("k", k, ndim=3)
     check.tensor("v", v, ndim=3)
     check.tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
     check.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,))
     total_q, heads, head_dim = q.shape
-    total_k = k.shape[0]
-    check.shape("k", k, (total_k, heads, head_dim))
-    check.shape("v", v, (v.shape[0], heads, v.shape[2]))
+    total_k, kv_heads = k.shape[0], k.shape[1]
+    check.shape("k", k, (total_k, kv_heads, head_dim))
+    _check_groups(heads, k, kv_heads)
+    check.shape("v", v, (v.shape[0], kv_heads, v.shape[2]))
     if torch.compiler.is_compiling():
         # k and v unpadded by separate unpad calls have token counts that torch.compile
         # cannot compare while tracing: the check runs when the graph does. (torch._check:
@@ -306,11 +373,13 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     _check_flag("causal", causal)
     check.probability("dropout_p", dropout_p)
     _resolve_scale(scale, head_dim)
+    window = _resolve_window(window_size)
     check.same_dtype(q=q, k=k, v=v)
     device = check.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     choice = choose("attention_varlen", device, backend, dtype=q.dtype, head_dim=head_dim,
                     head_dim_v=v.shape[2], causal=causal, dropout=dropout_p > 0,
-                    heads=q.shape[1], sequences=cu_seqlens_q.shape[0] - 1)
+                    heads=q.shape[1], sequences=cu_seqlens_q.shape[0] - 1,
+                    grouped=kv_heads != heads, window=window != (-1, -1))
     if check_index_data(device, choice.backend):
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")
@@ -320,11 +389,12 @@ def plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      dropout_p: float = 0.0, scale: Optional[float] = None,
-                     backend: Optional[str] = None) -> Tensor:
-    """Attention over packed sequences: q [total_q, heads, head_dim], k/v [total_k, heads, head_dim].
+                     window_size: tuple = (-1, -1), backend: Optional[str] = None) -> Tensor:
+    """Attention over packed sequences: q [total_q, heads, head_dim], k/v
+    [total_k, kv_heads, head_dim], kv_heads dividing heads.
 
     Sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] (int32 [batch + 1]); causal
-    aligns each sequence to its bottom right. max_seqlen_q/k bound the lengths and lay
+    and window_size align each sequence to its bottom right. max_seqlen_q/k bound the lengths and lay
     out the dropout stream as [batch, heads, max_seqlen_q, max_seqlen_k]. They may be
     the unbacked ints that unpad returns under torch.compile.
 
@@ -334,16 +404,17 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     tensors and to max_seqlen: a wrong answer, never an access outside them.
     """
     choice = plan_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   causal=causal, dropout_p=dropout_p, scale=scale, backend=backend)
+                                   causal=causal, dropout_p=dropout_p, scale=scale,
+                                   window_size=window_size, backend=backend)
     out, _ = ATTENTION_VARLEN.call(choice.backend, q, k, v, cu_seqlens_q.contiguous(),
-                              cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, causal,
-                              float(dropout_p),
-                              _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
+                                   cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, causal,
+                                   *_resolve_window(window_size), float(dropout_p),
+                                   _resolve_scale(scale, q.shape[-1]), next_seed(dropout_p))
     return out
 
 
 def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                 dropout_p, scale, seed):
+                 window_left, window_right, dropout_p, scale, seed):
     total_q, heads, _ = q.shape
     return (empty_like_layout(q, (total_q, heads, v.shape[2])),
             q.new_empty((heads, total_q), dtype=acc_dtype(q.dtype)))
@@ -354,9 +425,10 @@ def _varlen_fake_backward(grad, q, k, v, out, lse, *_options):
 
 
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                               causal=False, dropout_p=0.0, scale=None, dropout_mask=None,
-                               return_lse=False):
-    """Attention over packed sequences: q [total_q, heads, head_dim], k/v [total_k, heads, head_dim].
+                               causal=False, dropout_p=0.0, scale=None, window_size=(-1, -1),
+                               dropout_mask=None, return_lse=False):
+    """Attention over packed sequences: q [total_q, heads, head_dim], k/v
+    [total_k, kv_heads, head_dim].
 
     Sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. dropout_mask, if given, is
     [batch, heads, max_seqlen_q, max_seqlen_k] (each sequence in its top-left corner).
@@ -370,7 +442,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         seq, seq_lse = attention_reference(
             q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
             v[k0:k1].transpose(0, 1)[None], causal=causal, dropout_p=dropout_p, scale=scale,
-            dropout_mask=keep, return_lse=True,
+            window_size=window_size, dropout_mask=keep, return_lse=True,
         )
         outs.append(seq[0].transpose(0, 1))
         lses.append(seq_lse[0])
@@ -383,26 +455,29 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 
 def _varlen_seeded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                   dropout_p, scale, seed, *, return_lse=False):
+                   window_left, window_right, dropout_p, scale, seed, *, return_lse=False):
     batch = cu_seqlens_q.shape[0] - 1
     keep = keep_mask(seed, (batch, q.shape[1], max_seqlen_q, max_seqlen_k), dropout_p, q.device)
     return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal=causal, dropout_p=dropout_p,
-                                      scale=scale, dropout_mask=keep, return_lse=return_lse)
+                                      scale=scale, window_size=(window_left, window_right),
+                                      dropout_mask=keep, return_lse=return_lse)
 
 
 def _varlen_reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, dropout_p, scale, seed):
+                              causal, window_left, window_right, dropout_p, scale, seed):
     out, lse = _varlen_seeded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, dropout_p, scale, seed, return_lse=True)
+                              causal, window_left, window_right, dropout_p, scale, seed,
+                              return_lse=True)
     return laid_out_like(q, out), lse
 
 
 def _varlen_reference_backward(grad, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, causal, dropout_p, scale, seed):
+                               max_seqlen_k, causal, window_left, window_right, dropout_p, scale,
+                               seed):
     dq, dk, dv = vjp(lambda q, k, v: _varlen_seeded(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
-        seed), (q, k, v), (grad,))
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+        window_right, dropout_p, scale, seed), (q, k, v), (grad,))
     return laid_out_like(q, dq), laid_out_like(k, dk), laid_out_like(v, dv)
 
 
@@ -417,7 +492,7 @@ def _packed_slots(cu_seqlens, total, max_seqlen):
 
 
 def _varlen_composition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                        dropout_p, scale, seed):
+                        window_left, window_right, dropout_p, scale, seed):
     """The sequences padded to [batch, heads, max_seqlen, head_dim], SDPA over them, and the
     real rows gathered back: what a padded model runs."""
     batch = cu_seqlens_q.shape[0] - 1
@@ -429,11 +504,13 @@ def _varlen_composition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
     lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()[:, None, None, None]
     lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()[:, None, None, None]
-    rows = torch.arange(max_seqlen_q, device=q.device)[:, None]
     keys = torch.arange(max_seqlen_k, device=q.device)
     allowed = keys < lengths_k
-    if causal:  # each sequence aligned to its own bottom right
-        allowed = allowed & (keys <= rows + (lengths_k - lengths_q))
+    # each sequence aligned to its own bottom right
+    visible = visible_keys(max_seqlen_q, max_seqlen_k, causal, (window_left, window_right),
+                           q.device, lengths_q, lengths_k)
+    if visible is not None:
+        allowed = allowed & visible
     out = _sdpa(padded(q, slots_q, max_seqlen_q), padded(k, slots_k, max_seqlen_k),
                 padded(v, slots_k, max_seqlen_k), allowed, None, False, dropout_p, scale)
     return laid_out_like(q, out.transpose(1, 2)[slots_q]), None
