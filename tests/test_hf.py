@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fusedlm  # noqa: E402
-from fusedlm.patching.hf.attention import NAME  # noqa: E402
+from fusedlm.patching.hf_attention import NAME  # noqa: E402
 
 VOCAB, SEQ, PAD = 100, 24, 1
 LENGTHS = (SEQ, SEQ - 7, 5)  # mixed lengths, right-padded

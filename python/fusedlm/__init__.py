@@ -13,6 +13,9 @@ from . import verify  # noqa: F401  (above the ops it runs; it installs the devi
 from .verify import tuning  # noqa: F401  (the same for the timing of automatic choices)
 from .backends import backends, explain, get_backend, set_backend, use_backend
 from .patching import patch, patch_report
+from .patching import transformers_hook
+
+transformers_hook.install()  # attn_implementation="fusedlm", once transformers is imported
 
 
 def __getattr__(name):

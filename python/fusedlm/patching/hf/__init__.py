@@ -2,7 +2,7 @@
 and GPT-2.
 
 - self-attention: the module is unchanged, and the model runs the "fusedlm" attention
-  implementation (hf/attention.py). transformers picks the implementation (of the
+  implementation (hf_attention.py). transformers picks the implementation (of the
   attention and of the mask) from ``config._attn_implementation``, and one config
   object may serve several models, so the switch is made on a copy that every module
   of the patched model holding that config gets in its place: models sharing the
@@ -30,7 +30,7 @@ from torch import nn
 from transformers import activations
 
 from ..rules import PATCHED, Rule, register
-from . import attention
+from .. import hf_attention as attention
 from .heads import LMHead, bind
 from .layers import (AddNormOutput, AlbertAttentionAddNorm, AlbertFusedLayer, DistilBertBlock,
                      GeluIntermediate, GeluMLP)

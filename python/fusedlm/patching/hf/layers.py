@@ -37,7 +37,7 @@ from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
 from ... import ops
 from ...nn._autocast import lower, widen
-from . import attention
+from .. import hf_attention as attention
 
 
 def _add_norm(x: Tensor, residual: Tensor, layer_norm: nn.LayerNorm, dropout_p: float) -> Tensor:
