@@ -24,6 +24,11 @@ lengths uniform in [64, 128] as a bool src_key_padding_mask), fusedlm.nn against
 with the same weights; and ``hf-bert``, transformers' 12-layer BertForMaskedLM patched by
 fusedlm.patch against the unpatched model (a training step, batch 8 x 128 without
 padding, 15% labelled, vocab 30522).
+
+And two of transformers' own models, each loaded with attn_implementation="fusedlm"
+against the same weights with "sdpa" (nothing else of them fused): ``modernbert-base``
+(global and sliding-window layers) and ``llama-gqa`` (grouped-query attention); their
+functions give the sizes.
 """
 from __future__ import annotations
 
@@ -522,7 +527,83 @@ def gpt2_small(bench: Bench) -> Iterator[Case]:
                 ids.numel(), why_not)
 
 
+# --- attn_implementation="fusedlm" in transformers' own models ---------------------------------
+
+MODERNBERT_BASE = dict(hidden=768, layers=22, heads=12, ffn=1152, vocab=50368, local=128)
+LLAMA_GQA = dict(hidden=1024, layers=8, heads=8, kv_heads=2, ffn=2816, vocab=32000)
+
+
+def _attention_twins(bench: Bench, auto_class, config) -> dict:
+    """transformers' model of ``config``, randomly initialised, loaded twice with the same
+    weights: with attn_implementation="fusedlm" and with "sdpa"."""
+    with tempfile.TemporaryDirectory() as tmp:
+        auto_class.from_config(config).save_pretrained(tmp)
+        return {name: auto_class.from_pretrained(tmp, attn_implementation=implementation).to(bench.device)
+                for name, implementation in (("fusedlm", "fusedlm"), ("transformers", "sdpa"))}
+
+
+def _device_train_step(bench: Bench, batch: dict) -> Callable:
+    """A GPU user's training step (bfloat16 autocast), a CPU user's in float32."""
+    return _mixed_train_step(bench, batch) if bench.device.type == "cuda" else _train_step(batch)
+
+
+def modernbert_base(bench: Bench) -> Iterator[Case]:
+    """ModernBERT-base (hidden 768, 22 layers, 12 heads, FFN 1152 gated, vocabulary 50368,
+    a 128-token window on two layers of three): transformers' ModernBertForMaskedLM with
+    attn_implementation="fusedlm" against the same weights with "sdpa", an MLM training
+    step on a padded batch of 512-token sequences (lengths uniform in [256, 512], 15% of the
+    real tokens labelled): 32 of them under bfloat16 autocast on a GPU, 2 in float32 on the
+    CPU."""
+    import transformers
+
+    z = sizes_for(bench)
+    size = dict(MODERNBERT_BASE) if not bench.quick else dict(
+        hidden=z.hidden, layers=3, heads=z.heads, ffn=z.ffn, vocab=z.vocab, local=8)
+    batch_size, seq = (32, 512) if bench.device.type == "cuda" else (2, 512)
+    if bench.quick:
+        batch_size, seq = z.batch, z.seq
+    config = transformers.ModernBertConfig(
+        vocab_size=size["vocab"], hidden_size=size["hidden"], num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"], intermediate_size=size["ffn"],
+        local_attention=size["local"], max_position_embeddings=max(seq, 512), pad_token_id=0)
+    twins = _attention_twins(bench, transformers.AutoModelForMaskedLM, config)
+    batch = _padded(bench, batch_size, seq, size["vocab"])
+    step = _device_train_step(bench, batch)
+    title = "ModernBERT-base" if not bench.quick else "ModernBERT-base (quick sizes)"
+    yield _case(f"{title} MLM training step, attn_implementation", f"{batch_size}x{seq} padded, "
+                f"{LABELLED:.0%} labelled", {name: _step(lambda m=m: step(m)) for name, m in twins.items()},
+                int(batch["attention_mask"].sum()), {})
+
+
+def llama_gqa(bench: Bench) -> Iterator[Case]:
+    """A Llama-style decoder of 8 layers (hidden 1024, 8 query heads of 128 sharing 2
+    key/value heads, FFN 2816 gated, vocabulary 32000): transformers' LlamaForCausalLM with
+    attn_implementation="fusedlm" against the same weights with "sdpa", a causal-LM training
+    step without padding: 8x1024 under bfloat16 autocast on a GPU, 2x256 in float32 on the
+    CPU."""
+    import transformers
+
+    z = sizes_for(bench)
+    size = dict(LLAMA_GQA) if not bench.quick else dict(
+        hidden=z.hidden, layers=z.layers, heads=z.heads, kv_heads=1, ffn=z.ffn, vocab=z.vocab)
+    batch_size, seq = (8, 1024) if bench.device.type == "cuda" else (2, 256)
+    if bench.quick:
+        batch_size, seq = z.batch, z.seq
+    config = transformers.LlamaConfig(
+        vocab_size=size["vocab"], hidden_size=size["hidden"], num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
+        intermediate_size=size["ffn"], max_position_embeddings=seq)
+    twins = _attention_twins(bench, transformers.AutoModelForCausalLM, config)
+    ids = torch.randint(0, size["vocab"], (batch_size, seq), device=bench.device)
+    step = _device_train_step(bench, {"input_ids": ids, "labels": ids})
+    title = "Llama-style 8 layers, GQA" if not bench.quick else "Llama-style, GQA (quick sizes)"
+    yield _case(f"{title} LM training step, attn_implementation",
+                f"{batch_size}x{seq}, {size['heads']}/{size['kv_heads']} heads",
+                {name: _step(lambda m=m: step(m)) for name, m in twins.items()}, ids.numel(), {})
+
+
 MODELS = {"bert": bert, "roberta": roberta, "albert": albert, "distilbert": distilbert, "gpt": gpt,
           "electra": electra, "elmo": elmo, "ulmfit": ulmfit, "encoder-layer": encoder_layer,
           "hf-bert": hf_bert,
-          "bert-base": bert_base, "gpt2-small": gpt2_small}
+          "bert-base": bert_base, "gpt2-small": gpt2_small, "modernbert-base": modernbert_base,
+          "llama-gqa": llama_gqa}

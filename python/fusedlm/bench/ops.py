@@ -5,10 +5,13 @@ SDPA for attention.
 Shapes. GPU: BERT-base (32 x 128 tokens, hidden 768, FFN 3072, vocab 30522, 15% of tokens
 labelled for the masked-LM loss), GPT-2 small (8 x 1024 tokens, vocab 50257), the
 add+LayerNorm bandwidth target (65536 tokens x hidden 1024), padded BERT batches of
-lengths 128 to 512 and long causal sequences (2048 to 8192) at head dims 64 and 128, in
-bfloat16. CPU: BERT-base at batch 8 x seq 128 in float32 (and bfloat16 where the op is
-memory-bound, and for attention), one causal sequence of 1024. --quick: tiny shapes in
-float32, to check the command rather than measure.
+lengths 128 to 512 and long causal sequences (2048 to 8192) at head dims 64 and 128,
+grouped-query attention (2 x 4096, 32 query heads sharing 8 key/value heads of 128) and a
+sliding window (8192 tokens, 12 heads of 64, 64 keys each side), in bfloat16. CPU:
+BERT-base at batch 8 x seq 128 in float32 (and bfloat16 where the op is memory-bound, and
+for attention), one causal sequence of 1024, grouped-query attention over 1024 tokens and
+the window over 4096. --quick: tiny shapes in float32, to check the command rather than
+measure.
 
 Each case's work is the least traffic (GB/s) or the matrix-product FLOPs (TFLOP/s) a
 fused implementation needs; a baseline's rate is the same work over its own time.
@@ -41,6 +44,8 @@ class Shapes:
     long_dims: tuple
     long_hidden: int
     long_tokens: int
+    grouped: tuple  # causal grouped-query: (batch, seq, query heads, key/value heads, head_dim)
+    windowed: tuple  # bidirectional local: (batch, seq, heads, head_dim, window each side)
     copy_bytes: int  # the ceilings
     matmul: int
 
@@ -50,15 +55,17 @@ GPU = Shapes(dtypes=(_BF16,), matmul_dtypes=(_BF16,), tokens=32 * 128, hidden=76
              vocab=30522, layer_norm=((65536, 1024), (32 * 128, 768)), ffn_tokens=(32 * 128, 8 * 1024),
              cross_entropy=((32 * 128, 30522), (8 * 1024, 50257)), heads=12,
              bert_seqs=(128, 256, 512), long_seqs=(2048, 4096, 8192), long_dims=(64, 128),
-             long_hidden=2048, long_tokens=8192, copy_bytes=2 << 30, matmul=8192)
+             long_hidden=2048, long_tokens=8192, grouped=(2, 4096, 32, 8, 128),
+             windowed=(1, 8192, 12, 64, 64), copy_bytes=2 << 30, matmul=8192)
 CPU = Shapes(dtypes=(_FP32, _BF16), matmul_dtypes=(_FP32,), tokens=8 * 128, hidden=768, ffn=3072,
              vocab=30522, layer_norm=((8 * 128, 768),), ffn_tokens=(8 * 128,),
              cross_entropy=((8 * 128, 30522),), heads=12, bert_seqs=(128,), long_seqs=(1024,),
-             long_dims=(64,), long_hidden=768, long_tokens=1024, copy_bytes=256 << 20, matmul=2048)
+             long_dims=(64,), long_hidden=768, long_tokens=1024, grouped=(1, 1024, 32, 8, 128),
+             windowed=(1, 4096, 12, 64, 64), copy_bytes=256 << 20, matmul=2048)
 QUICK = Shapes(dtypes=(_FP32,), matmul_dtypes=(_FP32,), tokens=16, hidden=32, ffn=64, vocab=300,
                layer_norm=((16, 48),), ffn_tokens=(16,), cross_entropy=((16, 300),), heads=2,
                bert_seqs=(8,), long_seqs=(24,), long_dims=(16,), long_hidden=32, long_tokens=24,
-               copy_bytes=1 << 20, matmul=64)
+               grouped=(1, 24, 4, 2, 16), windowed=(1, 32, 2, 16, 4), copy_bytes=1 << 20, matmul=64)
 LABELLED = 0.15
 
 
@@ -71,9 +78,10 @@ def shapes_for(bench: Bench) -> Shapes:
 
 def _bert_base(s: Shapes) -> Shapes:
     """BERT-base's shapes alone: its batch of tokens at its width and vocabulary, padded
-    batches of 128-token sequences, and no long causal ones."""
+    batches of 128-token sequences, and no long causal, grouped or windowed ones."""
     return replace(s, layer_norm=((s.tokens, s.hidden),), ffn_tokens=(s.tokens,),
-                   cross_entropy=((s.tokens, s.vocab),), bert_seqs=(128,), long_seqs=())
+                   cross_entropy=((s.tokens, s.vocab),), bert_seqs=(128,), long_seqs=(),
+                   grouped=(), windowed=())
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -229,7 +237,11 @@ def masked_lm_loss(bench: Bench) -> Iterator[Case]:
 
 
 def _eager_attention(q, k, v, allowed=None, causal=False):
-    """The unfused composition: scores, mask, softmax, product."""
+    """The unfused composition: key/value heads repeated for their groups of query heads,
+    scores, mask, softmax, product."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal:
         seq_q, seq_k = scores.shape[-2:]
@@ -249,9 +261,11 @@ def _attention_flops(pairs: int, heads: int, head_dim: int) -> dict:
 
 def _attention_baselines(bench: Bench, inputs: list, **mask) -> dict:
     def sdpa(q, k, v):
+        grouped = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if "allowed" in mask:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask["allowed"])
-        return F.scaled_dot_product_attention(q, k, v, is_causal=mask.get("causal", False))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask["allowed"], **grouped)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask.get("causal", False),
+                                              **grouped)
 
     def eager(q, k, v):
         return _eager_attention(q, k, v, **mask)
@@ -262,7 +276,10 @@ def _attention_baselines(bench: Bench, inputs: list, **mask) -> dict:
 def attention(bench: Bench) -> Iterator[Case]:
     """BERT batches without padding; BERT batches with padding (fusedlm packs the real
     tokens and runs attention_varlen, as its BERT does; torch gets the padded batch and a
-    mask); long causal sequences."""
+    mask); long causal sequences; causal grouped-query attention (key/value heads read in
+    place; SDPA with enable_gqa, eager repeats them); a bidirectional sliding window, as
+    ModernBERT's local layers (SDPA and eager get the window as a mask; the work counts
+    the pairs inside it)."""
     s = shapes_for(bench)
     heads, head_dim = s.heads, s.hidden // s.heads
     generator = torch.Generator().manual_seed(0)
@@ -298,6 +315,26 @@ def attention(bench: Bench) -> Iterator[Case]:
                 yield from passes("attention causal", f"{batch}x{wide}x{seq}x{dim} {_name(dtype)}",
                                   impls, unit="TFLOP/s", skipped=skipped,
                                   work=_attention_flops(batch * seq * (seq + 1) // 2, wide, dim))
+        if s.grouped:
+            batch, seq, heads_q, heads_kv, dim = s.grouped
+            inputs = [bench.tensor(batch, n, seq, dim, dtype=dtype) for n in (heads_q, heads_kv, heads_kv)]
+            impls, skipped = bench.fused("attention", inputs, causal=True)
+            impls.update(_attention_baselines(bench, inputs, causal=True))
+            yield from passes("attention causal, grouped-query",
+                              f"{batch}x{heads_q}/{heads_kv}x{seq}x{dim} {_name(dtype)}", impls,
+                              unit="TFLOP/s", skipped=skipped,
+                              work=_attention_flops(batch * seq * (seq + 1) // 2, heads_q, dim))
+        if s.windowed:
+            batch, seq, wide, dim, side = s.windowed
+            inputs = [bench.tensor(batch, wide, seq, dim, dtype=dtype) for _ in range(3)]
+            rows = torch.arange(seq)[:, None]
+            allowed = ((torch.arange(seq) - rows).abs() <= side).to(bench.device)
+            impls, skipped = bench.fused("attention", inputs, window_size=(side, side))
+            impls.update(_attention_baselines(bench, inputs, allowed=allowed))
+            yield from passes("attention, sliding window",
+                              f"{batch}x{wide}x{seq}x{dim} {_name(dtype)}, {side} keys each side",
+                              impls, unit="TFLOP/s", skipped=skipped,
+                              work=_attention_flops(batch * int(allowed.sum()), wide, dim))
 
 
 OPS = {"attention": attention, "add_layer_norm": add_layer_norm, "rms_norm": rms_norm,
