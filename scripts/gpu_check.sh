@@ -7,10 +7,10 @@
 #
 # quick     a short lease's run, in QUICK_TIMEOUT seconds (default 540) for all its steps,
 #           in the order of what users decide on: the build for sm_90a alone, the model
-#           steps (bench --models bert-base gpt2-small), the op rows at BERT-base's shapes
-#           (bench --shapes bert), the FFN's rows again on its fused products
-#           (FUSEDLM_FFN_CUBLAS=0) and the attention's with its backward in three kernels
-#           (FUSEDLM_ATTENTION_FUSED_BACKWARD=0), the record (benchmarks/results), then the
+#           steps (bench --models bert-base gpt2-small modernbert-base llama-gqa), the op
+#           rows at BERT-base's shapes (bench --shapes bert), the FFN's rows again on its
+#           fused products (FUSEDLM_FFN_CUBLAS=0) and the attention's with its backward in
+#           three kernels (FUSEDLM_ATTENTION_FUSED_BACKWARD=0), the record (benchmarks/results), then the
 #           cuda cases of the op tests. Each bench step rewrites its JSON after every case,
 #           so a step cut off keeps its rows. Without a GPU it is a dry run: a CPU build,
 #           the bench steps with --device cpu --quick (checking them, measuring nothing)
@@ -200,7 +200,8 @@ stage_quick() {
     device=(--device cpu --quick)
   fi
   run_stage bench-models env -u TRITON_INTERPRET "$PY" -m fusedlm bench "${device[@]}" \
-      --models bert-base gpt2-small --json "$OUT/bench-models.json" || status=$?
+      --models bert-base gpt2-small modernbert-base llama-gqa --json "$OUT/bench-models.json" \
+      || status=$?
   # shellcheck disable=SC2086  # ops is a list of words
   run_stage bench env -u TRITON_INTERPRET "$PY" -m fusedlm bench "${device[@]}" --ops $ops \
       --shapes bert --json "$OUT/bench.json" || status=$?
