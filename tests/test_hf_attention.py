@@ -1,7 +1,7 @@
 """``attn_implementation="fusedlm"`` in transformers' own models, against
 ``attn_implementation="sdpa"`` on the same tiny random weights: Llama (grouped-query),
-Mistral (sliding window), Qwen2 (multi-query, sliding and full layers), ModernBERT
-(local and global layers), GPT-2 and the BERT family. Padded batches: outputs at the real
+Mistral (sliding window), Qwen2 (multi-query, sliding and full layers), Gemma
+(multi-query), GPT-NeoX, ModernBERT (local and global layers), GPT-2 and the BERT family. Padded batches: outputs at the real
 tokens, the training loss and every gradient, and generate's tokens (greedy and beam), on
 every backend that runs here; and the registration at import, the masks transformers
 builds, and what falls back or is refused."""
@@ -35,6 +35,13 @@ def _config(family):
     if family == "qwen2":  # its second layer slides, its first does not
         return transformers.Qwen2Config(num_key_value_heads=1, use_sliding_window=True,
                                         sliding_window=WINDOW, max_window_layers=1, **decoder)
+    if family == "gemma":  # multi-query
+        return transformers.GemmaConfig(num_key_value_heads=1, head_dim=16, **decoder)
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, pad_token_id=PAD,
+            rotary_pct=0.5, attention_dropout=0.0, hidden_dropout=0.0)
     if family == "modernbert":  # global, local, global
         return transformers.ModernBertConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -56,7 +63,7 @@ def _config(family):
                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
 
 
-CAUSAL = ("llama", "mistral", "qwen2", "gpt2")
+CAUSAL = ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "gpt2")
 ENCODERS = ("modernbert", "bert", "roberta", "distilbert", "albert", "electra")
 BACKENDS = [pytest.param(None, id="automatic"), *backends_for("attention")]
 
