@@ -2,23 +2,37 @@
 
 Forward: one program per (block of BLOCK_M queries, batch * head) walks the key blocks
 with the online softmax (scores in log2 units, scale * log2(e) folded into one multiply,
-exp2), stopping at the last block a causal row can see, and writes O / l and each row's
-log-sum-exp (float32, +inf for a row that sees no key, which makes backward's
-probabilities zeros). Q, K and V are read once per query block: HBM traffic is
-O(seq * head_dim) per query block, and the kernel is bound by its two products.
+exp2), and writes O / l and each row's log-sum-exp (float32, +inf for a row that sees no
+key, which makes backward's probabilities zeros). Q, K and V are read once per query
+block: HBM traffic is O(seq * head_dim) per query block, and the kernel is bound by its
+two products.
+
+Grouped heads: query head h reads key/value head h // group (group = heads // kv_heads)
+in place, and the programs of a group's query heads run side by side, sharing its K and V
+in L2.
+
+Which keys a row sees is a band: query i of a sequence sees keys
+i + lo <= j <= i + hi, lo = off - window_left and hi = off + window_right (off =
+k_len - q_len, the bottom-right alignment; causal makes hi = off; an unbounded side is
+passed as a bound past every key), within the sequence's keys and the padding mask. A
+program walks only the blocks its band reaches, from the first block its first row sees
+to the last block its last row sees, and puts each block in one of two loops: blocks that
+a band edge or the end of the keys crosses compute the element masks, blocks every row
+sees whole take no mask but the padding one.
 
 Backward recomputes the probabilities from the log-sum-exp. A preprocess kernel forms
-delta = rowsum(dO * O); one program per key block accumulates dK and dV over the query
-blocks that see it, and a second kernel, one program per query block, accumulates dQ
-over the key blocks. Every sum stays inside one program (no atomics), so gradients are
-the same bit for bit on every run. When a row's keys fit one key block (every row's, or
-a packed sequence's), delta is taken from the exact probabilities (rowsum(P * dP))
-instead of from the rounded output.
+delta = rowsum(dO * O); one program per (key block, batch * kv head) accumulates dK and
+dV over the query heads of its group and, for each, the query blocks whose band reaches
+its keys, and a second kernel, one program per query block, accumulates dQ over the key
+blocks its band reaches. Every sum stays inside one program and every gradient element is
+written once (no atomics), so gradients are the same bit for bit on every run. When a
+row's keys fit one key block (every row's, or a packed sequence's), delta is taken from
+the exact probabilities (rowsum(P * dP)) instead of from the rounded output.
 
 A bias gradient is dS summed over the bias's broadcast dimensions: the dQ kernel,
-which visits every (query, key) pair once, writes dS into a float32
-[batch, heads, seq_q, seq_k] buffer that torch then sums; that buffer (4 bytes per
-score) is the cost of a bias that requires grad.
+which visits every (query, key) pair of the blocks its band reaches once, writes dS into
+a zeroed float32 [batch, heads, seq_q, seq_k] buffer that torch then sums; that buffer
+(4 bytes per score) is the cost of a bias that requires grad.
 
 attention_varlen runs the same kernels with per-sequence row offsets (VARLEN): the
 batch stride is 0 and each program reads its sequence's bounds from cu_seqlens.
@@ -62,21 +76,33 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs
 
 
-def _tuned(kernel):
-    return autotune(_configs(), key=["BLOCK_D", "BLOCK_DV", "seq_bucket", "CAUSAL", "DROPOUT"],
+def _tuned(kernel, key=()):
+    # window_bucket: a narrow window makes a program's work its band's, not the sequence's,
+    # and the blocks the band crosses (masked) a larger share of it.
+    return autotune(_configs(), key=["BLOCK_D", "BLOCK_DV", "seq_bucket", "window_bucket",
+                                     "CAUSAL", "DROPOUT", *key],
                     prune_configs_by={"early_config_prune": _prune})(kernel)
 
 
 def _one_key_block(args):
-    """Whether one key block holds every row's keys."""
+    """Whether one key block holds every row's keys. By the sequence, not the window: a
+    window narrower than a block may still straddle two, and delta from one block's
+    probabilities would miss the other's."""
     return args["seq_k"] <= args["BLOCK_N"]
 
 
-def _backward(kernel):
-    """A dK/dV or dQ kernel: autotuned, and EXACT_DELTA when one key block holds every row's
-    keys."""
-    jitted = triton.jit(kernel, do_not_specialize=["seed"])
-    return _tuned(triton.heuristics({"EXACT_DELTA": _one_key_block})(jitted))
+# The window's bounds change from model to model: one compiled kernel serves them all,
+# rather than one per kind of value Triton specializes an int on (1, multiples of 16).
+_RUNTIME = ["seed", "window_left", "window_right"]
+
+
+def _backward(*key):
+    """A dK/dV or dQ kernel: autotuned (on ``key`` as well), and EXACT_DELTA when one key
+    block holds every row's keys."""
+    def wrap(kernel):
+        jitted = triton.jit(kernel, do_not_specialize=_RUNTIME)
+        return _tuned(triton.heuristics({"EXACT_DELTA": _one_key_block})(jitted), key)
+    return wrap
 
 
 # --- shared pieces -------------------------------------------------------------------------------
@@ -120,9 +146,10 @@ def _span(CU, b, total, longest):
 @triton.jit
 def _program(CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN: tl.constexpr,
              BLOCK: tl.constexpr, OVER_KEYS: tl.constexpr):
-    """(b, h, q_start, q_len, k_start, k_len, first) of this program: its batch and head, the
-    first row and length of its sequence's queries and keys, and the first row of its block
-    of BLOCK queries (of keys when OVER_KEYS)."""
+    """(b, h, q_start, q_len, k_start, k_len, first) of this program: its batch and head (of
+    ``heads``: q's, or k's when OVER_KEYS), the first row and length of its sequence's
+    queries and keys, and the first row of its block of BLOCK queries (of keys when
+    OVER_KEYS)."""
     if OVER_KEYS:
         block, b, h = _position(seq_k, heads, BLOCK)
     else:
@@ -130,6 +157,46 @@ def _program(CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN: tl.const
     q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, seq_q, seq_k, total_q, total_k,
                                                VARLEN)
     return b, h, q_start, q_len, k_start, k_len, block * BLOCK
+
+
+@triton.jit
+def _band(q_len, k_len, window_left, window_right, CAUSAL: tl.constexpr):
+    """(lo, hi): query i of the sequence sees keys i + lo <= j <= i + hi."""
+    off = k_len - q_len
+    hi = off
+    if not CAUSAL:
+        hi += window_right
+    return off - window_left, hi
+
+
+@triton.jit
+def _blocks(a0, a_len, b_len, lo, hi, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The blocks of BLOCK_B rows of the other axis (b < b_len) that the band of this
+    axis's block [a0, a0 + BLOCK_A) reaches, row a seeing b in [a + lo, a + hi]:
+    (first, full_first, full_end, end), the blocks from ``first`` up to ``end`` (exclusive),
+    and among them those from ``full_first`` to ``full_end`` that every real row of the
+    block sees whole (below b_len: no element masks). All but ``end`` are multiples of
+    BLOCK_B, or equal to ``end``. Divisions take no negative operand: a negative quotient
+    rounds differently in the compiler and the interpreter."""
+    last = tl.minimum(a0 + BLOCK_A, a_len) - 1
+    end = tl.minimum(tl.maximum(last + hi + 1, 0), b_len)
+    first = tl.minimum(tl.maximum(a0 + lo, 0) // BLOCK_B * BLOCK_B, end)
+    full_first = tl.minimum(tl.cdiv(tl.maximum(last + lo, 0), BLOCK_B) * BLOCK_B, end)
+    full_end = tl.minimum(tl.maximum(a0 + hi + 1, 0), b_len) // BLOCK_B * BLOCK_B
+    return first, full_first, tl.maximum(full_end, full_first), end
+
+
+@triton.jit
+def _edge_blocks(first, full_first, full_end, end, BLOCK: tl.constexpr):
+    """How many blocks of [first, end) lie outside [full_first, full_end): the masked ones."""
+    return tl.cdiv(full_first - first, BLOCK) + tl.cdiv(end - full_end, BLOCK)
+
+
+@triton.jit
+def _edge_block(t, first, full_first, full_end, BLOCK: tl.constexpr):
+    """The first row of masked block t: those below full_first, then those from full_end."""
+    start = first + t * BLOCK
+    return tl.where(start < full_first, start, start + (full_end - full_first))
 
 
 @triton.jit
@@ -150,7 +217,7 @@ def _tile(PTR, b, h, start, rows, sb, sh, ss, sd, length, width, BLOCK_W: tl.con
 def _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
                skb, skh, sks, skd, svb, svh, svs, svd,
                UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """(k, v) of keys ``cols``."""
+    """(k, v) of keys ``cols`` of key/value head h."""
     k = _tile(K, b, h, k_start, cols, skb, skh, sks, skd, k_len, head_dim, BLOCK_D, UPCAST)
     v = _tile(V, b, h, k_start, cols, svb, svh, svs, svd, k_len, head_dim_v, BLOCK_DV, UPCAST)
     return k, v
@@ -167,22 +234,26 @@ def _store_tile(PTR, value, b, h, start, rows, sb, sh, ss, sd, length, width,
 
 
 @triton.jit
-def _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
-            HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """Scores of queries `rows` against keys `cols` in log2 units, -inf where not allowed."""
+def _scores(q, k, b, h, rows, cols, q_len, k_len, lo, hi, qk_scale, PAD, spb, spk,
+            BIAS, sbb, sbh, sbq, sbk, HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+            MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of queries `rows` (of query head h) against keys `cols` in log2 units, -inf
+    where not allowed. Unless MASKED, every key is a real one inside every row's band:
+    only padding masks. (Rows past the sequence need no mask: their output is never stored,
+    and backward gives them a log-sum-exp of +inf, so probabilities of zero.)"""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    allowed = (rows[:, None] < q_len) & (cols[None, :] < k_len)
+    inside = (rows[:, None] < q_len) & (cols[None, :] < k_len)
     if HAS_BIAS:
         offsets = (b * sbb + h * sbh + rows.to(tl.int64)[:, None] * sbq
                    + cols.to(tl.int64)[None, :] * sbk)
-        s += tl.load(BIAS + offsets, mask=allowed, other=0.0).to(tl.float32) * LOG2E
-    if CAUSAL:  # bottom-right aligned: query i sees keys j <= i + k_len - q_len
-        allowed &= cols[None, :] <= rows[:, None] + (k_len - q_len)
+        s += tl.load(BIAS + offsets, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    if MASKED:
+        diagonal = cols[None, :] - rows[:, None]
+        s = tl.where(inside & (diagonal >= lo) & (diagonal <= hi), s, float("-inf"))
     if HAS_PAD:
         padding = tl.load(PAD + b * spb + cols * spk, mask=cols < k_len, other=1)
-        allowed &= (padding == 0)[None, :]
-    return tl.where(allowed, s, float("-inf"))
+        s = tl.where((padding == 0)[None, :], s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -194,24 +265,43 @@ def _kept(seed, p, b, h, heads, rows, cols, pitch_q, pitch_k):
     return keep(seed, offsets, p)
 
 
-@triton.jit
-def _key_end(m0, q_len, k_len, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """One past the last key a query block [m0, m0 + BLOCK_M) may see."""
-    if CAUSAL:
-        return tl.minimum(tl.maximum(m0 + BLOCK_M + k_len - q_len, 0), k_len)
-    else:
-        return k_len
-
-
 # --- forward -------------------------------------------------------------------------------------
 
+@triton.jit
+def _forward_block(q, m_i, l_i, acc, K, V, b, h, kh, heads, k_start, rows, n0, q_len, k_len, lo, hi,
+                   head_dim, head_dim_v, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, p, seed,
+                   PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                   HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                   MASKED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax's state (m_i, l_i, acc) after the key block from n0."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    k, v = _key_tiles(K, V, b, kh, k_start, cols, k_len, head_dim, head_dim_v,
+                      skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
+    s = _scores(q, k, b, h, rows, cols, q_len, k_len, lo, hi, qk_scale, PAD, spb, spk,
+                BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, MASKED, PRECISION)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with no allowed key yet subtracts 0, so its exp2(-inf) stay zeros.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    prob = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(prob, 1)
+    if DROPOUT:
+        kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
+        prob = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
+    # P rounded to V's dtype, as the tensor cores take it.
+    prob = prob.to(V.dtype.element_ty).to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 @_tuned
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=_RUNTIME)
 def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
                     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                     sob, soh, sos, sod, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
-                    heads, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v, qk_scale, p, seed,
-                    seq_bucket,
+                    heads, group, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v,
+                    window_left, window_right, qk_scale, p, seed, seq_bucket, window_bucket,
                     HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -220,31 +310,28 @@ def _forward_kernel(Q, K, V, OUT, LSE, PAD, BIAS, CU_Q, CU_K,
         CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_M, False)
     if m0 >= q_len:
         return
+    kh = h // group
+    lo, hi = _band(q_len, k_len, window_left, window_right, CAUSAL)
+    first, full_first, full_end, end = _blocks(m0, q_len, k_len, lo, hi, BLOCK_M, BLOCK_N)
     rows = m0 + tl.arange(0, BLOCK_M)
     q = _tile(Q, b, h, q_start, rows, sqb, sqh, sqs, sqd, q_len, head_dim, BLOCK_D, UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        k, v = _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
-                          skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
-        s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
-                    BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no allowed key yet subtracts 0, so its exp2(-inf) stay zeros.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        prob = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        if DROPOUT:
-            kept = _kept(seed, p, b, h, heads, rows, cols, seq_q, seq_k)
-            prob = tl.where(kept, prob * (1.0 / (1.0 - p)), 0.0)
-        # P rounded to V's dtype, as the tensor cores take it.
-        prob = prob.to(V.dtype.element_ty).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=PRECISION)
-        m_i = m_new
+    for t in range(0, _edge_blocks(first, full_first, full_end, end, BLOCK_N)):
+        n0 = _edge_block(t, first, full_first, full_end, BLOCK_N)
+        m_i, l_i, acc = _forward_block(
+            q, m_i, l_i, acc, K, V, b, h, kh, heads, k_start, rows, n0, q_len, k_len, lo, hi,
+            head_dim, head_dim_v, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, p, seed,
+            PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k, HAS_PAD, HAS_BIAS, DROPOUT,
+            True, PRECISION, UPCAST, BLOCK_D, BLOCK_DV, BLOCK_N)
+    for n0 in range(full_first, full_end, BLOCK_N):
+        m_i, l_i, acc = _forward_block(
+            q, m_i, l_i, acc, K, V, b, h, kh, heads, k_start, rows, n0, q_len, k_len, lo, hi,
+            head_dim, head_dim_v, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, p, seed,
+            PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k, HAS_PAD, HAS_BIAS, DROPOUT,
+            False, PRECISION, UPCAST, BLOCK_D, BLOCK_DV, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -269,14 +356,14 @@ def _delta_kernel(OUT, DO, DELTA, CU_Q, CU_K, sob, soh, sos, sod, sgb, sgh, sgs,
 
 
 @triton.jit
-def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len, qk_scale, p, seed,
-                 PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
-                 HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
-                 DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
+def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len, lo, hi, qk_scale,
+                 p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                 HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                 VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr, MASKED: tl.constexpr,
                  PRECISION: tl.constexpr):
     """(P after dropout, dS) of a tile: P recomputed from the log-sum-exp, dS = P (dP - delta)."""
-    s = _scores(q, k, b, h, rows, cols, q_len, k_len, qk_scale, PAD, spb, spk,
-                BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, CAUSAL, PRECISION)
+    s = _scores(q, k, b, h, rows, cols, q_len, k_len, lo, hi, qk_scale, PAD, spb, spk,
+                BIAS, sbb, sbh, sbq, sbk, HAS_PAD, HAS_BIAS, MASKED, PRECISION)
     prob = tl.math.exp2(s - lse[:, None] * LOG2E)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     dropped = prob
@@ -313,55 +400,115 @@ def _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim, head_d
     return q, do, lse, delta
 
 
-@_backward
+@triton.jit
+def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, heads, q_start, rows, cols, q_len, k_len,
+                lo, hi, head_dim, head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd, slb, slh,
+                qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr, MASKED: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
+    """(dK, dV) after the queries ``rows`` of query head h."""
+    q, do, lse, delta = _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim,
+                                     head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd,
+                                     slb, slh, UPCAST, BLOCK_D, BLOCK_DV)
+    dropped, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
+                               lo, hi, qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
+                               seq_q, seq_k, HAS_PAD, HAS_BIAS, DROPOUT, VARLEN, EXACT_DELTA,
+                               MASKED, PRECISION)
+    # P and dS rounded to the inputs' dtype, as the tensor cores take them.
+    dropped = dropped.to(DO.dtype.element_ty).to(do.dtype)
+    dv += tl.dot(tl.trans(dropped), do, input_precision=PRECISION)
+    ds = ds.to(Q.dtype.element_ty).to(q.dtype)
+    dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
+    return dk, dv
+
+
+# group: a program walks its group's query heads, so the grid has group times fewer, longer
+# programs than the other kernels'.
+@_backward("group")
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PAD, BIAS, CU_Q, CU_K,
                  sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                  sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
                  sdkb, sdkh, sdks, sdkd, sdvb, sdvh, sdvs, sdvd,
-                 heads, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v, scale, qk_scale, p,
-                 seed, seq_bucket,
+                 heads, group, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v,
+                 window_left, window_right, scale, qk_scale, p, seed, seq_bucket, window_bucket,
                  HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                  DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    b, h, q_start, q_len, k_start, k_len, n0 = _program(
-        CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_N, True)
+    # One program per key block of a key/value head: the sums over its group's query heads
+    # stay in registers, and each dK and dV element is written once.
+    b, kh, q_start, q_len, k_start, k_len, n0 = _program(
+        CU_Q, CU_K, heads // group, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_N, True)
     if n0 >= k_len:
         return
+    lo, hi = _band(q_len, k_len, window_left, window_right, CAUSAL)
+    # The query blocks whose band reaches these keys: query i sees key j when
+    # j - hi <= i <= j - lo.
+    first, full_first, full_end, end = _blocks(n0, k_len, q_len, -hi, -lo, BLOCK_N, BLOCK_M)
+    # A block past the sequence's last key masks those columns in every query block (a row's
+    # sum over the block, the exact delta, must not meet them).
+    partial = n0 + BLOCK_N > k_len
+    full_first = tl.where(partial, end, full_first)
+    full_end = tl.where(partial, end, full_end)
     cols = n0 + tl.arange(0, BLOCK_N)
-    k, v = _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
+    k, v = _key_tiles(K, V, b, kh, k_start, cols, k_len, head_dim, head_dim_v,
                       skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    m_first = 0
-    if CAUSAL:  # the first query block with a row that sees key n0
-        m_first = tl.maximum(n0 - (k_len - q_len), 0) // BLOCK_M * BLOCK_M
-    for m0 in range(m_first, q_len, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        q, do, lse, delta = _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim,
-                                         head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd,
-                                         slb, slh, UPCAST, BLOCK_D, BLOCK_DV)
-        dropped, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
-                                   qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
-                                   seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, VARLEN,
-                                   EXACT_DELTA, PRECISION)
-        # P and dS rounded to the inputs' dtype, as the tensor cores take them.
-        dropped = dropped.to(DO.dtype.element_ty).to(do.dtype)
-        dv += tl.dot(tl.trans(dropped), do, input_precision=PRECISION)
-        ds = ds.to(Q.dtype.element_ty).to(q.dtype)
-        dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
-    _store_tile(DK, dk * scale, b, h, k_start, cols, sdkb, sdkh, sdks, sdkd, k_len, head_dim,
+    for g in range(0, group):
+        h = kh * group + g
+        for t in range(0, _edge_blocks(first, full_first, full_end, end, BLOCK_M)):
+            rows = _edge_block(t, first, full_first, full_end, BLOCK_M) + tl.arange(0, BLOCK_M)
+            dk, dv = _dkdv_block(
+                dk, dv, k, v, Q, DO, LSE, DELTA, b, h, heads, q_start, rows, cols, q_len, k_len,
+                lo, hi, head_dim, head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd, slb, slh,
+                qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                HAS_PAD, HAS_BIAS, DROPOUT, VARLEN, EXACT_DELTA, True, PRECISION, UPCAST,
+                BLOCK_D, BLOCK_DV)
+        for m0 in range(full_first, full_end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            dk, dv = _dkdv_block(
+                dk, dv, k, v, Q, DO, LSE, DELTA, b, h, heads, q_start, rows, cols, q_len, k_len,
+                lo, hi, head_dim, head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd, slb, slh,
+                qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                HAS_PAD, HAS_BIAS, DROPOUT, VARLEN, EXACT_DELTA, False, PRECISION, UPCAST,
+                BLOCK_D, BLOCK_DV)
+    _store_tile(DK, dk * scale, b, kh, k_start, cols, sdkb, sdkh, sdks, sdkd, k_len, head_dim,
                 BLOCK_D)
-    _store_tile(DV, dv, b, h, k_start, cols, sdvb, sdvh, sdvs, sdvd, k_len, head_dim_v, BLOCK_DV)
+    _store_tile(DV, dv, b, kh, k_start, cols, sdvb, sdvh, sdvs, sdvd, k_len, head_dim_v, BLOCK_DV)
 
 
-@_backward
+@triton.jit
+def _dq_block(dq, q, do, lse, delta, K, V, DS, b, h, kh, heads, k_start, rows, n0, q_len, k_len,
+              lo, hi, head_dim, head_dim_v, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, p,
+              seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+              HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+              VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr, WRITE_DS: tl.constexpr,
+              MASKED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ after the key block from n0."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    k, v = _key_tiles(K, V, b, kh, k_start, cols, k_len, head_dim, head_dim_v,
+                      skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
+    _, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len, lo, hi,
+                         qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                         HAS_PAD, HAS_BIAS, DROPOUT, VARLEN, EXACT_DELTA, MASKED, PRECISION)
+    if WRITE_DS:  # a dense float32 [batch, heads, seq_q, seq_k] buffer
+        offsets = ((b * heads + h) * seq_q + rows)[:, None] * seq_k + cols[None, :]
+        tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
+    ds = ds.to(K.dtype.element_ty).to(k.dtype)
+    return dq + tl.dot(ds, k, input_precision=PRECISION)
+
+
+@_backward()
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
                sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                sgb, sgh, sgs, sgd, slb, slh, spb, spk, sbb, sbh, sbq, sbk,
                sdqb, sdqh, sdqs, sdqd,
-               heads, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v, scale, qk_scale, p,
-               seed, seq_bucket,
+               heads, group, seq_q, seq_k, total_q, total_k, head_dim, head_dim_v,
+               window_left, window_right, scale, qk_scale, p, seed, seq_bucket, window_bucket,
                HAS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr,
                DROPOUT: tl.constexpr, VARLEN: tl.constexpr, EXACT_DELTA: tl.constexpr,
                WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -371,24 +518,27 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, PAD, BIAS, CU_Q, CU_K,
         CU_Q, CU_K, heads, seq_q, seq_k, total_q, total_k, VARLEN, BLOCK_M, False)
     if m0 >= q_len:
         return
+    kh = h // group
+    lo, hi = _band(q_len, k_len, window_left, window_right, CAUSAL)
+    first, full_first, full_end, end = _blocks(m0, q_len, k_len, lo, hi, BLOCK_M, BLOCK_N)
     rows = m0 + tl.arange(0, BLOCK_M)
     q, do, lse, delta = _query_tiles(Q, DO, LSE, DELTA, b, h, q_start, rows, q_len, head_dim,
                                      head_dim_v, sqb, sqh, sqs, sqd, sgb, sgh, sgs, sgd, slb, slh,
                                      UPCAST, BLOCK_D, BLOCK_DV)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, _key_end(m0, q_len, k_len, BLOCK_M, CAUSAL), BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        k, v = _key_tiles(K, V, b, h, k_start, cols, k_len, head_dim, head_dim_v,
-                          skb, skh, sks, skd, svb, svh, svs, svd, UPCAST, BLOCK_D, BLOCK_DV)
-        _, ds = _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
-                             qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk,
-                             seq_q, seq_k, HAS_PAD, HAS_BIAS, CAUSAL, DROPOUT, VARLEN,
-                             EXACT_DELTA, PRECISION)
-        if WRITE_DS:  # a dense float32 [batch, heads, seq_q, seq_k] buffer
-            offsets = ((b * heads + h) * seq_q + rows)[:, None] * seq_k + cols[None, :]
-            tl.store(DS + offsets, ds, mask=(rows[:, None] < q_len) & (cols[None, :] < k_len))
-        ds = ds.to(K.dtype.element_ty).to(k.dtype)
-        dq += tl.dot(ds, k, input_precision=PRECISION)
+    for t in range(0, _edge_blocks(first, full_first, full_end, end, BLOCK_N)):
+        n0 = _edge_block(t, first, full_first, full_end, BLOCK_N)
+        dq = _dq_block(dq, q, do, lse, delta, K, V, DS, b, h, kh, heads, k_start, rows, n0, q_len,
+                       k_len, lo, hi, head_dim, head_dim_v, skb, skh, sks, skd, svb, svh, svs, svd,
+                       qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                       HAS_PAD, HAS_BIAS, DROPOUT, VARLEN, EXACT_DELTA, WRITE_DS, True, PRECISION,
+                       UPCAST, BLOCK_D, BLOCK_DV, BLOCK_N)
+    for n0 in range(full_first, full_end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, K, V, DS, b, h, kh, heads, k_start, rows, n0, q_len,
+                       k_len, lo, hi, head_dim, head_dim_v, skb, skh, sks, skd, svb, svh, svs, svd,
+                       qk_scale, p, seed, PAD, spb, spk, BIAS, sbb, sbh, sbq, sbk, seq_q, seq_k,
+                       HAS_PAD, HAS_BIAS, DROPOUT, VARLEN, EXACT_DELTA, WRITE_DS, False, PRECISION,
+                       UPCAST, BLOCK_D, BLOCK_DV, BLOCK_N)
     _store_tile(DQ, dq * scale, b, h, q_start, rows, sdqb, sdqh, sdqs, sdqd, q_len, head_dim,
                 BLOCK_D)
 
@@ -421,27 +571,52 @@ def _mask_args(key_padding_mask):
     return key_padding_mask.view(torch.uint8), tuple(key_padding_mask.stride())
 
 
+def _seq_bucket(seq_q, seq_k):
+    return max(64, triton.next_power_of_2(max(seq_q, seq_k, 1)))
+
+
+def _window_bucket(window_left, window_right, causal, seq_bucket):
+    """The keys a row may see, to a power of two, when a window bounds both sides to fewer
+    than the sequence's; 0 otherwise."""
+    right = 0 if causal else window_right
+    if window_left < 0 or right < 0:
+        return 0
+    span = triton.next_power_of_2(window_left + right + 1)
+    return span if span < seq_bucket else 0
+
+
 class _Problem:
     """One call's tensors and sizes, as the kernels take them."""
 
     def __init__(self, q, k, v, key_padding_mask, attn_bias, cu_q, cu_k, batch, seq_q, seq_k,
-                 causal, dropout_p, scale, seed, strides):
+                 causal, window_left, window_right, dropout_p, scale, seed, strides):
         self.q, self.k, self.v, self.cu_q, self.cu_k = q, k, v, cu_q, cu_k
         self.strides = strides
         self.pad, self.pad_strides = _mask_args(key_padding_mask)
         self.bias, self.bias_strides = _bias_args(attn_bias)
-        self.batch, self.heads = batch, q.shape[1]
+        # k and v are [batch, kv_heads, seq_k, dim] or [tokens, kv_heads, dim]
+        self.batch, self.heads, self.kv_heads = batch, q.shape[1], k.shape[1]
         self.seq_q, self.seq_k = seq_q, seq_k
         self.head_dim, self.head_dim_v = q.shape[-1], v.shape[-1]
         self.causal, self.p, self.scale = causal, dropout_p, scale
+        # An unbounded side (-1) as a bound past every key, and a wider one clamped to it:
+        # the kernels' band arithmetic stays in int32 and needs no case for it.
+        unbounded = seq_q + seq_k
+        self.window = tuple(unbounded if w < 0 else min(w, unbounded)
+                            for w in (window_left, window_right))
+        self.seq_bucket = _seq_bucket(seq_q, seq_k)
+        self.window_bucket = _window_bucket(window_left, window_right, causal, self.seq_bucket)
         self.seed = seed_of(seed, dropout_p)
 
     def empty(self):
         return self.batch * self.heads == 0
 
     def grid(self, over_keys=False):
-        seq, block = (self.seq_k, "BLOCK_N") if over_keys else (self.seq_q, "BLOCK_M")
-        return lambda meta: (triton.cdiv(seq, meta[block]) * self.batch * self.heads,)
+        """Query blocks of every (sequence, head), or key blocks of every (sequence, kv head)."""
+        if over_keys:
+            return lambda meta: (triton.cdiv(self.seq_k, meta["BLOCK_N"]) * self.batch
+                                 * self.kv_heads,)
+        return lambda meta: (triton.cdiv(self.seq_q, meta["BLOCK_M"]) * self.batch * self.heads,)
 
     def common(self):
         """The arguments every kernel after the pointers takes, in order."""
@@ -449,10 +624,9 @@ class _Problem:
 
     def sizes(self, with_scale=False):
         scale = (self.scale,) if with_scale else ()
-        return (self.heads, self.seq_q, self.seq_k, *self.totals(), self.head_dim, self.head_dim_v,
-                *scale,
-                self.scale * LOG2E.value, self.p, self.seed,
-                max(64, triton.next_power_of_2(max(self.seq_q, self.seq_k, 1))))
+        return (self.heads, self.heads // self.kv_heads, self.seq_q, self.seq_k, *self.totals(),
+                self.head_dim, self.head_dim_v, *self.window, *scale,
+                self.scale * LOG2E.value, self.p, self.seed, self.seq_bucket, self.window_bucket)
 
     def totals(self):
         """The rows of packed q, and of packed k and v (the bounds of every sequence)."""
@@ -503,18 +677,11 @@ class _Problem:
 
 # --- attention -----------------------------------------------------------------------------------
 
-def _refuse_groups_and_window(q, k, window_left, window_right):
-    if k.shape[-3 if k.dim() == 4 else 1] != q.shape[-3 if q.dim() == 4 else 1] or \
-            window_left >= 0 or window_right >= 0:
-        raise ValueError("the triton attention takes neither grouped key/value heads nor a window")
-
-
 def _padded(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right, dropout_p,
             scale, seed):
-    _refuse_groups_and_window(q, k, window_left, window_right)
     batch, _, seq_q, _ = q.shape
     return _Problem(q, k, v, key_padding_mask, attn_bias, None, None, batch, seq_q, k.shape[2],
-                    causal, dropout_p, scale, seed, _padded_strides)
+                    causal, window_left, window_right, dropout_p, scale, seed, _padded_strides)
 
 
 def attention_forward(q, k, v, key_padding_mask, attn_bias, causal, window_left, window_right,
@@ -539,7 +706,7 @@ def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, cau
     pairs = (*q.shape[:3], k.shape[2])
     aligned = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
     summed = [d for d, n in enumerate(aligned) if n == 1 and pairs[d] != 1]
-    # Zeros: pairs above the causal diagonal are never visited. The kernel writes ds as
+    # Zeros: pairs outside the band (causal, window) are never visited. The kernel writes ds as
     # [batch, heads, seq_q, seq_k]; a bias of that size gets it in its own shape, and a
     # broadcast one the sums written into its shape: dbias is no view (FSDP2 cannot follow
     # in-place changes to a view a module returns).
@@ -556,9 +723,8 @@ def attention_backward(grad, q, k, v, out, lse, key_padding_mask, attn_bias, cau
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, window_right, dropout_p,
             scale, seed):
-    _refuse_groups_and_window(q, k, window_left, window_right)
     return _Problem(q, k, v, None, None, cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k, causal,
-                    dropout_p, scale, seed, _packed_strides)
+                    window_left, window_right, dropout_p, scale, seed, _packed_strides)
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -42,7 +42,7 @@ _SUPPORTS = {
     "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False,
                      grouped=False, window=False,
                      max_counts=(("heads", 65535), ("sequences", 65535))),
-    "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256, grouped=False, window=False),
+    "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256),
 }
 
 
