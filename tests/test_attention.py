@@ -1256,3 +1256,124 @@ def _varlen_call(dtype, device):
 
     q, k, v = (fresh((n, 2, 8), dtype, device, requires_grad=False) for n in (8, 6, 6))
     return (q, k, v, offsets([3, 0, 5]), offsets([4, 0, 2]), 5, 4), {"causal": True}
+
+
+# --- grouped key/value heads and windows on the cpu kernel ---------------------------------------
+# The fuzzers draw both, on sequences within one block of queries and keys; these walk
+# several blocks, where a window skips whole key blocks and a group's dK and dV sum over
+# several sets of query heads: one rank of consecutive groups at a time (6/3, 10/5: a set
+# of 4 groups and one of 1), or a group's heads stacked (8/2, 6/2, 12/2: sets of 4 and 2).
+
+def _middle_padding(batch, seq_k):
+    """Padding inside the keys of the first sequence and at both ends of the last."""
+    mask = torch.zeros(batch, seq_k, dtype=torch.bool)
+    mask[0, seq_k // 3:seq_k // 3 + 100] = True
+    mask[-1, :7] = True
+    mask[-1, -50:] = True
+    return mask
+
+
+def _grouped(batch, heads, kv_heads, seq_q, seq_k, dtype, layout="bhsd", head_dim=16):
+    shapes = [(heads, seq_q, head_dim), (kv_heads, seq_k, head_dim), (kv_heads, seq_k, 8)]
+    if layout == "bshd":
+        leaves = [fresh((batch, s, h, d), dtype, "cpu") for h, s, d in shapes]
+    else:
+        leaves = [fresh((batch, h, s, d), dtype, "cpu") for h, s, d in shapes]
+    return leaves, _views(leaves, layout)
+
+
+@pytest.mark.parametrize("heads, kv_heads, seq_q, seq_k, causal, window", [
+    (8, 2, 700, 700, False, (128, 0)),
+    (8, 2, 700, 700, False, (64, 64)),
+    (6, 3, 700, 700, True, (200, -1)),
+    (6, 2, 300, 700, False, (64, 64)),
+    (10, 5, 700, 700, True, (64, 64)),
+    (12, 2, 700, 300, False, (-1, 40)),
+    (4, 4, 700, 700, False, (0, 0)),  # padding on the diagonal leaves rows with no key
+])
+def test_cpu_attention_groups_and_windows_over_many_blocks(heads, kv_heads, seq_q, seq_k, causal,
+                                                           window):
+    mask = _middle_padding(2, seq_k)
+    leaves, (q, k, v) = _grouped(2, heads, kv_heads, seq_q, seq_k, torch.float64)
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, causal=causal, window_size=window,
+                                backend="cpu")
+    _assert_matches(out, leaves, lambda q, k, v: softmax_attention(
+        q, k, v, key_padding_mask=mask, causal=causal, window_size=window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 3)])
+def test_cpu_attention_groups_and_windows_in_place_and_packed(dtype, heads, kv_heads):
+    # float32 [batch, seq, heads, dim] views are read and written in place; bfloat16 is
+    # packed. A bias shared by the sequences and heads: its gradient sums over both.
+    seq = 400
+    mask = _middle_padding(2, seq)
+    leaves, (q, k, v) = _grouped(2, heads, kv_heads, seq, seq, dtype, layout="bshd")
+    bias = fresh((1, 1, 1, seq), dtype, "cpu")
+    out = fusedlm.ops.attention(q, k, v, key_padding_mask=mask, attn_bias=bias, causal=True,
+                                window_size=(150, -1), backend="cpu")
+    _assert_matches(out, leaves + [bias], lambda q, k, v, bias: softmax_attention(
+        *_views([q, k, v], "bshd"), key_padding_mask=mask, attn_bias=bias, causal=True,
+        window_size=(150, -1)), out_scale=2, grad_scale=4)
+
+
+def test_cpu_attention_varlen_groups_and_windows_over_many_blocks():
+    lengths_q, lengths_k = [700, 0, 300, 5], [500, 3, 700, 5]
+    heads, kv_heads, window = 6, 2, (100, 30)
+    q, k, v = (fresh((sum(n), h, d), torch.float64, "cpu") for n, h, d in (
+        (lengths_q, heads, 16), (lengths_k, kv_heads, 16), (lengths_k, kv_heads, 8)))
+    out = fusedlm.ops.attention_varlen(q, k, v, _offsets(lengths_q), _offsets(lengths_k),
+                                       max(lengths_q), max(lengths_k), window_size=window,
+                                       backend="cpu")
+
+    def expected(q, k, v):
+        outs = []
+        for b in range(len(lengths_q)):
+            rows_q = slice(sum(lengths_q[:b]), sum(lengths_q[:b + 1]))
+            rows_k = slice(sum(lengths_k[:b]), sum(lengths_k[:b + 1]))
+            outs.append(softmax_attention(*(t[rows].transpose(0, 1) for t, rows in (
+                (q, rows_q), (k, rows_k), (v, rows_k))), window_size=window).transpose(0, 1))
+        return torch.cat(outs)
+
+    _assert_matches(out, [q, k, v], expected)
+
+
+def test_cpu_attention_groups_draw_each_query_heads_dropout():
+    # k and v of a group read in place give what their copies per query head give, dropout
+    # included (its stream is per query head); dK and dV sum over the group.
+    p, heads, kv_heads = 0.2, 8, 2
+    mask = _middle_padding(2, 300)
+    leaves, (q, k, v) = _grouped(2, heads, kv_heads, 300, 300, torch.float64)
+    options = dict(key_padding_mask=mask, window_size=(64, 64), dropout_p=p, backend="cpu")
+    torch.manual_seed(5)
+    out = fusedlm.ops.attention(q, k, v, **options)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad)
+    copies = [q.detach().requires_grad_()] + [t.detach().repeat_interleave(heads // kv_heads, 1)
+                                              .requires_grad_() for t in (k, v)]
+    torch.manual_seed(5)
+    expected = fusedlm.ops.attention(*copies, **options)
+    dq, dk, dv = torch.autograd.grad(expected, copies, grad)
+    assert_close(out, expected, name="out")
+    assert_close(grads[0], dq, name="dq")
+    for name, g, r in (("dk", grads[1], dk), ("dv", grads[2], dv)):
+        assert_close(g, r.unflatten(1, (kv_heads, heads // kv_heads)).sum(2), name=name)
+
+
+def test_cpu_attention_groups_and_windows_sum_in_one_order_on_any_number_of_threads():
+    def run(threads):
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(2, h, 600, 32, generator=g).requires_grad_() for h in (6, 2, 2))
+        bias = torch.randn(1, 6, 1, 600, generator=g).requires_grad_()
+        out = fusedlm.ops.attention(q, k, v, key_padding_mask=_middle_padding(2, 600),
+                                    attn_bias=bias, window_size=(100, 100), backend="cpu")
+        return [out, *torch.autograd.grad(out, [q, k, v, bias], torch.randn(out.shape, generator=g))]
+
+    threads = torch.get_num_threads()
+    try:
+        one, two = run(1), run(2)
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert torch.equal(a, b), i

@@ -2,14 +2,29 @@
 // products, with the softmax, masking, dropout and their backward fused in
 // between (the kernels of csrc/cpu/attention.cpp).
 //
-// Forward: one task per (sequence, group of kHeadGroup heads, block of kBlockQ queries).
-// For each block of kBlockK keys: S = Q K^T (one product over the heads), the fused scale +
-// bias + mask + online-softmax step per head, O += P V. It writes O / l and each row's
-// log-sum-exp, the one statistic backward needs.
+// Forward: one task per (sequence, set of up to kHeadGroup heads, block of kBlockQ
+// queries). For each block of kBlockK keys: S = Q K^T (one product over the heads), the
+// fused scale + bias + mask + online-softmax step per head, O += P V. It writes O / l and
+// each row's log-sum-exp, the one statistic backward needs.
 //
-// Backward: one task per (sequence, group of heads), which owns their dK and dV, so
-// those sums need no reduction across threads. Per query block it recomputes
-// P = exp(S - lse) tile by tile and accumulates dV += P^T dO, dK += dS^T Q, dQ += dS K.
+// Grouped-query (and multi-query) attention: k and v have kv_heads heads, and query head
+// h reads key/value head h / (heads / kv_heads), in place (or packed per task like any
+// operand), never repeated per query head. The heads of a set are chosen so that one
+// product serves them (Heads, below): heads of one rank in consecutive groups, whose
+// key/value heads are consecutive too, or, with large enough groups, heads of one group,
+// whose rows stack into one product against their shared K and V.
+//
+// Backward: one task per (sequence, group of key/value heads), which owns their dK and
+// dV and every query head that reads them, so those sums (over query blocks and over the
+// query heads of a group) need no reduction across threads. Per query block and set of
+// query heads it recomputes P = exp(S - lse) tile by tile and accumulates dV += P^T dO,
+// dK += dS^T Q, dQ += dS K.
+//
+// Sliding windows: query i of a sequence sees the keys at positions i + off - left ..
+// i + off + right (off = seq_k - seq_q, the bottom-right alignment of causal). Each row
+// has a first key as well as a limit, both growing with i, and a query block walks only
+// the key blocks between its first row's first key and its last row's limit: the work
+// follows the window, never a masked [seq_q, seq_k] walk.
 //
 // Tasks go to ATen's threads costliest first, each thread taking the next when it is
 // done (run_balanced): sequences of unequal length make tasks of unequal cost.
@@ -20,8 +35,10 @@
 // of each input.
 // Padding keys never enter a tile: each sequence's valid keys are gathered when K and
 // V are packed (or, when they are consecutive, read in place), so the work follows the
-// real lengths, and a causal row's allowed keys stay a prefix of the gathered ones (the
-// walk stops at a block's last allowed key, which skips the causal-masked blocks). Only
+// real lengths, and a row's allowed keys stay a run of the gathered ones: the window is
+// defined on positions, and each of its ends maps to the gathered index of the first
+// valid key at or after it (the walk starts at a block's first allowed key and stops at
+// its last, which skips the causal-masked blocks and those outside the window). Only
 // [kBlockQ, kBlockK] tiles are held, never a [seq_q, seq_k] matrix. Every reduction
 // runs in a fixed order inside one task, and the split into tasks depends only on the
 // shapes, so results do not depend on the number of threads.
@@ -76,8 +93,9 @@ namespace fusedlm::cpu {
 struct AttnTile {
   DType dtype;  // of the inputs and of the bias
   int64_t rows, cols;
-  // Row r may attend to columns [0, limit[r]) only (causal masking, end of the keys).
-  const int32_t* limit;
+  // Row r may attend to columns [start[r], limit[r]) only (its window, causal masking,
+  // the end of the keys).
+  const int32_t *start, *limit;
   // The scores are scale * (Q K^T) + bias.
   double scale;
   // Bias of (r, j) at bias[r * bias_row + key_pos[j] * bias_col] (strides may be 0), or null.
@@ -282,10 +300,10 @@ void unpack(const acc_t<T>* src, const int32_t* from, int64_t n, int64_t cols, T
   }
 }
 
-// s <- scale * s + bias over the allowed columns [0, lim) of row r; returns their max
+// s <- scale * s + bias over the allowed columns [lo, lim) of row r; returns their max
 // when kMax (one pass: the row is in L1 either way, but the loads are not repeated).
 template <typename T, bool kMax>
-acc_t<T> scores_row(const AttnTile& t, int64_t r, acc_t<T>* s, int64_t lim) {
+acc_t<T> scores_row(const AttnTile& t, int64_t r, acc_t<T>* s, int64_t lo, int64_t lim) {
   using A = acc_t<T>;
   const A scale = A(t.scale);
   auto best = order_key(-kInf<A>);
@@ -293,7 +311,7 @@ acc_t<T> scores_row(const AttnTile& t, int64_t r, acc_t<T>* s, int64_t lim) {
     const T* b = static_cast<const T*>(t.bias) + r * t.bias_row;
     const int32_t* pos = t.key_pos;
     const int64_t bc = t.bias_col;
-    for (int64_t j = 0; j < lim; ++j) {
+    for (int64_t j = lo; j < lim; ++j) {
       const A v = s[j] * scale + load(b[pos[j] * bc]);
       s[j] = v;
       if (kMax) {
@@ -302,7 +320,7 @@ acc_t<T> scores_row(const AttnTile& t, int64_t r, acc_t<T>* s, int64_t lim) {
       }
     }
   } else {
-    for (int64_t j = 0; j < lim; ++j) {
+    for (int64_t j = lo; j < lim; ++j) {
       const A v = s[j] * scale;
       s[j] = v;
       if (kMax) {
@@ -321,20 +339,21 @@ void forward_block(const AttnTile& t, bool first, acc_t<T>* s, acc_t<T>* m, acc_
   const A keep_scale = A(1) / (A(1) - A(t.p));
   for (int64_t r = 0; r < t.rows; ++r) {
     A* sr = s + r * t.cols;
-    const int64_t lim = t.limit[r];
+    const int64_t lo = t.start[r], lim = t.limit[r];
     const A m_old = first ? -kInf<A> : m[r];
-    const A m_new = std::max(m_old, scores_row<T, true>(t, r, sr, lim));
+    const A m_new = std::max(m_old, scores_row<T, true>(t, r, sr, lo, lim));
     // A row with no finite score yet keeps every probability at exp(-inf) = 0.
     const A shift = m_new == -kInf<A> ? A(0) : m_new;
     // The normaliser counts every allowed key; dropout only scales what reaches V.
-    const A sum = exp_sum(sr, lim, shift);
+    const A sum = exp_sum(sr + lo, lim - lo, shift);
     const A alpha = exp_(m_old - shift);  // rescales the earlier blocks' sums
     l[r] = (first ? A(0) : l[r] * alpha) + sum;
     m[r] = m_new;
     if (t.keep) {
       const uint8_t* kr = t.keep + r * t.cols;
-      for (int64_t j = 0; j < lim; ++j) sr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1: a multiply vectorises, ?: does not
+      for (int64_t j = lo; j < lim; ++j) sr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1: a multiply vectorises, ?: does not
     }
+    for (int64_t j = 0; j < lo; ++j) sr[j] = A(0);
     for (int64_t j = lim; j < t.cols; ++j) sr[j] = A(0);
     if (!first) {
       A* orow = o + r * o_cols;
@@ -392,19 +411,23 @@ void backward_rows(const AttnTile& t, acc_t<T>* s, acc_t<T>* dp, const acc_t<T>*
     A* sr = s + r * t.cols;
     A* dr = dp + r * t.cols;
     const uint8_t* kr = kDropout ? t.keep + r * t.cols : nullptr;
-    const int64_t lim = t.limit[r];
-    scores_row<T, false>(t, r, sr, lim);
+    const int64_t lo = t.start[r], lim = t.limit[r];
+    scores_row<T, false>(t, r, sr, lo, lim);
     const A lse_r = lse[r];
-    for (int64_t j = 0; j < lim; ++j) sr[j] = exp_(sr[j] - lse_r);  // P
+    for (int64_t j = lo; j < lim; ++j) sr[j] = exp_(sr[j] - lse_r);  // P
     if (kDropout)  // the gradient reaching P passes through the dropout
-      for (int64_t j = 0; j < lim; ++j) dr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1
+      for (int64_t j = lo; j < lim; ++j) dr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1
     // delta = rowsum(dO * O) = rowsum(P * dP). From the tile when it holds all of the
     // row: exact, where the stored O has been rounded to the output's dtype.
-    if (own_delta) delta[r] = exact_delta(sr, dr, lim);
+    if (own_delta) delta[r] = exact_delta(sr + lo, dr + lo, lim - lo);
     const A delta_r = delta[r];
-    for (int64_t j = 0; j < lim; ++j) dr[j] = sr[j] * (dr[j] - delta_r);  // dS
+    for (int64_t j = lo; j < lim; ++j) dr[j] = sr[j] * (dr[j] - delta_r);  // dS
     if (kDropout)  // what multiplied V, for dV
-      for (int64_t j = 0; j < lim; ++j) sr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1: a multiply vectorises, ?: does not
+      for (int64_t j = lo; j < lim; ++j) sr[j] *= A(kr[j]) * keep_scale;  // keep is 0 or 1: a multiply vectorises, ?: does not
+    for (int64_t j = 0; j < lo; ++j) {
+      sr[j] = A(0);
+      dr[j] = A(0);
+    }
     for (int64_t j = lim; j < t.cols; ++j) {
       sr[j] = A(0);
       dr[j] = A(0);
@@ -558,6 +581,26 @@ Rows packed_rows(const at::Tensor& t) {  // [tokens, heads, dim]
           t.stride(1), t.stride(0), t.stride(2)};
 }
 
+// The query heads that one set of products serves, heads h(0) .. h(count - 1), and the
+// key/value heads they read. Query head h reads key/value head h / g (g = heads /
+// kv_heads), so the heads of one group share K and V. Either a set takes the heads of one
+// rank r in consecutive groups, h(j) = (kv0 + j) * g + r, which read kv0 + j: both strides
+// uniform, one bmm serves them as it serves ungrouped heads (g = 1, r = 0). Or, where the
+// groups are at least as large as kv_heads or kHeadGroup (Problem::flat), a set takes
+// consecutive heads of one group, all reading kv0: their rows stack into one matrix
+// (`flat`, packed), and each product is one larger product against the shared K or V,
+// which also sums dK and dV over the set's heads.
+struct Heads {
+  int64_t h0, step, count, kv0;
+  bool flat;
+
+  int64_t h(int64_t j) const { return h0 + j * step; }
+  int64_t kv_count() const { return flat ? 1 : count; }
+  // The products' batch of heads and rows per head: a flat set is one head of all rows.
+  int64_t batch() const { return flat ? 1 : count; }
+  int64_t rows(int64_t per_head) const { return flat ? count * per_head : per_head; }
+};
+
 // One call: the sequences, their layout, and the keys each may attend to.
 struct Problem : AttentionProblem {
   cpu::DType dtype;
@@ -602,18 +645,54 @@ struct Problem : AttentionProblem {
   const int32_t* positions(int64_t b) const { return key_pos.data() + key_start[b]; }
   const int32_t* slots(int64_t b) const { return slot.data() + slot_start[b]; }
 
-  // Query i of sequence b attends to the first limit(b, i) gathered keys.
+  // Query i of sequence b attends to the gathered keys [first(b, i), limit(b, i)): the
+  // valid ones at positions i + off - window_left .. i + off + right, off = k_len - q_len
+  // (bottom-right alignment), right = 0 when causal. The window bounds positions, not
+  // gathered indices: `below` turns each bound into a gathered index, so the padding
+  // inside a window takes no room in it. Both ends grow with i.
   int32_t limit(int64_t b, int64_t i) const {
-    if (!causal) return static_cast<int32_t>(keys(b));
-    // Bottom-right alignment: query i sees the keys at positions <= i + k_len - q_len.
-    const int64_t end = std::clamp<int64_t>(i + k_len[b] - q_len[b] + 1, 0, k_len[b]);
-    return below[slot_start[b] + b + end];
+    const int64_t right = causal ? 0 : window_right;
+    if (right < 0) return static_cast<int32_t>(keys(b));
+    return valid_before(b, i + k_len[b] - q_len[b] + right + 1);
+  }
+  int32_t first(int64_t b, int64_t i) const {
+    if (window_left < 0) return 0;
+    return valid_before(b, i + k_len[b] - q_len[b] - window_left);
+  }
+  // The number of valid keys of sequence b before position t (clamped into the sequence).
+  int32_t valid_before(int64_t b, int64_t t) const {
+    return below[slot_start[b] + b + std::clamp<int64_t>(t, 0, k_len[b])];
   }
 
-  // The query-key pairs of the block of queries from i0 (a row's keys grow with i).
+  // The query-key pairs that the block of queries from i0 walks: from its first row's
+  // first key to its last row's limit.
   int64_t block_work(int64_t b, int64_t i0) const {
     const int64_t rows = std::min(kBlockQ, q_len[b] - i0);
-    return rows > 0 ? rows * limit(b, i0 + rows - 1) : 0;
+    return rows > 0 ? rows * (limit(b, i0 + rows - 1) - first(b, i0)) : 0;
+  }
+
+  // Query heads per key/value head.
+  int64_t group_size() const { return kv_heads ? heads / kv_heads : 1; }
+  // Whether a set stacks the heads of one group (Heads::flat): where that fills a set at
+  // least as well as one rank of consecutive groups would. Never for ungrouped heads.
+  bool flat() const {
+    const int64_t g = group_size();
+    return g > 1 && std::min(kHeadGroup, g) >= std::min(kHeadGroup, kv_heads);
+  }
+  // The key/value heads of one backward task, which owns their dK and dV and therefore
+  // every query head that reads them, and how many such groups a sequence has.
+  int64_t kv_group() const { return flat() ? 1 : std::min(kHeadGroup, kv_heads); }
+  int64_t kv_groups() const { return kv_heads ? (kv_heads + kv_group() - 1) / kv_group() : 0; }
+  // The sets of query heads (Heads) that read key/value group kvg: set(kvg, i), i < sets().
+  int64_t sets() const { return flat() ? (group_size() + kHeadGroup - 1) / kHeadGroup : group_size(); }
+  Heads set(int64_t kvg, int64_t i) const {
+    const int64_t g = group_size();
+    if (flat()) {
+      const int64_t h0 = kvg * g + i * kHeadGroup;
+      return {h0, 1, std::min(kHeadGroup, g - i * kHeadGroup), kvg, true};
+    }
+    const int64_t kv0 = kvg * kv_group();
+    return {kv0 * g + i, g, std::min(kv_group(), kv_heads - kv0), kv0, false};
   }
 
   int64_t max_keys() const {
@@ -763,13 +842,14 @@ void product(const at::TensorOptions& options, int64_t heads, int64_t m, int64_t
 }
 
 // One thread's buffers, in the accumulation type. Sized for `group` heads of a query
-// block and of all the keys of the longest sequence.
+// block and of all the keys of the longest sequence (a set of Heads reads at most as many
+// key/value heads as it has query heads).
 struct Workspace {
   at::Tensor storage;
   at::TensorOptions options;
   int64_t acc_size;
   void *q, *k, *v, *s, *dp, *o, *dout, *dk, *dv, *m, *l, *delta;
-  std::vector<int32_t> limit, relative;
+  std::vector<int32_t> start, limit, relative_start, relative;
   std::vector<uint8_t> keep, scratch;
 
   Workspace(const Problem& pb, bool backward, int64_t group) : options(at::dtype(pb.acc)) {
@@ -789,7 +869,9 @@ struct Workspace {
       *slots[i] = at;
       at += sizes[i] * acc_size;
     }
+    start.resize(kBlockQ);
     limit.resize(kBlockQ);
+    relative_start.resize(kBlockQ);
     relative.resize(kBlockQ);
     if (pb.dropout_p > 0) {
       keep.resize(tile);
@@ -815,41 +897,53 @@ struct Workspace {
         std::memset(x.data + (h * x.head_ld + r * x.ld) * acc_size, 0, cols * acc_size);
   }
 
-  // Rows [row, row + n) of heads h0 .. h0 + heads of sequence b of `src` (or, with
-  // `gather`, its rows row + gather[j]): in place when the products can read them so,
-  // else packed into `buffer`.
-  Operand operand(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t heads,
-                  int64_t row, const int32_t* gather, bool consecutive, int64_t n, int64_t cols,
-                  void* buffer) const {
-    if (pb.direct && (src.col == 1 || cols == 1) && (!gather || consecutive))
-      return {src.at(b, h0, row + (gather && n ? gather[0] : 0)), src.head, src.row};
+  // Rows [row, row + n) of heads h0, h0 + step, ... (`heads` of them) of sequence b of
+  // `src` (or, with `gather`, its rows row + gather[j]): in place when `in_place` allows
+  // and the products can read them so, else packed into `buffer`, dense.
+  Operand operand(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t step,
+                  int64_t heads, int64_t row, const int32_t* gather, bool in_place, int64_t n,
+                  int64_t cols, void* buffer) const {
+    if (in_place && pb.direct && (src.col == 1 || cols == 1))
+      return {src.at(b, h0, row + (gather && n ? gather[0] : 0)), src.head * step, src.row};
     for (int64_t j = 0; j < heads; ++j)
-      cpu::attn_pack(pb.dtype, src.at(b, h0 + j, row), src.row, src.col, gather, n, cols,
+      cpu::attn_pack(pb.dtype, src.at(b, h0 + j * step, row), src.row, src.col, gather, n, cols,
                               at(buffer, j * n * cols));
     return {static_cast<char*>(buffer), n * cols, cols};
   }
-  Operand keys(const Problem& pb, const Rows& src, int64_t b, int64_t h0, int64_t heads, int64_t n,
-               int64_t cols, void* buffer) const {
-    return operand(pb, src, b, h0, heads, pb.k_row0[b], pb.positions(b), pb.keys_consecutive[b],
-                   n, cols, buffer);
+  // Rows [row, row + n) of the query heads of `hs` (of q, or of dO): packed when the set is
+  // flat, where the heads' rows must follow one another.
+  Operand queries(const Problem& pb, const Rows& src, int64_t b, const Heads& hs, int64_t row,
+                  int64_t n, int64_t cols, void* buffer) const {
+    return operand(pb, src, b, hs.h0, hs.step, hs.count, row, nullptr, !hs.flat, n, cols, buffer);
+  }
+  // The gathered keys [from, from + n) of sequence b, of key/value heads kv0 .. kv0 + heads.
+  Operand keys(const Problem& pb, const Rows& src, int64_t b, int64_t kv0, int64_t heads,
+               int64_t from, int64_t n, int64_t cols, void* buffer) const {
+    return operand(pb, src, b, kv0, 1, heads, pb.k_row0[b], pb.positions(b) + from,
+                   pb.keys_consecutive[b], n, cols, buffer);
   }
 
-  // Fills limit for queries i0 .. i0 + rows of sequence b; returns how many gathered
-  // keys the block needs (the largest limit).
-  int64_t set_limits(const Problem& pb, int64_t b, int64_t i0, int64_t rows) {
-    int32_t reach = 0;
+  // Fills start and limit for queries i0 .. i0 + rows of sequence b; returns the gathered
+  // keys [lo, reach) that the block walks, its rows' windows together. Key blocks wholly
+  // outside them, before or after, are never computed.
+  std::pair<int64_t, int64_t> set_limits(const Problem& pb, int64_t b, int64_t i0, int64_t rows) {
+    int32_t lo = std::numeric_limits<int32_t>::max(), reach = 0;
     for (int64_t r = 0; r < rows; ++r) {
+      start[r] = pb.first(b, i0 + r);
       limit[r] = pb.limit(b, i0 + r);
+      lo = std::min(lo, start[r]);
       reach = std::max(reach, limit[r]);
     }
-    return reach;
+    return {std::min(lo, reach), reach};
   }
 
   // The tile of queries i0 .. i0 + rows of (b, h) against gathered keys [k0, k0 + cols).
   cpu::AttnTile tile(const Problem& pb, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t k0,
                      int64_t cols) {
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; ++r) {
+      relative_start[r] = static_cast<int32_t>(std::clamp<int64_t>(start[r] - k0, 0, cols));
       relative[r] = static_cast<int32_t>(std::clamp<int64_t>(limit[r] - k0, 0, cols));
+    }
     const int32_t* key_pos = pb.positions(b) + k0;
     const uint8_t* mask = nullptr;
     if (pb.dropout_p > 0) {
@@ -859,57 +953,58 @@ struct Workspace {
                                       scratch.data(), keep.data());
       mask = keep.data();
     }
-    return {pb.dtype, rows, cols, relative.data(), pb.scale,
+    return {pb.dtype, rows, cols, relative_start.data(), relative.data(), pb.scale,
             pb.has_bias ? pb.bias.at(b, h, i0) : nullptr, pb.bias.row, pb.bias.col, key_pos, mask,
             pb.dropout_p};
   }
 };
 
-void forward_query_block(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
+void forward_query_block(const Problem& pb, Workspace& ws, int64_t b, const Heads& hs,
                          int64_t i0, const Rows& out, const Rows& lse) {
   const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
-  const int64_t reach = ws.set_limits(pb, b, i0, rows);
-  const Mats q = ws.rows_of(
-      ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q), 0);
-  const Operand k = ws.keys(pb, pb.k, b, h0, heads, reach, pb.dk, ws.k);
-  const Operand v = ws.keys(pb, pb.v, b, h0, heads, reach, pb.dv, ws.v);
+  const auto [lo, reach] = ws.set_limits(pb, b, i0, rows);
+  const int64_t heads = hs.count, batch = hs.batch(), m = hs.rows(rows);
+  const Mats q = ws.rows_of(ws.queries(pb, pb.q, b, hs, row, rows, pb.dk, ws.q), 0);
+  // Only the keys the block walks are packed, and K and V come from the set's key/value
+  // heads, read in place where the products can.
+  const Operand k = ws.keys(pb, pb.k, b, hs.kv0, hs.kv_count(), lo, reach - lo, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, hs.kv0, hs.kv_count(), lo, reach - lo, pb.dv, ws.v);
   const Mats o = ws.dense(ws.o, rows, pb.dv);
-  for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
+  for (int64_t k0 = lo; k0 < reach; k0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, reach - k0);
     const Mats s = ws.dense(ws.s, rows, cols);
-    product(ws.options, heads, rows, cols, pb.dk, q, ws.rows_of(k, k0).t(), s, false, 1.0);
+    product(ws.options, batch, m, cols, pb.dk, q, ws.rows_of(k, k0 - lo).t(), s, false, 1.0);
     for (int64_t j = 0; j < heads; ++j) {
-      const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
-      cpu::attn_forward_block(&tile, k0 == 0, ws.at(ws.s, j * rows * cols), ws.at(ws.m, j * rows),
+      const cpu::AttnTile tile = ws.tile(pb, b, hs.h(j), i0, rows, k0, cols);
+      cpu::attn_forward_block(&tile, k0 == lo, ws.at(ws.s, j * rows * cols), ws.at(ws.m, j * rows),
                               ws.at(ws.l, j * rows), ws.at(ws.o, j * rows * pb.dv), pb.dv);
     }
-    product(ws.options, heads, rows, pb.dv, cols, s, ws.rows_of(v, k0), o, k0 > 0, 1.0);
+    product(ws.options, batch, m, pb.dv, cols, s, ws.rows_of(v, k0 - lo), o, k0 > lo, 1.0);
   }
-  if (reach == 0) {  // no key at all: every row is empty
+  if (reach == lo) {  // no key at all: every row is empty
     ws.mat(ws.m, 1, heads * rows).fill_(-std::numeric_limits<double>::infinity());
     ws.mat(ws.l, 1, heads * rows).zero_();
   }
   for (int64_t j = 0; j < heads; ++j)
     cpu::attn_forward_finish(pb.dtype, rows, pb.dv, ws.at(ws.m, j * rows), ws.at(ws.l, j * rows),
-                             ws.at(ws.o, j * rows * pb.dv), lse.at(b, h0 + j, row),
-                             out.at(b, h0 + j, row), out.row, out.col);
+                             ws.at(ws.o, j * rows * pb.dv), lse.at(b, hs.h(j), row),
+                             out.at(b, hs.h(j), row), out.row, out.col);
 }
 
 void forward(const Problem& pb, const Rows& out, const Rows& lse) {
   const int64_t longest = pb.batch ? *std::max_element(pb.q_len.begin(), pb.q_len.end()) : 0;
   const int64_t blocks = (longest + kBlockQ - 1) / kBlockQ;
-  const int64_t group = std::min(kHeadGroup, pb.heads);
-  const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
-  // Task t: sequence b, heads from h0, queries from i0.
-  auto b_of = [&](int64_t t) { return t / (groups * blocks); };
+  const int64_t per_group = pb.sets(), sets = pb.kv_groups() * per_group;
+  // Task t: sequence b, a set of heads, queries from i0.
+  auto b_of = [&](int64_t t) { return t / (sets * blocks); };
   auto i0_of = [&](int64_t t) { return t % blocks * kBlockQ; };
   run_balanced(
-      pb.batch * groups * blocks, [&](int64_t t) { return pb.block_work(b_of(t), i0_of(t)); },
-      [&] { return Workspace(pb, false, group); },
+      pb.batch * sets * blocks, [&](int64_t t) { return pb.block_work(b_of(t), i0_of(t)); },
+      [&] { return Workspace(pb, false, std::min(kHeadGroup, pb.heads)); },
       [&](int64_t t, Workspace& ws) {
-        const int64_t b = b_of(t), h0 = t / blocks % groups * group, i0 = i0_of(t);
+        const int64_t b = b_of(t), set = t / blocks % sets, i0 = i0_of(t);
         if (i0 < pb.q_len[b])
-          forward_query_block(pb, ws, b, h0, std::min(group, pb.heads - h0), i0, out, lse);
+          forward_query_block(pb, ws, b, pb.set(set / per_group, set % per_group), i0, out, lse);
       });
 }
 
@@ -918,100 +1013,116 @@ struct Grads {
   const Rows* dbias;  // null without a bias gradient; strides 0 where it is broadcast
 };
 
-void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t h0, int64_t heads,
-                    const Grads& g) {
+// The gradients of key/value group kvg of sequence b: its dK and dV, summed over every
+// query head that reads them, and those query heads' dQ.
+void backward_heads(const Problem& pb, Workspace& ws, int64_t b, int64_t kvg, const Grads& g) {
   const int64_t n = pb.keys(b);
-  const Operand k = ws.keys(pb, pb.k, b, h0, heads, n, pb.dk, ws.k);
-  const Operand v = ws.keys(pb, pb.v, b, h0, heads, n, pb.dv, ws.v);
+  const Heads first_set = pb.set(kvg, 0);
+  const int64_t kv0 = first_set.kv0, kv_heads = first_set.kv_count();
+  const Operand k = ws.keys(pb, pb.k, b, kv0, kv_heads, 0, n, pb.dk, ws.k);
+  const Operand v = ws.keys(pb, pb.v, b, kv0, kv_heads, 0, n, pb.dv, ws.v);
   // The products write the gradients in place when they are in the accumulation type,
   // with unit column strides, and the valid keys are consecutive (the padding keys, at
-  // the ends, are zeroed there after); otherwise into the workspace, unpacked after.
+  // the ends, are zeroed there after); otherwise into the workspace, unpacked after. A
+  // flat set's dQ is stacked like its rows, so it goes through the workspace.
   const bool in_place = pb.direct && g.dq.col == 1 && g.dk.col == 1 && g.dv.col == 1 &&
                         pb.keys_consecutive[b];
+  const bool dq_in_place = in_place && !first_set.flat;
   const int64_t key_row = pb.k_row0[b], first_key = n ? pb.positions(b)[0] : 0;
-  auto in_grad = [&](const Rows& grad, int64_t row) {
-    return Operand{grad.at(b, h0, row), grad.head, grad.row};
+  auto in_grad = [&](const Rows& grad, int64_t h0, int64_t step, int64_t row) {
+    return Operand{grad.at(b, h0, row), grad.head * step, grad.row};
   };
-  // dK and dV accumulate over query blocks; a key block's first product overwrites them
-  // (no zero-fill), so `filled` tracks how many of their rows hold a value.
-  const Operand dk_acc = in_place ? in_grad(g.dk, key_row + first_key)
+  // dK and dV accumulate over query blocks and over the sets of query heads; a key
+  // block's first product overwrites them (no zero-fill), so [from, filled) tracks which
+  // of their rows hold a value. The blocks' key ranges move right with the queries and
+  // leave no gap between them (each row's window starts at or before the previous row's
+  // end), so one range covers what they wrote.
+  const Operand dk_acc = in_place ? in_grad(g.dk, kv0, 1, key_row + first_key)
                                   : Operand{static_cast<char*>(ws.dk), n * pb.dk, pb.dk};
-  const Operand dv_acc = in_place ? in_grad(g.dv, key_row + first_key)
+  const Operand dv_acc = in_place ? in_grad(g.dv, kv0, 1, key_row + first_key)
                                   : Operand{static_cast<char*>(ws.dv), n * pb.dv, pb.dv};
-  int64_t filled = 0;
-  auto zero_rows = [&](const Operand& dk, const Operand& dv, int64_t from, int64_t to) {
-    ws.zero(dk, heads, from, to, pb.dk);
-    ws.zero(dv, heads, from, to, pb.dv);
+  int64_t from = -1, filled = 0;
+  auto zero_rows = [&](const Operand& dk, const Operand& dv, int64_t first_row, int64_t end_row) {
+    ws.zero(dk, kv_heads, first_row, end_row, pb.dk);
+    ws.zero(dv, kv_heads, first_row, end_row, pb.dv);
   };
   for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) {
     const int64_t rows = std::min(kBlockQ, pb.q_len[b] - i0), row = pb.q_row0[b] + i0;
-    const int64_t reach = ws.set_limits(pb, b, i0, rows);
-    const Mats q = ws.rows_of(
-        ws.operand(pb, pb.q, b, h0, heads, row, nullptr, true, rows, pb.dk, ws.q), 0);
-    const Operand dout_rows =
-        ws.operand(pb, g.grad, b, h0, heads, row, nullptr, true, rows, pb.dv, ws.dout);
-    const Mats dout = ws.rows_of(dout_rows, 0);
+    const auto [lo, reach] = ws.set_limits(pb, b, i0, rows);
+    if (reach > lo && from < 0) from = filled = lo;
     // With one key block the tile holds whole rows, and the kernel derives delta from it
     // (exactly, and without reading O); otherwise delta comes from O before the walk.
-    const bool own_delta = reach <= kBlockK;
-    if (!own_delta)
-      for (int64_t j = 0; j < heads; ++j)
-        cpu::attn_delta(pb.dtype, g.out.at(b, h0 + j, row), g.out.row, g.out.col,
-                        dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld, rows,
-                        pb.dv, ws.at(ws.delta, j * rows));
-    const Operand dq_rows = in_place ? in_grad(g.dq, row)
-                                     : Operand{static_cast<char*>(ws.o), rows * pb.dk, pb.dk};
-    const Mats dq = ws.rows_of(dq_rows, 0);
-    for (int64_t k0 = 0; k0 < reach; k0 += kBlockK) {
-      const int64_t cols = std::min(kBlockK, reach - k0);
-      const Mats kb = ws.rows_of(k, k0);
-      const Mats s = ws.dense(ws.s, rows, cols), dp = ws.dense(ws.dp, rows, cols);
-      product(ws.options, heads, rows, cols, pb.dk, q, kb.t(), s, false, 1.0);
-      product(ws.options, heads, rows, cols, pb.dv, dout, ws.rows_of(v, k0).t(), dp, false, 1.0);
-      for (int64_t j = 0; j < heads; ++j) {
-        const cpu::AttnTile tile = ws.tile(pb, b, h0 + j, i0, rows, k0, cols);
-        cpu::attn_backward_block(&tile, ws.at(ws.s, j * rows * cols), ws.at(ws.dp, j * rows * cols),
-                                 g.lse.at(b, h0 + j, row), ws.at(ws.delta, j * rows), own_delta);
-        if (g.dbias)
-          cpu::attn_bias_grad(&tile, ws.at(ws.dp, j * rows * cols), g.dbias->at(b, h0 + j, i0),
-                              g.dbias->row, g.dbias->col);
+    const bool own_delta = reach - lo <= kBlockK;
+    // The sets in a fixed order, each over the same key blocks (the window is the same
+    // for every head): the sums into dK and dV run in one order.
+    for (int64_t set = 0; set < pb.sets(); ++set) {
+      const Heads hs = pb.set(kvg, set);
+      const int64_t heads = hs.count, batch = hs.batch(), m = hs.rows(rows);
+      const Mats q = ws.rows_of(ws.queries(pb, pb.q, b, hs, row, rows, pb.dk, ws.q), 0);
+      const Operand dout_rows = ws.queries(pb, g.grad, b, hs, row, rows, pb.dv, ws.dout);
+      const Mats dout = ws.rows_of(dout_rows, 0);
+      if (!own_delta)
+        for (int64_t j = 0; j < heads; ++j)
+          cpu::attn_delta(pb.dtype, g.out.at(b, hs.h(j), row), g.out.row, g.out.col,
+                          dout_rows.data + j * dout_rows.head_ld * ws.acc_size, dout_rows.ld,
+                          rows, pb.dv, ws.at(ws.delta, j * rows));
+      const Operand dq_rows = dq_in_place ? in_grad(g.dq, hs.h0, hs.step, row)
+                                          : Operand{static_cast<char*>(ws.o), rows * pb.dk, pb.dk};
+      const Mats dq = ws.rows_of(dq_rows, 0);
+      for (int64_t k0 = lo; k0 < reach; k0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, reach - k0);
+        const Mats kb = ws.rows_of(k, k0);
+        const Mats s = ws.dense(ws.s, rows, cols), dp = ws.dense(ws.dp, rows, cols);
+        product(ws.options, batch, m, cols, pb.dk, q, kb.t(), s, false, 1.0);
+        product(ws.options, batch, m, cols, pb.dv, dout, ws.rows_of(v, k0).t(), dp, false, 1.0);
+        for (int64_t j = 0; j < heads; ++j) {
+          const cpu::AttnTile tile = ws.tile(pb, b, hs.h(j), i0, rows, k0, cols);
+          cpu::attn_backward_block(&tile, ws.at(ws.s, j * rows * cols),
+                                   ws.at(ws.dp, j * rows * cols), g.lse.at(b, hs.h(j), row),
+                                   ws.at(ws.delta, j * rows), own_delta);
+          if (g.dbias)
+            cpu::attn_bias_grad(&tile, ws.at(ws.dp, j * rows * cols),
+                                g.dbias->at(b, hs.h(j), i0), g.dbias->row, g.dbias->col);
+        }
+        // s now holds the weights that multiplied V, dp holds dS. A flat set's products
+        // contract over all its heads' rows: their sum into the shared dK and dV.
+        const bool fresh = k0 >= filled;
+        if (!fresh) zero_rows(dk_acc, dv_acc, filled, k0 + cols);
+        product(ws.options, batch, cols, pb.dv, m, s.t(), dout, ws.rows_of(dv_acc, k0), !fresh,
+                1.0);
+        product(ws.options, batch, cols, pb.dk, m, dp.t(), q, ws.rows_of(dk_acc, k0), !fresh,
+                pb.scale);
+        product(ws.options, batch, m, pb.dk, cols, dp, kb, dq, k0 > lo, pb.scale);
       }
-      // s now holds the weights that multiplied V, dp holds dS.
-      const bool fresh = k0 >= filled;
-      if (!fresh) zero_rows(dk_acc, dv_acc, filled, k0 + cols);
-      product(ws.options, heads, cols, pb.dv, rows, s.t(), dout, ws.rows_of(dv_acc, k0), !fresh,
-              1.0);
-      product(ws.options, heads, cols, pb.dk, rows, dp.t(), q, ws.rows_of(dk_acc, k0), !fresh,
-              pb.scale);
-      product(ws.options, heads, rows, pb.dk, cols, dp, kb, dq, k0 > 0, pb.scale);
+      if (reach > lo) filled = std::max(filled, reach);
+      if (reach == lo) ws.zero(dq_rows, heads, 0, rows, pb.dk);
+      if (!dq_in_place)
+        cpu::attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, g.dq.at(b, hs.h0, row), g.dq.row,
+                         g.dq.col, heads, rows * pb.dk, g.dq.head * hs.step);
     }
-    filled = std::max(filled, reach);
-    if (reach == 0) ws.zero(dq_rows, heads, 0, rows, pb.dk);
-    if (!in_place)
-      cpu::attn_unpack(pb.dtype, ws.o, nullptr, rows, pb.dk, g.dq.at(b, h0, row), g.dq.row,
-                       g.dq.col, heads, rows * pb.dk, g.dq.head);
   }
-  zero_rows(dk_acc, dv_acc, filled, n);  // keys no query attends to
+  if (from < 0) from = filled = 0;
+  zero_rows(dk_acc, dv_acc, 0, from);  // keys no query attends to
+  zero_rows(dk_acc, dv_acc, filled, n);
   // Padding keys get zero gradients.
   if (in_place) {
-    const Operand dk_all = in_grad(g.dk, key_row), dv_all = in_grad(g.dv, key_row);
+    const Operand dk_all = in_grad(g.dk, kv0, 1, key_row), dv_all = in_grad(g.dv, kv0, 1, key_row);
     zero_rows(dk_all, dv_all, 0, first_key);
     zero_rows(dk_all, dv_all, first_key + n, pb.k_len[b]);
     return;
   }
-  cpu::attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, g.dk.at(b, h0, key_row),
-                   g.dk.row, g.dk.col, heads, n * pb.dk, g.dk.head);
-  cpu::attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, g.dv.at(b, h0, key_row),
-                   g.dv.row, g.dv.col, heads, n * pb.dv, g.dv.head);
+  cpu::attn_unpack(pb.dtype, ws.dk, pb.slots(b), pb.k_len[b], pb.dk, g.dk.at(b, kv0, key_row),
+                   g.dk.row, g.dk.col, kv_heads, n * pb.dk, g.dk.head);
+  cpu::attn_unpack(pb.dtype, ws.dv, pb.slots(b), pb.k_len[b], pb.dv, g.dv.at(b, kv0, key_row),
+                   g.dv.row, g.dv.col, kv_heads, n * pb.dv, g.dv.head);
 }
 
 void backward(const Problem& pb, const Grads& g) {
-  // A task owns the (sequence, head group) pairs whose bias gradients add into one slice
-  // of dbias: all sequences when the bias is shared across the batch, all heads when
-  // shared across heads. It visits them in order.
+  // A task owns the (sequence, key/value group) pairs whose bias gradients add into one
+  // slice of dbias: all sequences when the bias is shared across the batch, all groups
+  // when shared across heads. It visits them in order.
   const bool all_b = g.dbias && g.dbias->batch == 0, all_h = g.dbias && g.dbias->head == 0;
-  const int64_t group = std::min(kHeadGroup, pb.heads);
-  const int64_t groups = group ? (pb.heads + group - 1) / group : 0;
+  const int64_t groups = pb.kv_groups();
   const int64_t tb = all_b ? 1 : pb.batch, tg = all_h ? 1 : groups;
   auto sequences = [&](int64_t t) {  // [first, last) of task t
     const int64_t bo = t / tg;
@@ -1023,12 +1134,12 @@ void backward(const Problem& pb, const Grads& g) {
       for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) work += pb.block_work(b, i0);
     return work;
   };
-  run_balanced(tb * tg, cost, [&] { return Workspace(pb, true, group); },
+  run_balanced(tb * tg, cost, [&] { return Workspace(pb, true, std::min(kHeadGroup, pb.heads)); },
                [&](int64_t t, Workspace& ws) {
                  const int64_t go = t % tg;
                  for (auto [b, last] = sequences(t); b < last; ++b)
                    for (int64_t gi = all_h ? 0 : go; gi < (all_h ? groups : go + 1); ++gi)
-                     backward_heads(pb, ws, b, gi * group, std::min(group, pb.heads - gi * group), g);
+                     backward_heads(pb, ws, b, gi, g);
                });
 }
 
@@ -1039,7 +1150,6 @@ Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& seed) {
   Problem pb(padded_attention(q, k, v, key_padding_mask, causal, window_left, window_right, dropout_p, scale, check_cpu),
              padded_rows(q), padded_rows(k), padded_rows(v), q.scalar_type(), seed);
-  TORCH_CHECK_VALUE(!grouped_or_windowed(pb), "the cpu attention takes neither grouped key/value heads nor a window");
   pb.gather_keys(present(key_padding_mask) ? *key_padding_mask : at::Tensor());
   if (present(attn_bias)) {
     check_cpu(*attn_bias, "attn_bias");
@@ -1084,7 +1194,6 @@ Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, window_left, window_right, dropout_p, scale, check_cpu),
              packed_rows(q), packed_rows(k), packed_rows(v), q.scalar_type(), seed);
-  TORCH_CHECK_VALUE(!grouped_or_windowed(pb), "the cpu attention takes neither grouped key/value heads nor a window");
   read_offsets(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q", pb.q_row0,
                pb.q_len);
   read_offsets(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k, "max_seqlen_k", pb.k_row0,
@@ -1165,7 +1274,8 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-// Attention over q/k/v [batch, heads, seq, head_dim] (any strides). key_padding_mask is
+// Attention over q [batch, heads, seq, head_dim] and k/v [batch, kv_heads, seq_k, head_dim]
+// (any strides), within window_left/window_right (-1: unbounded). key_padding_mask is
 // bool [batch, seq_k], True = padding; attn_bias is broadcastable to [batch, heads, seq_q,
 // seq_k]. Returns (out, lse): lse [batch, heads, seq_q] is the rows' log-sum-exp in the
 // accumulation type (+inf for rows that attend to nothing), kept for backward.
@@ -1223,7 +1333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
 }
 FUSEDLM_KERNEL(attention_backward);
 
-// Attention over packed sequences, q [total_q, heads, head_dim], k/v [total_k, heads, head_dim];
+// Attention over packed sequences, q [total_q, heads, head_dim], k/v [total_k, kv_heads, head_dim];
 // sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]. Returns (out, lse [heads, total_q]).
 std::tuple<at::Tensor, at::Tensor> attention_varlen_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,

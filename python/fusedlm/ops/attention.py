@@ -37,7 +37,6 @@ __all__ = ["attention", "attention_varlen"]
 # and have no bias operand. The triton kernels hold a block of q's rows and of the output
 # in registers: head dims up to 256.
 _SUPPORTS = {
-    "cpu": Supports(grouped=False, window=False),
     # The cuda kernels' grid is (query blocks, heads, sequences): y and z at most 65535.
     "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False,
                      grouped=False, window=False,
