@@ -47,15 +47,29 @@
 // and dropout, which costs one Philox call per one or two probabilities.
 //
 // Padded and packed (varlen) batches run the same kernels: a sequence is a row offset
-// and a length per tensor, from cu_seqlens or from the padded shape. Causal masks align
-// to the bottom right (key j is visible to query i when j <= i + len_k - len_q); whole
-// key tiles past the diagonal are skipped, and only tiles that cross it, the key
-// padding or the sequence's end are masked element by element.
+// and a length per tensor, from cu_seqlens or from the padded shape. Causal masks and
+// sliding windows align to the bottom right: query i sees key j when
+// i + off - left <= j <= i + off + right, off = len_k - len_q, causal being right = 0
+// (Window). Each query's keys are then one band that moves right with it, so every walk
+// skips the tiles wholly outside it (key tiles past the diagonal or before a query
+// block's left bound; for dK/dV and the one-kernel backward, the query tiles that see
+// none of a block's keys), and only tiles that cross a bound, the key padding or the
+// sequence's end are masked element by element.
+//
+// Grouped-query and multi-query attention (kv_heads dividing heads): the blocks stay one
+// per query head, and query head h reads K and V of key/value head h / group in place.
+// The backward's dK and dV of a key/value head sum over its group of query heads, which
+// different blocks own: with groups each block writes its query head's share in float32
+// (dk_heads, dv_heads, the query heads' size) and attention_group_sum_kernel then adds
+// each group's shares in head order and rounds once, as FlashAttention-2 does, so the
+// gradients still take no atomics and repeat bit for bit. Without groups the kernels
+// write dK and dV directly.
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "attention_problem.h"
 #include "common.cuh"
@@ -73,6 +87,7 @@ constexpr int kBlockN = 64;  // key rows of a key tile (forward and dQ)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int kAnyTile = std::numeric_limits<int>::max();  // no limit on a walk's tiles
 
 // A block's shape on each path. Each warp owns 16 of the block's own rows: queries in
 // the forward and dQ kernels, keys in the dK/dV kernel and the one-kernel backward (whose
@@ -108,19 +123,38 @@ struct Rows {
   }
 };
 
+// The keys a query sees besides the key padding: query i of a sequence sees key j when
+// i + shift - left <= j <= i + shift + right, shift = len_k - len_q (the bottom-right
+// alignment), a bound of -1 being none. Causal attention is right = 0, the tighter of its
+// bound and any window's right one (>= 0). Each query sees a band of consecutive keys, and
+// the band moves right as the query does: the keys a run of queries sees, and the queries
+// that see a run of keys, are runs too, which is what lets the kernels skip whole tiles.
+struct Window {
+  int left = -1, right = -1;
+
+  __device__ __forceinline__ bool sees(int i, int j, int shift) const {
+    return (right < 0 || j <= i + shift + right) && (left < 0 || j >= i + shift - left);
+  }
+};
+
 template <typename T>
 struct Params {
   Rows<const T> q, k, v, dout;  // rows of head_dim elements, 16-byte aligned
   Rows<T> out, dq, dk, dv;
   Rows<float> lse, delta;        // one float per query row
   Rows<float> dq_partial;        // head_dim floats per query row: dQ summed so far
+  // Grouped heads: each query head's dK and dV in float32, [batch, heads, seq_k, d] (or
+  // [total_k, heads, d]), which attention_group_sum_kernel adds up per key/value head.
+  Rows<float> dk_heads, dv_heads;
   const bool* key_padding = nullptr;  // [batch, seq_k], True = padding; null: none
   const int* cu_q = nullptr;          // [batch + 1] (varlen); null: padded
   const int* cu_k = nullptr;
   int total_q = 0, total_k = 0;       // varlen: the rows of q, and of k and v
   int heads = 0;
+  int group = 1;             // query heads a key/value head: head h reads K and V of h / group
   int seq_q = 0, seq_k = 0;  // the padded lengths, or max_seqlen (varlen): the dropout pitch
-  bool causal = false;
+  bool causal = false;       // (the launch order of query blocks; the mask is in window)
+  Window window;
   float scale = 1.0f;
   Dropout dropout;
 };
@@ -177,17 +211,51 @@ __device__ __forceinline__ void stage_keys(bool* key_ok, const Params<T>& p, int
 }
 
 // Whether key j (of a tile starting at n0) is visible to query i.
-__device__ __forceinline__ bool visible(const bool* key_ok, int n0, int i, int j, bool causal,
-                                        int shift) {
-  return key_ok[j - n0] && (!causal || j <= i + shift);
+__device__ __forceinline__ bool visible(const bool* key_ok, int n0, int i, int j,
+                                        const Window& w, int shift) {
+  return key_ok[j - n0] && w.sees(i, j, shift);
 }
 
-// Whether a tile of queries from m0 and keys n0 .. n0 + keys - 1 needs the mask element
-// by element: key padding, the sequence's last keys, or the causal diagonal (a key past
-// the first query's limit).
-__device__ __forceinline__ bool tile_needs_mask(bool padding, int n0, int keys, int len_k,
-                                                bool causal, int m0, int shift) {
-  return padding || n0 + keys > len_k || (causal && n0 + keys - 1 > m0 + shift);
+// Whether a tile of queries m0 .. m0 + queries - 1 and keys n0 .. n0 + keys - 1 needs the
+// mask element by element: key padding, the sequence's last keys, or a bound of the
+// window that cuts it (a key past the first query's right bound, or before the last
+// query's left bound).
+template <typename T>
+__device__ __forceinline__ bool tile_needs_mask(const Params<T>& p, const Seq& s, int n0,
+                                                int keys, int m0, int queries) {
+  const int shift = s.len_k - s.len_q;
+  const Window& w = p.window;
+  return p.key_padding || n0 + keys > s.len_k ||
+         (w.right >= 0 && n0 + keys - 1 > m0 + shift + w.right) ||
+         (w.left >= 0 && n0 < m0 + queries - 1 + shift - w.left);
+}
+
+// The keys first_key .. key_end - 1 that some query of m0 .. m1 - 1 sees (m0 < m1; none
+// when first_key >= key_end): the first query's left bound and the last one's right.
+__device__ __forceinline__ int first_key(const Window& w, const Seq& s, int m0) {
+  return w.left < 0 ? 0 : min(max(m0 + s.len_k - s.len_q - w.left, 0), s.len_k);
+}
+__device__ __forceinline__ int key_end(const Window& w, const Seq& s, int m1) {
+  return w.right < 0 ? s.len_k : min(max(m1 + s.len_k - s.len_q + w.right, 0), s.len_k);
+}
+
+// The queries first_query .. query_end - 1 that see some key of n0 .. n1 - 1 (n0 < n1;
+// none when first_query >= query_end).
+__device__ __forceinline__ int first_query(const Window& w, const Seq& s, int n0) {
+  return w.right < 0 ? 0 : min(max(n0 - (s.len_k - s.len_q) - w.right, 0), s.len_q);
+}
+__device__ __forceinline__ int query_end(const Window& w, const Seq& s, int n1) {
+  return w.left < 0 ? s.len_q : min(max(n1 - (s.len_k - s.len_q) + w.left, 0), s.len_q);
+}
+
+// The tiles first .. last - 1 of kRows rows that hold rows r0 .. r1 - 1 (none when
+// r0 >= r1), among the first `held`.
+struct TileSpan {
+  int first, last;
+};
+__device__ __forceinline__ TileSpan tile_span(int r0, int r1, int rows, int held) {
+  const int first = r0 / rows;
+  return {first, r0 < r1 ? max(first, min((r1 + rows - 1) / rows, held)) : first};
 }
 
 // This thread's rows of its warp's C fragments, g and g + 8 of the warp's 16 (half 0 and
@@ -197,10 +265,8 @@ __device__ __forceinline__ int fragment_row(int r0, int half) {
   return r0 + warp * 16 + g + 8 * half;
 }
 
-// The end of the keys a block of queries m0 .. m0 + rows - 1 may see.
-__device__ __forceinline__ int key_end(const Seq& s, bool causal, int m0, int rows) {
-  return causal ? max(0, min(s.len_k, m0 + rows + s.len_k - s.len_q)) : s.len_k;
-}
+// The first of this thread's warp's 16 rows, in a block whose rows start at r0.
+__device__ __forceinline__ int warp_rows(int r0) { return r0 + threadIdx.x / 32 * 16; }
 
 // A query block's index: under causal masking the last blocks carry the most keys, so
 // they are launched first.
@@ -252,15 +318,16 @@ __device__ __forceinline__ void prefetch_tiles(T* x_tiles, T* y_tiles, const Row
   }
 }
 
-// The resident path's copies of a sequence's key tiles 0 .. tiles - 1 (K and V), and the
-// flags of their keys.
+// The resident path's copies of a sequence's walked key tiles (K and V of key/value head
+// hk), and the flags of their keys.
 template <int D, int kThreads, typename T>
 __device__ __forceinline__ void prefetch_keys(T* k_tiles, T* v_tiles, bool* key_ok,
-                                              const Params<T>& p, int b, int h, const Seq& s,
-                                              int tiles) {
-  prefetch_tiles<kBlockN, D, kThreads>(k_tiles, v_tiles, p.k, p.v, b, h, s.k0, s.len_k, 0,
-                                       tiles);
-  stage_keys<kThreads>(key_ok, p, b, s, 0, tiles * kBlockN);
+                                              const Params<T>& p, int b, int hk, const Seq& s,
+                                              TileSpan walk) {
+  prefetch_tiles<kBlockN, D, kThreads>(k_tiles, v_tiles, p.k, p.v, b, hk, s.k0, s.len_k,
+                                       walk.first, walk.last);
+  stage_keys<kThreads>(key_ok + walk.first * kBlockN, p, b, s, walk.first * kBlockN,
+                       (walk.last - walk.first) * kBlockN);
 }
 
 // The key tiles a forward or dQ block walks, in its shared memory from `at`: K and V
@@ -291,13 +358,15 @@ struct KeyTiles {
     return ok + (kResident ? tile * kBlockN : 0);
   }
 
-  // How many tiles a block of kRows queries from m0 walks: those with keys it may see. A
-  // resident block never walks past the tiles it holds, even for a sequence longer than
-  // the max_seqlen_k it was promised.
-  template <int kRows>
-  __device__ __forceinline__ int walked(const Seq& s, bool causal, int m0) const {
-    const int end = key_end(s, causal, m0, kRows);
-    return ((kResident ? min(end, held * kBlockN) : end) + kBlockN - 1) / kBlockN;
+  // The tiles a block of kRows queries from m0 walks: those with keys its queries may
+  // see, past the diagonal and outside the window skipped whole. A resident block never
+  // walks past the tiles it holds, even for a sequence longer than the max_seqlen_k it
+  // was promised.
+  template <int kRows, typename P>
+  __device__ __forceinline__ TileSpan walked(const P& p, const Seq& s, int m0) const {
+    const int m1 = min(m0 + kRows, s.len_q);
+    return tile_span(first_key(p.window, s, m0), key_end(p.window, s, m1), kBlockN,
+                     kResident ? held : kAnyTile);
   }
 };
 
@@ -336,14 +405,15 @@ __device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 8][4],
   const int t = threadIdx.x % 4, shift = s.len_k - s.len_q;
   const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
   const float c = p.scale * kLog2e;
-  const bool masked =
-      tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
+  // The warp's own 16 rows decide: a window's band can cross one warp's rows and not
+  // another's.
+  const bool masked = tile_needs_mask(p, s, n0, kBlockN, warp_rows(m0), 16);
 #pragma unroll
   for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = n0 + nt * 8 + 2 * t + e % 2;
-      sc[nt][e] = masked && !visible(tile_ok, n0, rows[e / 2], j, p.causal, shift)
+      sc[nt][e] = masked && !visible(tile_ok, n0, rows[e / 2], j, p.window, shift)
                       ? -kInf
                       : sc[nt][e] * c;
     }
@@ -429,14 +499,14 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const Seq s = sequence(p, b);
   const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
-  const int warp = threadIdx.x / 32;
-  const int tiles = keys.template walked<kRows>(s, p.causal, m0);
+  const int warp = threadIdx.x / 32, hk = h / p.group;
+  const TileSpan walk = keys.template walked<kRows>(p, s, m0);
 
   load_tile<kRows, D, kThreads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row, s.len_q - m0);
   cp_async_commit();
   if constexpr (kResident) {
-    prefetch_keys<D, kThreads>(keys.k, keys.v, keys.ok, p, b, h, s, tiles);
-    cp_async_wait_runtime(tiles);  // Q; the key tiles may still be in flight
+    prefetch_keys<D, kThreads>(keys.k, keys.v, keys.ok, p, b, hk, s, walk);
+    cp_async_wait_runtime(walk.last - walk.first);  // Q; the key tiles may still be in flight
   } else {
     cp_async_wait<0>();
   }
@@ -447,18 +517,18 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
 
   float acc[D / 8][4] = {};  // O, n-tiles of 8 head_dim columns
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};  // base 2; sums per thread
-  for (int tile = 0; tile < tiles; ++tile) {
+  for (int tile = walk.first; tile < walk.last; ++tile) {
     const int n0 = tile * kBlockN;
     const T* k_tile = keys.k_at(tile);
     const T* v_tile = keys.v_at(tile);
     if constexpr (kResident) {
-      cp_async_wait_runtime(tiles - 1 - tile);  // K and V of this tile
+      cp_async_wait_runtime(walk.last - 1 - tile);  // K and V of this tile
       __syncthreads();
     } else {
       __syncthreads();  // every warp is done with the previous tiles
-      load_tile<kBlockN, D, kThreads>(keys.k, p.k.at(b, h, s.k0 + n0), p.k.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(keys.k, p.k.at(b, hk, s.k0 + n0), p.k.row, s.len_k - n0);
       cp_async_commit();
-      load_tile<kBlockN, D, kThreads>(keys.v, p.v.at(b, h, s.k0 + n0), p.v.row, s.len_k - n0);
+      load_tile<kBlockN, D, kThreads>(keys.v, p.v.at(b, hk, s.k0 + n0), p.v.row, s.len_k - n0);
       cp_async_commit();
       stage_keys<kThreads>(keys.ok, p, b, s, n0, kBlockN);
       cp_async_wait<1>();  // K has landed; V may still be in flight
@@ -520,14 +590,17 @@ __global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(co
   const int m0 = query_block(p.causal) * kSm90Rows;
   if (m0 >= s.len_q) return;
   const int group_row = threadIdx.x / 128 * 64;  // the warpgroup's first row in the block
-  const int tiles = (key_end(s, p.causal, m0, kSm90Rows) + kBlockN - 1) / kBlockN;
+  const int hk = h / p.group;
+  const TileSpan walk = tile_span(first_key(p.window, s, m0),
+                                  key_end(p.window, s, min(m0 + kSm90Rows, s.len_q)), kBlockN,
+                                  kAnyTile);
 
   // Key tile i into stage i % 2, one cp.async group.
   auto load_keys = [&](int i) {
     const int n0 = i * kBlockN;
-    wg::load_tile<kBlockN, D, kSm90Threads>(k_tiles + i % 2 * kTile, p.k.at(b, h, s.k0 + n0),
+    wg::load_tile<kBlockN, D, kSm90Threads>(k_tiles + i % 2 * kTile, p.k.at(b, hk, s.k0 + n0),
                                             p.k.row, s.len_k - n0);
-    wg::load_tile<kBlockN, D, kSm90Threads>(v_tiles + i % 2 * kTile, p.v.at(b, h, s.k0 + n0),
+    wg::load_tile<kBlockN, D, kSm90Threads>(v_tiles + i % 2 * kTile, p.v.at(b, hk, s.k0 + n0),
                                             p.v.row, s.len_k - n0);
     stage_keys<kSm90Threads>(key_ok + i % 2 * kBlockN, p, b, s, n0, kBlockN);
     cp_async_commit();
@@ -535,14 +608,14 @@ __global__ void __launch_bounds__(kSm90Threads) attention_forward_sm90_kernel(co
   wg::load_tile<kSm90Rows, D, kSm90Threads>(q_tile, p.q.at(b, h, s.q0 + m0), p.q.row,
                                             s.len_q - m0);
   cp_async_commit();
-  if (tiles > 0) load_keys(0);
+  if (walk.first < walk.last) load_keys(walk.first);
 
   float acc[D / 8][4] = {};
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
-  for (int tile = 0; tile < tiles; ++tile) {
+  for (int tile = walk.first; tile < walk.last; ++tile) {
     const int n0 = tile * kBlockN;
     // The other stage was released by the __syncthreads that ended the last step.
-    if (tile + 1 < tiles) {
+    if (tile + 1 < walk.last) {
       load_keys(tile + 1);
       cp_async_wait<1>();
     } else {
@@ -721,7 +794,7 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[kM / 8][4],
     for (int e = 0; e < 4; ++e) {
       const int col = nt * 8 + 2 * t + e % 2;
       float prob = exp2f(st[nt][e] * c - tile_lse2[col]);
-      if (masked && !visible(key_ok, n0, m0 + col, keys[e / 2], p.causal, shift)) prob = 0.0f;
+      if (masked && !visible(key_ok, n0, m0 + col, keys[e / 2], p.window, shift)) prob = 0.0f;
       st[nt][e] = prob;
       dpt[nt][e] = bit(kept, 4 * nt + e) ? dpt[nt][e] * p.dropout.scale : 0.0f;
     }
@@ -751,8 +824,11 @@ __device__ __forceinline__ void transposed_score_gradients(float (&st)[kM / 8][4
 }
 
 // Stores dK (times the scale: the products used K and Q unscaled) and dV of this thread's
-// keys keys[0] and keys[1] (its fragment rows) that the sequence has. Keys no query sees,
-// padding keys among them, have zero accumulators, so zeros.
+// keys keys[0] and keys[1] (its fragment rows) that the sequence has, as query head h's
+// share. Keys no query sees, padding keys among them, have zero accumulators, so zeros.
+// With grouped heads the share goes to the float32 dk_heads and dv_heads, which
+// attention_group_sum_kernel then adds up over the group in a fixed order: no two blocks
+// write one element, so the gradients take no atomics.
 template <typename T, int D>
 __device__ __forceinline__ void store_key_gradients(const float (&dk)[D / 8][4],
                                                     const float (&dv)[D / 8][4],
@@ -762,6 +838,18 @@ __device__ __forceinline__ void store_key_gradients(const float (&dk)[D / 8][4],
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     if (keys[hh] >= s.len_k) continue;
+    if (p.group > 1) {
+      float* dk_row = p.dk_heads.at(b, h, s.k0 + keys[hh]);
+      float* dv_row = p.dv_heads.at(b, h, s.k0 + keys[hh]);
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        const float dk_pair[2] = {dk[dt][2 * hh] * p.scale, dk[dt][2 * hh + 1] * p.scale};
+        const float dv_pair[2] = {dv[dt][2 * hh], dv[dt][2 * hh + 1]};
+        store<2>(dk_row + dt * 8 + 2 * t, dk_pair);
+        store<2>(dv_row + dt * 8 + 2 * t, dv_pair);
+      }
+      continue;
+    }
     T* dk_row = p.dk.at(b, h, s.k0 + keys[hh]);
     T* dv_row = p.dv.at(b, h, s.k0 + keys[hh]);
 #pragma unroll
@@ -797,17 +885,20 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const Seq s = sequence(p, b);
   if (n0 >= s.len_k) return;
   const int warp = threadIdx.x / 32;
-  const int shift = s.len_k - s.len_q;
   const int keys[2] = {fragment_row(n0, 0), fragment_row(n0, 1)};
 
-  load_pair<kKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0);
+  load_pair<kKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h / p.group, s.k0 + n0,
+                                s.len_k - n0);
   cp_async_commit();
   stage_keys<kThreads>(key_ok, p, b, s, n0, kKeys);
 
-  // Query tiles first .. last - 1: under causal masking the first query that sees key n0
-  // is n0 - shift. A resident block never walks past the tiles it holds.
-  const int first = p.causal ? max(0, n0 - shift) / kM : 0;
-  const int last = kResident ? min((s.len_q + kM - 1) / kM, held) : (s.len_q + kM - 1) / kM;
+  // Query tiles first .. last - 1: those with queries that see the block's keys (under
+  // causal masking the first is n0 - shift), the others skipped whole. A resident block
+  // never walks past the tiles it holds.
+  const int n1 = min(n0 + kKeys, s.len_k);
+  const TileSpan walk = tile_span(first_query(p.window, s, n0), query_end(p.window, s, n1), kM,
+                                  kResident ? held : kAnyTile);
+  const int first = walk.first, last = walk.last;
   if constexpr (kResident) {
     // Every query tile at once, one group each, waited for one at a time.
     prefetch_tiles<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0, s.len_q, first,
@@ -831,7 +922,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     // st[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
     float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
     recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
-    const bool masked = tile_needs_mask(p.key_padding, n0, kKeys, s.len_k, p.causal, m0, shift);
+    const bool masked = tile_needs_mask(p, s, warp_rows(n0), 16, m0, kM);
     const uint32_t kept = p.dropout.active ? kept_transposed<kM>(p, b, h, m0, keys[0]) : ~0u;
     transposed_probabilities<kM>(st, dpt, p, s, tile_lse2, key_ok, n0, keys, m0, masked, kept);
     transposed_score_gradients<kM>(st, dpt, p, tile_delta, kept);
@@ -860,10 +951,10 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   const Seq s = sequence(p, b);
   const int m0 = query_block(p.causal) * kRows;
   if (m0 >= s.len_q) return;
-  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4, hk = h / p.group;
   const int shift = s.len_k - s.len_q;
   const int rows[2] = {fragment_row(m0, 0), fragment_row(m0, 1)};
-  const int tiles = keys.template walked<kRows>(s, p.causal, m0);
+  const TileSpan walk = keys.template walked<kRows>(p, s, m0);
   // A sequence whose keys fit one tile (a short one in a packed batch whose longest is
   // past the one-kernel backward) takes its delta from its exact P and dP, rowsum(P * dP),
   // and stores it for the dK/dV kernel over the delta kernel's (taken from O as rounded
@@ -873,7 +964,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
   load_pair<kRows, D, kThreads>(q_tile, do_tile, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0);
   cp_async_commit();
   if constexpr (kResident) {
-    prefetch_keys<D, kThreads>(keys.k, keys.v, keys.ok, p, b, h, s, tiles);
+    prefetch_keys<D, kThreads>(keys.k, keys.v, keys.ok, p, b, hk, s, walk);
   }
   float lse2[2], delta[2];
 #pragma unroll
@@ -885,13 +976,13 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
 
   float dq[D / 8][4] = {};
   const float c = p.scale * kLog2e;
-  for (int tile = 0; tile < tiles; ++tile) {
+  for (int tile = walk.first; tile < walk.last; ++tile) {
     const int n0 = tile * kBlockN;
     const T* k_tile = keys.k_at(tile);
     const bool* tile_ok = keys.ok_at(tile);
     // K and V of this tile (a resident block's Q and dO were committed before them).
     next_tile<kResident, kBlockN, D, kThreads>(
-        keys.k, keys.v, p.k, p.v, b, h, s.k0 + n0, s.len_k - n0, tiles - 1 - tile,
+        keys.k, keys.v, p.k, p.v, b, hk, s.k0 + n0, s.len_k - n0, walk.last - 1 - tile,
         [&] { stage_keys<kThreads>(keys.ok, p, b, s, n0, kBlockN); });
 
     // sc[nt][e], dp[nt][e]: row rows[e / 2], key n0 + 8nt + 2t + e % 2.
@@ -899,8 +990,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
     // Not unrolled over head_dim: hoisting the next steps' fragment loads spilled at head
     // dim 64 on sm_90a, and one step already issues 16 independent products.
     recompute<T, D, kBlockN, 1>(sc, dp, q_tile, do_tile, warp * 16, k_tile, keys.v_at(tile));
-    const bool masked =
-        tile_needs_mask(p.key_padding, n0, kBlockN, s.len_k, p.causal, m0, shift);
+    const bool masked = tile_needs_mask(p, s, n0, kBlockN, warp_rows(m0), 16);
     uint32_t kept = ~0u;
     if (p.dropout.active) {
       kept = kept_pairs<kBlockN / 8>(p.dropout, stream_row(p, b, h, rows[0]) + n0 + 2 * t,
@@ -912,7 +1002,7 @@ __global__ void __launch_bounds__(Shape<kResident>::threads)
       for (int e = 0; e < 4; ++e) {
         const int j = n0 + nt * 8 + 2 * t + e % 2;
         sc[nt][e] = exp2f(sc[nt][e] * c - lse2[e / 2]);  // P
-        if (masked && !visible(tile_ok, n0, rows[e / 2], j, p.causal, shift)) sc[nt][e] = 0.0f;
+        if (masked && !visible(tile_ok, n0, rows[e / 2], j, p.window, shift)) sc[nt][e] = 0.0f;
         dp[nt][e] = bit(kept, 2 * (8 * (e / 2) + nt) + e % 2) ? dp[nt][e] * p.dropout.scale : 0.0f;
       }
     }
@@ -1012,8 +1102,9 @@ __device__ __forceinline__ void sum_over_rows_scattered(float (&v)[kN]) {
 
 // The whole backward of a sequence of up to kFusedMaxKeys keys in one kernel: a block
 // owns a (sequence, head) and takes its keys a chunk of kFusedKeys at a time, each warp
-// 16 of the chunk's keys as in the dK/dV kernel, walking every query tile with 5 products
-// a tile. Each warp recomputes S^T and dP^T for its keys (2 products) and forms P^T and
+// 16 of the chunk's keys as in the dK/dV kernel, walking the query tiles that see the
+// chunk (the others skipped whole, their dQ shares zero) with 5 products a tile. Each
+// warp recomputes S^T and dP^T for its keys (2 products) and forms P^T and
 // the dropped dP^T. The delta of each query sums over every key: where one chunk holds
 // them all it is rowsum(P * dP) / rowsum(P), as the dQ kernel derives its own
 // (exact_delta in csrc/cpu/attention.cpp), the warps' sums meeting in shared memory and
@@ -1048,23 +1139,40 @@ __global__ void __launch_bounds__(Shape<true>::threads)
   const int b = blockIdx.z, h = blockIdx.y;
   const Seq s = sequence(p, b);
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const int tiles = kResident ? min((s.len_q + kM - 1) / kM, held) : (s.len_q + kM - 1) / kM;
+  const int hk = h / p.group;
   const int chunks = max(1, (s.len_k + kFusedKeys - 1) / kFusedKeys);
   const bool one_chunk = chunks == 1;
   float* tile_deltas = one_chunk ? nullptr : deltas;
+  // The query tiles that see keys n0 .. n1 - 1, the others skipped whole (n0 < n1; none
+  // for no key). A resident block never walks past the tiles it holds.
+  auto seeing = [&](int n0, int n1) {
+    return n0 < n1 ? tile_span(first_query(p.window, s, n0), query_end(p.window, s, n1), kM,
+                               kResident ? held : kAnyTile)
+                   : TileSpan{0, 0};
+  };
+  const TileSpan walk = seeing(0, s.len_k);  // the tiles that see any key
 
   if (!one_chunk) {
     for (int r0 = 0; r0 < s.len_q; r0 += kThreads / (D / 8))
       store_row_delta<T, D>(p, b, h, s, r0 + threadIdx.x / (D / 8));
     __syncthreads();  // (the block's own global writes, read back by stage_stats)
   }
-  load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0, s.len_k);
+  load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, hk, s.k0, s.len_k);
   cp_async_commit();
   stage_keys<kThreads>(key_ok, p, b, s, 0, kFusedKeys);
   if constexpr (kResident) {
-    prefetch_tiles<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0, s.len_q, 0,
-                                    tiles);
-    stage_stats<kThreads>(lse2, tile_deltas, p, b, h, s, 0, tiles * kM);
+    prefetch_tiles<kM, D, kThreads>(q_tiles, do_tiles, p.q, p.dout, b, h, s.q0, s.len_q,
+                                    walk.first, walk.last);
+    const int r0 = walk.first * kM;
+    stage_stats<kThreads>(lse2 + r0, one_chunk ? nullptr : deltas + r0, p, b, h, s, r0,
+                          (walk.last - walk.first) * kM);
+  }
+  // No chunk walks a tile none of whose queries sees a key: their dQ rows are zeros.
+  for (int i = threadIdx.x; i < s.len_q * (D / 8); i += kThreads) {
+    const int row = i / (D / 8);
+    if (row >= walk.first * kM && row < walk.last * kM) continue;
+    const float zeros[8] = {};
+    store<8>(p.dq.at(b, h, s.q0 + row) + i % (D / 8) * 8, zeros);
   }
 
   for (int chunk = 0; chunk < chunks; ++chunk) {
@@ -1072,7 +1180,7 @@ __global__ void __launch_bounds__(Shape<true>::threads)
     if (chunk > 0) {  // the next chunk's K and V, once every warp is done with the last's
       cp_async_wait<0>();
       __syncthreads();
-      load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, h, s.k0 + n0,
+      load_pair<kFusedKeys, D, kThreads>(k_tile, v_tile, p.k, p.v, b, hk, s.k0 + n0,
                                          s.len_k - n0);
       cp_async_commit();
       stage_keys<kThreads>(key_ok, p, b, s, n0, kFusedKeys);
@@ -1080,9 +1188,9 @@ __global__ void __launch_bounds__(Shape<true>::threads)
       __syncthreads();
     }
     const int keys[2] = {fragment_row(n0, 0), fragment_row(n0, 1)};
-    const bool last = chunk == chunks - 1;
+    const TileSpan chunk_walk = seeing(n0, min(n0 + kFusedKeys, s.len_k));
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-    for (int tile = 0; tile < tiles; ++tile) {
+    for (int tile = chunk_walk.first; tile < chunk_walk.last; ++tile) {
       const int m0 = tile * kM, slot = kResident ? tile : 0;
       const T* q_tile = q_tiles + slot * kM * P;
       const T* do_tile = do_tiles + slot * kM * P;
@@ -1092,22 +1200,26 @@ __global__ void __launch_bounds__(Shape<true>::threads)
       // use of the previous tile's dS^T, sums and deltas.
       next_tile<kResident, kM, D, kThreads>(
           q_tiles, do_tiles, p.q, p.dout, b, h, s.q0 + m0, s.len_q - m0,
-          chunk == 0 ? tiles - 1 - tile : 0,
+          chunk == 0 ? walk.last - 1 - tile : 0,
           [&] { stage_stats<kThreads>(lse2, tile_deltas, p, b, h, s, m0, kM); });
 
-      // The chunk's keys n0 .. n0 + seen - 1 may be visible to the tile's queries; a warp
-      // whose keys all lie past them has nothing to compute, and the dQ product stops at
-      // them.
-      const int seen = min(max(key_end(s, p.causal, m0, kM) - n0, 0), kFusedKeys);
-      const int seen_warps = (seen + 15) / 16;
-      const bool active = warp < seen_warps;
+      // The tile's queries see keys first .. end - 1 (a run that meets this chunk's): the
+      // warps from first_warp to seen_warps - 1 hold those of the chunk, the others have
+      // nothing to compute, and the dQ product covers those warps' keys alone. The run
+      // also gives the chunks that add to the tile's dQ: from the first one's to the last.
+      const int m1 = min(m0 + kM, s.len_q);
+      const int first = first_key(p.window, s, m0), end = key_end(p.window, s, m1);
+      const int first_warp = max(first - n0, 0) / 16;
+      const int seen_warps = (min(end - n0, kFusedKeys) + 15) / 16;
+      const bool active = warp >= first_warp && warp < seen_warps;
+      const bool first_share = chunk == first / kFusedKeys;
+      const bool last_share = chunk == (end - 1) / kFusedKeys;
       // st[nt][e], dpt[nt][e]: key keys[e / 2], query m0 + 8nt + 2t + e % 2.
       float st[kM / 8][4] = {}, dpt[kM / 8][4] = {};
       uint32_t kept = ~0u;
       if (active) {
         recompute<T, D, kM, D / 16>(st, dpt, k_tile, v_tile, warp * 16, q_tile, do_tile);
-        const bool masked = tile_needs_mask(p.key_padding, n0 + warp * 16, 16, s.len_k,
-                                            p.causal, m0, s.len_k - s.len_q);
+        const bool masked = tile_needs_mask(p, s, warp_rows(n0), 16, m0, kM);
         if (p.dropout.active) kept = kept_transposed<kM>(p, b, h, m0, keys[0]);
         transposed_probabilities<kM>(st, dpt, p, s, tile_lse2, key_ok, n0, keys, m0, masked,
                                      kept);
@@ -1137,7 +1249,7 @@ __global__ void __launch_bounds__(Shape<true>::threads)
         // One thread a query adds the warps' sums in warp order: the same bits on every run.
         if (threadIdx.x < kM) {
           float sum = 0.0f, mass = 0.0f;
-          for (int w = 0; w < seen_warps; ++w) {
+          for (int w = first_warp; w < seen_warps; ++w) {
             sum += sums[(w * kM + threadIdx.x) * 2];
             mass += sums[(w * kM + threadIdx.x) * 2 + 1];
           }
@@ -1166,7 +1278,7 @@ __global__ void __launch_bounds__(Shape<true>::threads)
       constexpr int kMTiles = kM / 16, kCols = D * kMTiles / kWarps;
       const int row0 = warp % kMTiles * 16, c0 = warp / kMTiles * kCols;
       float dq[kCols / 8][4] = {};
-      for (int kt = 0; kt < seen_warps; ++kt) {
+      for (int kt = first_warp; kt < seen_warps; ++kt) {
         uint32_t a[4];
         load_a_transposed<kDsPitch>(a, ds_tile, row0, kt * 16);
 #pragma unroll
@@ -1177,8 +1289,8 @@ __global__ void __launch_bounds__(Shape<true>::threads)
           mma<T>(dq[2 * dt + 1], a, bf[2], bf[3]);
         }
       }
-      // The earlier chunks' shares added in, the sum stored after the last chunk (queries
-      // that see no key get zeros).
+      // The earlier chunks' shares added in, the sum stored after the last chunk that adds
+      // one (queries of the tile that see no key get zeros).
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = m0 + row0 + g + 8 * hh;
@@ -1189,11 +1301,11 @@ __global__ void __launch_bounds__(Shape<true>::threads)
         for (int nt = 0; nt < kCols / 8; ++nt) {
           const int col = c0 + nt * 8 + 2 * t;
           float x = dq[nt][2 * hh], y = dq[nt][2 * hh + 1];
-          if (chunk > 0) {
+          if (!first_share) {
             x += partial_row[col];
             y += partial_row[col + 1];
           }
-          if (last) {
+          if (last_share) {
             *reinterpret_cast<uint32_t*>(dq_row + col) = pack<T>(x * p.scale, y * p.scale);
           } else {
             partial_row[col] = x;
@@ -1207,6 +1319,36 @@ __global__ void __launch_bounds__(Shape<true>::threads)
   // A block with no query never waited for its K and V tiles: no copy may outlive it into
   // the shared memory of the next block.
   cp_async_wait<0>();
+}
+
+// --- grouped heads: dK and dV summed over each key/value head's query heads ---------------
+
+constexpr int kGroupSumThreads = 128;
+
+// dK and dV of key/value head blockIdx.y, rows `rows` of sequence blockIdx.z (of the
+// packed tensor for varlen): the float32 shares of its query heads added in head order,
+// rounded to T once. D / 4 threads a row, 4 columns each.
+template <typename T, int D>
+__global__ void __launch_bounds__(kGroupSumThreads)
+    attention_group_sum_kernel(const Params<T> p, int rows) {
+  constexpr int kLanes = D / 4;
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const int64_t row = int64_t(blockIdx.x) * (kGroupSumThreads / kLanes) + threadIdx.x / kLanes;
+  if (row >= rows) return;
+  const int col = threadIdx.x % kLanes * 4;
+  float dk[4] = {}, dv[4] = {};
+  for (int i = 0; i < p.group; ++i) {
+    float x[4], y[4];
+    load<4>(p.dk_heads.at(b, hk * p.group + i, row) + col, x);
+    load<4>(p.dv_heads.at(b, hk * p.group + i, row) + col, y);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dk[e] += x[e];
+      dv[e] += y[e];
+    }
+  }
+  store<4>(p.dk.at(b, hk, row) + col, dk);
+  store<4>(p.dv.at(b, hk, row) + col, dv);
 }
 
 }  // namespace fusedlm::cuda::kernels::attention
@@ -1263,7 +1405,6 @@ struct Problem : AttentionProblem {
  private:
   // What the kernels are compiled for, and the grid's limits.
   void check_kernel_limits(const at::Tensor& q_) const {
-    TORCH_CHECK_VALUE(!grouped_or_windowed(*this), "the cuda attention takes neither grouped key/value heads nor a window");
     TORCH_CHECK_TYPE(q_.scalar_type() == at::kBFloat16 || q_.scalar_type() == at::kHalf,
                      "the cuda attention takes bfloat16 or float16");
     TORCH_CHECK_VALUE((dk == 64 || dk == 128) && dv == dk,
@@ -1280,8 +1421,8 @@ Problem padded_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        int64_t window_left, int64_t window_right, double dropout_p, double scale,
                        const at::Tensor& seed) {
   TORCH_CHECK_VALUE(!present(attn_bias), "the cuda attention takes no attn_bias");
-  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, window_left, window_right, dropout_p, scale,
-                              check_device_tensor),
+  Problem pb(padded_attention(q, k, v, key_padding_mask, causal, window_left, window_right,
+                              dropout_p, scale, check_device_tensor),
              q, k, v, seed);
   if (present(key_padding_mask)) pb.key_padding = key_padding_mask->contiguous();
   return pb;
@@ -1295,7 +1436,8 @@ Problem varlen_problem(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        int64_t window_left, int64_t window_right, double dropout_p, double scale,
                        const at::Tensor& seed) {
   Problem pb(varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal, window_left, window_right, dropout_p, scale, check_device_tensor),
+                              causal, window_left, window_right, dropout_p, scale,
+                              check_device_tensor),
              q, k, v, seed);
   pb.cu_q = cu_seqlens_q.contiguous();
   pb.cu_k = cu_seqlens_k.contiguous();
@@ -1332,9 +1474,16 @@ Params<T> params(const Problem& pb) {
     p.total_k = static_cast<int>(pb.k.size(0));
   }
   p.heads = static_cast<int>(pb.heads);
+  p.group = pb.kv_heads > 0 ? static_cast<int>(pb.heads / pb.kv_heads) : 1;
   p.seq_q = static_cast<int>(pb.seq_q);
   p.seq_k = static_cast<int>(pb.seq_k);
   p.causal = pb.causal;
+  // Causal is a right bound of 0, tighter than any window's. A bound that no query of
+  // the longest sequences reaches is none: the kernels then neither mask nor skip on
+  // it, and their sums of rows and bounds stay within int.
+  const int64_t right = pb.causal ? 0 : pb.window_right;
+  p.window.left = pb.window_left < pb.seq_k ? static_cast<int>(pb.window_left) : -1;
+  p.window.right = right < pb.seq_q ? static_cast<int>(right) : -1;
   p.scale = static_cast<float>(pb.scale);
   p.dropout = dropout_stream(pb.seed, pb.dropout_p);
   return p;
@@ -1418,6 +1567,26 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
     p.dq = rows_of<T>(dq, pb.varlen);
     p.dk = rows_of<T>(dk, pb.varlen);
     p.dv = rows_of<T>(dv, pb.varlen);
+    // Grouped heads: each query head's share of dK and dV goes to float32 buffers, summed
+    // per key/value head after the kernels (no two blocks write one element).
+    at::Tensor dk_heads, dv_heads;
+    if (p.group > 1) {
+      const int64_t d = D;
+      const auto shape = pb.varlen ? std::vector<int64_t>{dk.size(0), pb.heads, d}
+                                   : std::vector<int64_t>{pb.batch, pb.heads, pb.seq_k, d};
+      dk_heads = at::empty(shape, lse.options());
+      dv_heads = at::empty(shape, lse.options());
+      p.dk_heads = rows_of<float>(dk_heads, pb.varlen);
+      p.dv_heads = rows_of<float>(dv_heads, pb.varlen);
+    }
+    auto sum_groups = [&] {
+      if (p.group == 1) return;
+      const int64_t rows = pb.varlen ? dk.size(0) : pb.seq_k;
+      const int64_t per_block = kGroupSumThreads / (D / 4);
+      const Grid grid(ceil_div(rows, per_block), pb.kv_heads, pb.varlen ? 1 : pb.batch);
+      launch(attention_group_sum_kernel<T, D>, grid, kGroupSumThreads, 0, p,
+             static_cast<int>(rows));
+    };
     if (pb.seq_k <= kFusedMaxKeys && kernel_paths().attention_fused_backward) {
       // One block a (sequence, head); its query tiles resident where they fit. Past one
       // chunk of keys, the queries' deltas and dQ's partial sums in float32 go through
@@ -1438,6 +1607,7 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
       else
         launch_blocks<T>(attention_fused_backward_kernel<T, D, false>, 1, Shape<true>::threads,
                          fused_smem<D, false>(pb.seq_q), pb, p);
+      sum_groups();
       return;
     }
     auto delta = at::empty(lse.sizes(), lse.options());
@@ -1455,6 +1625,7 @@ void backward(const Problem& pb, const at::Tensor& grad, const at::Tensor& out,
         [](auto path) { return attention_dkdv_kernel<T, D, decltype(path)::value>; },
         [&](auto path) { return dkdv_smem<D, decltype(path)::value>(pb.seq_q); }, pb.seq_k,
         pb.seq_q, pb, p);
+    sum_groups();
   });
 }
 

@@ -39,7 +39,6 @@ __all__ = ["attention", "attention_varlen"]
 _SUPPORTS = {
     # The cuda kernels' grid is (query blocks, heads, sequences): y and z at most 65535.
     "cuda": Supports(dtypes=HALVES, head_dims=(64, 128), same_head_dim_v=True, bias=False,
-                     grouped=False, window=False,
                      max_counts=(("heads", 65535), ("sequences", 65535))),
     "triton": Supports(dtypes=GPU_FLOATS, max_head_dim=256),
 }
