@@ -82,8 +82,9 @@ def _gelu_ffn(backend, device, dtype, p):
 
 
 def _attention(backend, device, dtype, p):
+    # k and v of one head shared by q's two (multi-query), and a window of 3 keys back
     q, k_, v, bias = _leaves(*(fresh(s, dtype, device) for s in
-                               ((2, 2, 6, 64), (2, 2, 6, 64), (2, 2, 6, 64), (1, 2, 6, 6))))
+                               ((2, 2, 6, 64), (2, 1, 6, 64), (2, 1, 6, 64), (1, 2, 6, 6))))
     mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2], device=device)
     g = fresh((2, 2, 6, 64), dtype, device)
     bias_arg = bias if backend != "cuda" else None  # (the cuda kernel takes no attn_bias)
@@ -92,14 +93,14 @@ def _attention(backend, device, dtype, p):
     def public():
         torch.manual_seed(SEED)
         out = F.attention(q, k_, v, key_padding_mask=mask, attn_bias=bias_arg, dropout_p=p,
-                          backend=backend)
+                          window_size=(3, -1), backend=backend)
         return (out,), (g,), (q, k_, v) + ((bias,) if bias_arg is not None else ())
 
     def by_hand():
         kern, seed = kernel(backend, "attention"), _seeded(p)
-        out, lse = kern.forward(q, k_, v, mask, bias_arg, False, p, scale, seed)
-        dq, dk, dv, dbias = kern.backward(g, q, k_, v, out, lse, mask, bias_arg, False, p, scale,
-                                          seed, bias_arg is not None)
+        out, lse = kern.forward(q, k_, v, mask, bias_arg, False, 3, -1, p, scale, seed)
+        dq, dk, dv, dbias = kern.backward(g, q, k_, v, out, lse, mask, bias_arg, False, 3, -1, p,
+                                          scale, seed, bias_arg is not None)
         return (out,), (dq, dk, dv) + ((dbias,) if bias_arg is not None else ())
 
     return public, by_hand
@@ -112,13 +113,15 @@ def _attention_varlen(backend, device, dtype, p):
 
     def public():
         torch.manual_seed(SEED)
-        out = F.attention_varlen(q, k_, v, cu, cu, 5, 5, causal=True, dropout_p=p, backend=backend)
+        out = F.attention_varlen(q, k_, v, cu, cu, 5, 5, causal=True, dropout_p=p,
+                                 window_size=(2, -1), backend=backend)
         return (out,), (g,), (q, k_, v)
 
     def by_hand():
         kern, seed = kernel(backend, "attention_varlen"), _seeded(p)
-        out, lse = kern.forward(q, k_, v, cu, cu, 5, 5, True, p, 64 ** -0.5, seed)
-        return (out,), kern.backward(g, q, k_, v, out, lse, cu, cu, 5, 5, True, p, 64 ** -0.5, seed)
+        out, lse = kern.forward(q, k_, v, cu, cu, 5, 5, True, 2, -1, p, 64 ** -0.5, seed)
+        return (out,), kern.backward(g, q, k_, v, out, lse, cu, cu, 5, 5, True, 2, -1, p,
+                                     64 ** -0.5, seed)
 
     return public, by_hand
 
