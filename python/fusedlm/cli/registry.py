@@ -51,9 +51,10 @@ class ModelSpec:
     commands (the model itself, or the part of it that is used afterwards).
     ``resume(folder)``: the model a pretraining checkpoint holds (default: the
     ``pretrain`` head's).
-    ``hidden(model, tokenizer, texts, device)``: the ``embed`` head's token vectors of a
-    batch of texts: (float [batch, seq, width], bool mask [batch, seq] True = token,
-    number of texts cut to the model's positions).
+    ``hidden(model, tokenizer, texts, device, length=None)``: the ``embed`` head's token
+    vectors of a batch of texts, each cut to ``length`` tokens (None: the model's
+    positions): (float [batch, seq, width], bool mask [batch, seq] True = token, number
+    of texts cut).
     ``layers(model)``: the submodules ``--fsdp`` shards one by one (transformer blocks,
     LSTM layers); parameters shared between submodules (tied embeddings) must stay
     outside them, in the root. None: the model cannot be sharded."""
@@ -179,9 +180,10 @@ def _max_positions(config) -> int:
     return config.max_position_embeddings
 
 
-def _encoder_hidden(model, tokenizer, texts, device) -> tuple:
+def _encoder_hidden(model, tokenizer, texts, device, length=None) -> tuple:
     """``hidden`` of a transformer encoder (BertModel, ElectraModel): WordPiece, padded."""
-    tokenizer.enable_truncation(SPECS_BY_TYPE[model.config.model_type].positions(model.config))
+    positions = SPECS_BY_TYPE[model.config.model_type].positions(model.config)
+    tokenizer.enable_truncation(positions if length is None else min(length, positions))
     pad = tok.role(tokenizer, "pad")
     tokenizer.enable_padding(pad_id=tokenizer.token_to_id(pad), pad_token=pad)
     batch = tokenizer.encode_batch(texts)
@@ -482,13 +484,15 @@ def _elmo_export(model):
     return elmo
 
 
-def _elmo_hidden(model, tokenizer, texts, device) -> tuple:
+def _elmo_hidden(model, tokenizer, texts, device, length=None) -> tuple:
     from ..models.elmo import batch_to_ids
 
-    words = [[w for w, _ in sentence] for sentence in _elmo_words(tokenizer, texts)]
+    sentences = [[w for w, _ in sentence] for sentence in _elmo_words(tokenizer, texts)]
+    words = [sentence[:length] for sentence in sentences]
     char_ids = batch_to_ids(words, model.config.max_characters_per_token)
     out = model(char_ids.to(device))
-    return out.last_hidden_state.float(), out.mask, 0
+    cut = sum(len(kept) < len(sentence) for kept, sentence in zip(words, sentences))
+    return out.last_hidden_state.float(), out.mask, cut
 
 
 ELMO = ModelSpec(
@@ -523,22 +527,28 @@ def ulmfit_blocks(documents, tokenizer, seq_len: int) -> Tensor:
     return pack([[cls, *ids] for ids in token_ids(tokenizer, documents)], seq_len, None)
 
 
-def _padded_batch(tokenizer, texts, device) -> tuple:
-    """(ids, attention mask) of texts, each begun with [CLS] and padded on the right."""
+def _padded_batch(tokenizer, texts, device, length=None) -> tuple:
+    """(ids, attention mask, number of texts cut) of texts, each begun with [CLS], cut to
+    ``length`` tokens (None: whole) and padded on the right."""
     pad = tok.role(tokenizer, "pad")
     tokenizer.enable_padding(pad_id=tokenizer.token_to_id(pad), pad_token=pad)
+    if length is not None:
+        tokenizer.enable_truncation(length)
     try:
         batch = tokenizer.encode_batch(list(texts))
     finally:
         tokenizer.no_padding()
+        if length is not None:
+            tokenizer.no_truncation()
     ids = torch.tensor([e.ids for e in batch], device=device)
-    return ids, torch.tensor([e.attention_mask for e in batch], device=device)
+    mask = torch.tensor([e.attention_mask for e in batch], device=device)
+    return ids, mask, sum(bool(e.overflowing) for e in batch)
 
 
-def _ulmfit_hidden(model, tokenizer, texts, device) -> tuple:
-    ids, mask = _padded_batch(tokenizer, texts, device)
+def _ulmfit_hidden(model, tokenizer, texts, device, length=None) -> tuple:
+    ids, mask, cut = _padded_batch(tokenizer, texts, device, length)
     out = model(ids, attention_mask=mask).last_hidden_state.float()
-    return out, mask.bool(), 0
+    return out, mask.bool(), cut
 
 
 ULMFIT_LM = loading.Head("awd_lstm.AWDLSTMForLanguageModeling")

@@ -1,5 +1,7 @@
 """Models of the pretraining era as transformers models on fusedlm's fused ops: BERT,
-RoBERTa, ALBERT, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and checkpoints), ELMo, and ULMFiT's AWD-LSTM.
+RoBERTa, ALBERT, DistilBERT, ELECTRA and GPT-2 (transformers' classes, configs and
+checkpoints), ELMo, and ULMFiT's AWD-LSTM; and sentence-transformers' pooling of an
+encoder's token vectors into sentence vectors.
 
 Each class named as in transformers subclasses ``transformers.PreTrainedModel``, takes
 transformers' config class and loads the same checkpoints, so transformers' loader,
@@ -30,6 +32,7 @@ from .elmo import ELMo, ElmoBiLM, ElmoConfig
 from .gpt import GPT2LMHeadModel, GPT2Model, GPT2PreTrainedModel
 from .kv_cache import FusedKVCache
 from .masking import mask_tokens
+from .pooling import SentencePooling
 from .roberta import (RobertaForMaskedLM, RobertaForQuestionAnswering,
                       RobertaForSequenceClassification, RobertaForTokenClassification, RobertaModel,
                       RobertaPreTrainedModel)
@@ -47,4 +50,4 @@ __all__ = ["AWDLSTMConfig", "AWDLSTMForLanguageModeling", "AWDLSTMForSequenceCla
            "ElmoConfig", "FusedKVCache", "GPT2LMHeadModel", "GPT2Model", "GPT2PreTrainedModel",
            "mask_tokens", "student_from_teacher", "RobertaForMaskedLM", "RobertaForQuestionAnswering",
            "RobertaForSequenceClassification", "RobertaForTokenClassification", "RobertaModel",
-           "RobertaPreTrainedModel"]
+           "RobertaPreTrainedModel", "SentencePooling"]
