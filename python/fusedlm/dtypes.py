@@ -1,6 +1,6 @@
 """The dtype and layout rules, stated once: which floating dtypes the ops take and which of
 them GPU kernels take, the dtype every kernel and reference accumulates in, how a message
-names a dtype, and how every backend lays out the outputs it allocates."""
+names a dtype, whether a device multiplies bfloat16 natively, and how every backend lays out the outputs it allocates."""
 from typing import Optional
 
 import torch
@@ -14,6 +14,15 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """What a kernel or a reference computes and keeps its statistics in for inputs of
     ``dtype``: float64 for float64, float32 otherwise (csrc/common.h's acc_t, in C++)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively: a GPU that takes bfloat16,
+    a CPU with AMX or AVX512-BF16. Elsewhere bfloat16 products are emulated, slower than
+    float32 ones."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def _stride_order(ref: torch.Tensor) -> list:

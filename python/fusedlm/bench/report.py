@@ -18,7 +18,7 @@ from .case import is_fused
 class Target:
     """A speed or memory target of the project's, for the rows whose benchmark starts with
     `benchmark` and whose shape matches the regex `shape`, of every fused implementation
-    or only `impl`. measure: "of_peak" (the row's share of the device's ceiling), "speedup"
+    or only `impl`, measured on a `device` ("cuda" or "cpu"). measure: "of_peak" (the row's share of the device's ceiling), "speedup"
     (the baseline's time / ours) or "memory" (the baseline's peak memory / ours)."""
     benchmark: str
     measure: str
@@ -26,6 +26,7 @@ class Target:
     baseline: str = ""
     shape: str = ""
     impl: str = ""
+    device: str = "cuda"
 
 
 CUDA = "fusedlm[cuda]"
@@ -48,12 +49,19 @@ TARGETS = (
     Target("BERT-base MLM training step, bf16 autocast, model FLOPs", "of_peak", 0.45),
     Target("BERT-base MLM inference, bf16 autocast", "speedup", 1.5, "transformers"),
     Target("GPT-2 small LM training step, bf16 autocast", "speedup", 1.2, "transformers"),
+    # What CPU users serve (fusedlm.bench.models: minilm), in float32.
+    *(Target("all-MiniLM-L6-v2 sentence embeddings", "speedup", least, baseline, shape=shape,
+             impl="fusedlm", device="cpu")
+      for baseline in ("onnxruntime", "onnxruntime-bert")
+      for shape, least in ((r"^32x128", 1.3), (r"^1x128", 1.0))),
+    Target("all-MiniLM-L6-v2 sentence embeddings", "speedup", 1.2, "transformers", impl="fusedlm",
+           device="cpu"),
 )
 
 
-def _applies(target: Target, row: dict) -> bool:
+def _applies(target: Target, row: dict, device: str) -> bool:
     name = row["benchmark"]  # "<case> <pass>": the target names a case, or a case and pass
-    return ((name == target.benchmark or name.startswith(target.benchmark + " "))
+    return (target.device == device and (name == target.benchmark or name.startswith(target.benchmark + " "))
             and (not target.impl or row["impl"] == target.impl)
             and re.search(target.shape, row["shape"]) is not None)
 
@@ -70,13 +78,13 @@ def _value(target: Target, row: dict, rows: list) -> float | None:
     return baseline["peak_MiB"] / row["peak_MiB"]
 
 
-def targets(rows: list) -> list:
+def targets(rows: list, device: str = "cuda") -> list:
     verdicts = []
     for row in rows:
         if not is_fused(row["impl"]):
             continue
         for target in TARGETS:
-            if not _applies(target, row):
+            if not _applies(target, row, device):
                 continue
             value = _value(target, row, rows)
             if value is None:
@@ -96,8 +104,7 @@ def report(device: torch.device, quick: bool, statistic: str, ceilings: dict, ro
     return {"device": device_name(device), "date": datetime.date.today().isoformat(),
             "commit": git_commit(), "versions": versions(), "quick": quick, "complete": complete,
             "statistic": statistic, "ceilings": ceilings, "allocator": allocator,
-            # The targets are the project's for a GPU, at the GPU shapes.
-            "targets": targets(rows) if device.type == "cuda" and not quick else [],
+            "targets": targets(rows, device.type) if not quick else [],
             "rows": list(rows), "skipped": list(skipped)}
 
 
