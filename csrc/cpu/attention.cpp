@@ -554,9 +554,12 @@ namespace {
 constexpr int64_t kBlockQ = 128;
 constexpr int64_t kBlockK = 256;
 // Tasks take this many heads at once, so that each ATen call (a few microseconds to
-// dispatch, a fifth of a product at seq 128) serves them all through bmm. A constant,
-// so the split of the work does not depend on the machine.
+// dispatch, a fifth of a product at seq 128) serves them all through bmm; half as many
+// where a call would otherwise make fewer than kFewTasks tasks (one short query: 12
+// heads make 3 tasks, two cores take 2 and 1). Both follow from the shapes alone, so the
+// split of the work never depends on the machine.
 constexpr int64_t kHeadGroup = 4;
+constexpr int64_t kFewTasks = 8;
 
 // Rows of a tensor in units of elements: row `r` of head `h` of sequence `b` starts at
 // data + (b * batch + h * head + r * row) * elem; columns are `col` apart. Padded
@@ -613,6 +616,8 @@ struct Problem : AttentionProblem {
   bool has_bias = false;
   // The products may read the inputs in place: their element type is the accumulation type.
   bool direct = false;
+  // Query heads per set (kHeadGroup, or fewer for a call of few tasks): choose_head_group.
+  int64_t head_group = kHeadGroup;
 
   // The layout of q, k and v (padded_rows or packed_rows of each), each sequence from
   // row 0 (padded) until the offsets say otherwise, and the dropout seed.
@@ -677,19 +682,19 @@ struct Problem : AttentionProblem {
   // least as well as one rank of consecutive groups would. Never for ungrouped heads.
   bool flat() const {
     const int64_t g = group_size();
-    return g > 1 && std::min(kHeadGroup, g) >= std::min(kHeadGroup, kv_heads);
+    return g > 1 && std::min(head_group, g) >= std::min(head_group, kv_heads);
   }
   // The key/value heads of one backward task, which owns their dK and dV and therefore
   // every query head that reads them, and how many such groups a sequence has.
-  int64_t kv_group() const { return flat() ? 1 : std::min(kHeadGroup, kv_heads); }
+  int64_t kv_group() const { return flat() ? 1 : std::min(head_group, kv_heads); }
   int64_t kv_groups() const { return kv_heads ? (kv_heads + kv_group() - 1) / kv_group() : 0; }
   // The sets of query heads (Heads) that read key/value group kvg: set(kvg, i), i < sets().
-  int64_t sets() const { return flat() ? (group_size() + kHeadGroup - 1) / kHeadGroup : group_size(); }
+  int64_t sets() const { return flat() ? (group_size() + head_group - 1) / head_group : group_size(); }
   Heads set(int64_t kvg, int64_t i) const {
     const int64_t g = group_size();
     if (flat()) {
-      const int64_t h0 = kvg * g + i * kHeadGroup;
-      return {h0, 1, std::min(kHeadGroup, g - i * kHeadGroup), kvg, true};
+      const int64_t h0 = kvg * g + i * head_group;
+      return {h0, 1, std::min(head_group, g - i * head_group), kvg, true};
     }
     const int64_t kv0 = kvg * kv_group();
     return {kv0 * g + i, g, std::min(kv_group(), kv_heads - kv0), kv0, false};
@@ -722,6 +727,16 @@ struct Problem : AttentionProblem {
       key_start.push_back(static_cast<int64_t>(key_pos.size()));
       keys_consecutive.push_back(count == 0 || key_pos.back() - key_pos[key_start[b]] + 1 == count);
     }
+    choose_head_group();
+  }
+
+  // kHeadGroup heads per set, or half as many where the forward would make fewer than
+  // kFewTasks tasks (sequences x sets x query blocks) with them.
+  void choose_head_group() {
+    int64_t blocks = 0;
+    for (int64_t b = 0; b < batch; ++b) blocks += (q_len[b] + kBlockQ - 1) / kBlockQ;
+    head_group = kHeadGroup;
+    if (blocks * kv_groups() * sets() < kFewTasks) head_group = kHeadGroup / 2;
   }
 };
 
@@ -1000,7 +1015,7 @@ void forward(const Problem& pb, const Rows& out, const Rows& lse) {
   auto i0_of = [&](int64_t t) { return t % blocks * kBlockQ; };
   run_balanced(
       pb.batch * sets * blocks, [&](int64_t t) { return pb.block_work(b_of(t), i0_of(t)); },
-      [&] { return Workspace(pb, false, std::min(kHeadGroup, pb.heads)); },
+      [&] { return Workspace(pb, false, std::min(pb.head_group, pb.heads)); },
       [&](int64_t t, Workspace& ws) {
         const int64_t b = b_of(t), set = t / blocks % sets, i0 = i0_of(t);
         if (i0 < pb.q_len[b])
@@ -1134,7 +1149,7 @@ void backward(const Problem& pb, const Grads& g) {
       for (int64_t i0 = 0; i0 < pb.q_len[b]; i0 += kBlockQ) work += pb.block_work(b, i0);
     return work;
   };
-  run_balanced(tb * tg, cost, [&] { return Workspace(pb, true, std::min(kHeadGroup, pb.heads)); },
+  run_balanced(tb * tg, cost, [&] { return Workspace(pb, true, std::min(pb.head_group, pb.heads)); },
                [&](int64_t t, Workspace& ws) {
                  const int64_t go = t % tg;
                  for (auto [b, last] = sequences(t); b < last; ++b)
