@@ -22,7 +22,9 @@ def native_bf16(device: torch.device) -> bool:
     float32 ones."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    # torch's own probes (cpuinfo), private: a torch without them counts as without the units.
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def _stride_order(ref: torch.Tensor) -> list:
