@@ -70,27 +70,20 @@ def torch_profile(step, rounds: int) -> dict:
 
 
 def onnxruntime_profile(embedder, inputs: dict, rounds: int) -> tuple:
-    """(wall ms, {kind: ms per forward}) of ONNX Runtime with its BERT fusions."""
-    import onnxruntime
-    from onnxruntime.transformers import optimizer
+    """(wall ms, {kind: ms per forward}) of ONNX Runtime with its BERT fusions, the
+    bench's export and settings."""
+    from fusedlm.bench.models import onnx_export, onnxruntime_options, onnxruntime_session
 
-    config = embedder.encoder.config
+    feeds = {name: t.numpy() for name, t in inputs.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        torch.onnx.export(copy.deepcopy(embedder), tuple(inputs.values()), f"{tmp}/model.onnx",
-                          input_names=list(inputs), dynamo=False, opset_version=17)
-        optimizer.optimize_model(f"{tmp}/model.onnx", model_type="bert",
-                                 num_heads=config.num_attention_heads,
-                                 hidden_size=config.hidden_size).save_model_to_file(f"{tmp}/fused.onnx")
-        feeds = {name: t.numpy() for name, t in inputs.items()}
+        fused = onnx_export(copy.deepcopy(embedder), inputs, tmp,
+                            bert=embedder.encoder.config)["onnxruntime-bert"]
 
         def session(profiling: bool):
-            options = onnxruntime.SessionOptions()
-            options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-            options.intra_op_num_threads = torch.get_num_threads()
+            options = onnxruntime_options()
             options.enable_profiling = profiling
             options.profile_file_prefix = f"{tmp}/ort"
-            return onnxruntime.InferenceSession(f"{tmp}/fused.onnx", options,
-                                                providers=["CPUExecutionProvider"])
+            return onnxruntime_session(fused, options)
 
         plain = session(False)
         wall = wall_ms(lambda: plain.run(None, feeds), rounds)

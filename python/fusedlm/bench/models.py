@@ -191,27 +191,65 @@ def _onnxruntime(model, inputs: dict, bench: Bench) -> tuple:
     """(a step, None): transformers' model of ``model``'s weights exported to ONNX and run by
     ONNX Runtime on the CPU, graph optimizations on, on torch's thread count; or (None, why
     not). ONNX Runtime computes the padded positions too, as transformers does."""
-    if bench.device.type != "cpu":
-        return None, "measured on the CPU only"
-    try:
-        import onnx  # noqa: F401  (torch.onnx.export writes through it)
-        import onnxruntime
-        import transformers
-    except ImportError as missing:
-        return None, f"{missing.name} is not installed (pip install onnx onnxruntime)"
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = torch.get_num_threads()
+    why_not = _onnxruntime_missing(bench)
+    if why_not:
+        return None, why_not
+    import transformers
+
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         twin = getattr(transformers, type(model).__name__).from_pretrained(tmp, attn_implementation="eager")
-        names = list(inputs)
-        torch.onnx.export(twin.eval(), tuple(inputs[n] for n in names), f"{tmp}/model.onnx",
-                          input_names=names, dynamo=False, opset_version=17)
-        session = onnxruntime.InferenceSession(f"{tmp}/model.onnx", options,
-                                               providers=["CPUExecutionProvider"])
-    feeds = {n: inputs[n].numpy() for n in names}
+        session = onnxruntime_session(onnx_export(twin.eval(), inputs, tmp)["onnxruntime"],
+                                      onnxruntime_options())
+    feeds = {name: tensor.numpy() for name, tensor in inputs.items()}
     return (lambda: session.run(None, feeds)), None
+
+
+def _onnxruntime_missing(bench: Bench) -> Optional[str]:
+    """Why ONNX Runtime cannot be a baseline here, or None."""
+    if bench.device.type != "cpu":
+        return "measured on the CPU only"
+    try:
+        import onnx  # noqa: F401  (torch.onnx.export writes through it)
+        import onnxruntime  # noqa: F401
+        from onnxruntime.transformers import optimizer  # noqa: F401
+    except ImportError as missing:
+        return f"{missing.name} is not installed (pip install onnx onnxruntime)"
+    return None
+
+
+def onnx_export(module, inputs: dict, folder: str, bert=None) -> dict:
+    """{"onnxruntime": the file of ``module`` exported to ONNX in ``folder``, its inputs
+    named as ``inputs``}, and with ``bert`` (a BERT config) {"onnxruntime-bert": that file
+    after onnxruntime.transformers' BERT fusions (skip LayerNorm, GELU, embedding
+    LayerNorm, attention where it recognises it)}."""
+    files = {"onnxruntime": f"{folder}/model.onnx"}
+    torch.onnx.export(module, tuple(inputs.values()), files["onnxruntime"], input_names=list(inputs),
+                      dynamo=False, opset_version=17)
+    if bert is not None:
+        from onnxruntime.transformers import optimizer
+
+        files["onnxruntime-bert"] = f"{folder}/bert.onnx"
+        optimizer.optimize_model(files["onnxruntime"], model_type="bert",
+                                 num_heads=bert.num_attention_heads,
+                                 hidden_size=bert.hidden_size).save_model_to_file(files["onnxruntime-bert"])
+    return files
+
+
+def onnxruntime_options():
+    """ONNX Runtime's settings for a baseline: every graph optimisation, torch's thread count."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = torch.get_num_threads()
+    return options
+
+
+def onnxruntime_session(file: str, options):
+    import onnxruntime
+
+    return onnxruntime.InferenceSession(file, options, providers=["CPUExecutionProvider"])
 
 
 def _family(name: str, title: str, config: Callable) -> Callable[[Bench], Iterator[Case]]:
@@ -726,33 +764,15 @@ def _check_vectors_agree(steps: dict) -> Optional[float]:
 
 def _onnxruntime_embedders(embedder, inputs: dict, bench: Bench) -> dict:
     """{"onnxruntime": step, "onnxruntime-bert": step}: ``embedder`` exported to ONNX and run
-    by ONNX Runtime on the CPU (graph optimisations on, torch's thread count), as exported
-    and after onnxruntime.transformers' BERT fusions (attention, skip LayerNorm, bias GELU,
-    embedding LayerNorm); or {name: why not}."""
-    names = ("onnxruntime", "onnxruntime-bert")
-    if bench.device.type != "cpu":
-        return dict.fromkeys(names, "measured on the CPU only")
-    try:
-        import onnx  # noqa: F401  (torch.onnx.export writes through it)
-        import onnxruntime
-        from onnxruntime.transformers import optimizer
-    except ImportError as missing:
-        return dict.fromkeys(names, f"{missing.name} is not installed (pip install onnx onnxruntime)")
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = torch.get_num_threads()
+    by ONNX Runtime on the CPU (onnxruntime_options), as exported and after
+    onnxruntime.transformers' BERT fusions; or {name: why not}."""
+    why_not = _onnxruntime_missing(bench)
+    if why_not:
+        return dict.fromkeys(("onnxruntime", "onnxruntime-bert"), why_not)
     feeds = {name: tensor.numpy() for name, tensor in inputs.items()}
-    config = embedder.encoder.config
     with tempfile.TemporaryDirectory() as tmp:
-        torch.onnx.export(copy.deepcopy(embedder), tuple(inputs.values()), f"{tmp}/model.onnx",
-                          input_names=list(inputs), dynamo=False, opset_version=17)
-        fused = optimizer.optimize_model(f"{tmp}/model.onnx", model_type="bert",
-                                         num_heads=config.num_attention_heads,
-                                         hidden_size=config.hidden_size)
-        fused.save_model_to_file(f"{tmp}/fused.onnx")
-        sessions = {name: onnxruntime.InferenceSession(f"{tmp}/{file}", options,
-                                                       providers=["CPUExecutionProvider"])
-                    for name, file in zip(names, ("model.onnx", "fused.onnx"))}
+        files = onnx_export(copy.deepcopy(embedder), inputs, tmp, bert=embedder.encoder.config)
+        sessions = {name: onnxruntime_session(file, onnxruntime_options()) for name, file in files.items()}
     return {name: (lambda s=session: torch.from_numpy(s.run(None, feeds)[0]))
             for name, session in sessions.items()}
 
