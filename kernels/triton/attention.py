@@ -26,8 +26,9 @@ dV over the query heads of its group and, for each, the query blocks whose band 
 its keys, and a second kernel, one program per query block, accumulates dQ over the key
 blocks its band reaches. Every sum stays inside one program and every gradient element is
 written once (no atomics), so gradients are the same bit for bit on every run. When a
-row's keys fit one key block (every row's, or a packed sequence's), delta is taken from
-the exact probabilities (rowsum(P * dP)) instead of from the rounded output.
+row's keys fit one key block (every row's, a packed sequence's, or in a block a band edge
+crosses, the row's own), delta is taken from the exact probabilities (rowsum(P * dP))
+instead of from the rounded output.
 
 A bias gradient is dS summed over the bias's broadcast dimensions: the dQ kernel,
 which visits every (query, key) pair of the blocks its band reaches once, writes dS into
@@ -373,6 +374,15 @@ def _score_grads(q, k, v, do, lse, delta, b, h, heads, rows, cols, q_len, k_len,
         dp = tl.where(kept, dp * (1.0 / (1.0 - p)), 0.0)
     if EXACT_DELTA:
         delta = _exact_delta(prob, dp)
+    elif MASKED:
+        # Rows whose band lies inside this block (a window narrower than a block, a causal
+        # sequence's first rows, a packed sequence no longer than a block) take the exact
+        # delta: a row that sees one key has no score gradient, and only the tile's own
+        # sum cancels to zero exactly.
+        n0 = tl.min(cols, 0)
+        whole = ((tl.maximum(rows + lo, 0) >= n0)
+                 & (tl.minimum(rows + hi, k_len - 1) < n0 + prob.shape[1]))
+        delta = tl.where(whole, _exact_delta(prob, dp), delta)
     elif VARLEN:
         if k_len <= prob.shape[1]:  # this sequence's keys fit the block
             delta = _exact_delta(prob, dp)
