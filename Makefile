@@ -38,10 +38,13 @@ $(VENV)/.fusedlm: $(VENV)/.deps $(SOURCES)
 # interpreter and the CUDA emulator, where a case costs tens of times more (each run
 # draws new cases; `make fuzz` runs 2,000).
 SLOW_FUZZ := FUSEDLM_FUZZ_CASES=50
+# Every run of the suite spreads its tests over the cores (pytest-xdist), each worker
+# taking its share of torch's threads (tests/conftest.py).
+PYTEST := -m pytest -q -n auto
 
 test: $(VENV)/.fusedlm
-	$(PY) -m pytest -q
-	TRITON_INTERPRET=1 $(SLOW_FUZZ) $(PY) -m pytest -q -m triton
+	$(PY) $(PYTEST)
+	TRITON_INTERPRET=1 $(SLOW_FUZZ) $(PY) $(PYTEST) -m triton
 
 # Its own environment and build folder, so that neither build overwrites the other's objects.
 # A CPU build: PyPI's torch 2.11 is a CUDA build, whose kernels the GPU checks compile.
@@ -61,12 +64,12 @@ $(OLDEST_VENV)/.fusedlm: requirements-dev.txt $(SOURCES)
 
 # The fuzzers' cases per op ran in `make test`; here 50, for what the releases change.
 test-oldest: $(OLDEST_VENV)/.fusedlm
-	FUSEDLM_FUZZ_CASES=50 $(OLDEST_VENV)/bin/python -m pytest -q
+	FUSEDLM_FUZZ_CASES=50 $(OLDEST_VENV)/bin/python $(PYTEST)
 
 # The emulation build, in place in its own copy of the sources: its fusedlm (PYTHONPATH)
 # shadows the one installed in .venv for the tests below.
 EMULATED := build/emulated
-EMULATED_RUN := PYTHONPATH=$(EMULATED)/python $(PY) -m pytest -q -p no:cacheprovider
+EMULATED_RUN := PYTHONPATH=$(EMULATED)/python $(PY) $(PYTEST) -p no:cacheprovider
 
 $(EMULATED)/.built: $(VENV)/.deps $(SOURCES)
 	rm -rf $(EMULATED) && mkdir -p $(EMULATED)
@@ -88,8 +91,8 @@ test-emulated: $(VENV)/.deps $(EMULATED)/.built
 
 FUZZ_CASES ?= 2000
 fuzz: $(VENV)/.fusedlm $(EMULATED)/.built
-	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -k fuzz
-	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) TRITON_INTERPRET=1 $(PY) -m pytest -q -m triton -k fuzz
+	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) $(PY) $(PYTEST) -k fuzz
+	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) TRITON_INTERPRET=1 $(PY) $(PYTEST) -m triton -k fuzz
 	FUSEDLM_FUZZ_CASES=$(FUZZ_CASES) $(EMULATED_RUN) -m cuda -k fuzz
 
 bench: $(VENV)/.fusedlm

@@ -7,6 +7,12 @@ import types
 import pytest
 import torch
 
+# pytest-xdist's workers share the cores: each takes its share of torch's threads rather
+# than all of them (the tests of threading set their own counts).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 # Kernel checks at first use (fusedlm.verify) keep their results in a folder of
 # the test run's own, read when fusedlm is imported: never the user's cache. The child
 # processes the tests start inherit it; it is removed when the run ends.
