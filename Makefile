@@ -39,8 +39,9 @@ $(VENV)/.fusedlm: $(VENV)/.deps $(SOURCES)
 # draws new cases; `make fuzz` runs 2,000).
 SLOW_FUZZ := FUSEDLM_FUZZ_CASES=50
 # Every run of the suite spreads its tests over the cores (pytest-xdist), each worker
-# taking its share of torch's threads (tests/conftest.py).
-PYTEST := -m pytest -q -n auto
+# taking its share of torch's threads (tests/conftest.py). The suite times nothing:
+# pytest-benchmark, where installed, is left out (under xdist it warns in every worker).
+PYTEST := -m pytest -q -n auto -p no:benchmark
 
 test: $(VENV)/.fusedlm
 	$(PY) $(PYTEST)

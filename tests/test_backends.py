@@ -73,6 +73,37 @@ def test_use_backend_traces_under_compile():
                                torch.nn.functional.gelu(x))
 
 
+# The backends found their kernels at an op's first call, handing the Python ones to the
+# compiled routing through fusedlm._C, which dynamo cannot trace: where that first call was
+# inside torch.compile(fullgraph=True), compiling failed. import fusedlm finds them now.
+def test_first_call_of_a_process_may_be_compiled():
+    code = """
+import torch, fusedlm
+q, k, v = (torch.randn(2, 4, 16, 32, requires_grad=True) for _ in range(3))
+x = torch.randn(2, 16, 32, requires_grad=True)
+w, b = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+
+def loss(q, k, v, x, w, b):
+    out = fusedlm.ops.attention(q, k, v, causal=True)
+    normed, _ = fusedlm.ops.add_layer_norm(x, x.flip(0), w, b)
+    return out.sum() + normed.square().sum() + fusedlm.ops.bias_gelu(x, b).sum()
+
+compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v, x, w, b)
+compiled.backward()
+grads = [t.grad for t in (q, k, v, x, w, b)]
+for t in (q, k, v, x, w, b):
+    t.grad = None
+expected = loss(q, k, v, x, w, b)
+expected.backward()
+torch.testing.assert_close(compiled, expected)
+for got, t in zip(grads, (q, k, v, x, w, b)):
+    torch.testing.assert_close(got, t.grad)
+print("matched")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "matched" in out.stdout, out.stderr[-3000:]
+
+
 def test_environment_backend_is_read_at_import():
     code = ("import torch, fusedlm; print(fusedlm.explain('bias_gelu', torch.randn(2, 3), None))")
     env = dict(os.environ, FUSEDLM_BACKEND="reference")

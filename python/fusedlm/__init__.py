@@ -12,10 +12,12 @@ from . import nn, ops
 from . import verify  # noqa: F401  (above the ops it runs; it installs the device checks)
 from .verify import tuning  # noqa: F401  (the same for the timing of automatic choices)
 from .backends import backends, explain, get_backend, set_backend, use_backend
+from .backends import registry as _registry
 from .patching import patch, patch_report
 from .patching import transformers_hook
 
 transformers_hook.install()  # attn_implementation="fusedlm", once transformers is imported
+_registry.find_kernels()  # now that every op is declared: never inside a torch.compile trace
 
 
 def __getattr__(name):

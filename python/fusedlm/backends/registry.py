@@ -299,6 +299,15 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def find_kernels() -> None:
+    """Has every backend find its kernels of the ops declared so far, as ``import fusedlm``
+    does once it has declared them: finding them hands the Python kernels to the ops'
+    routing (fusedlm._C), which torch.compile cannot trace, and an op's first call may be
+    traced."""
+    for backend in _REGISTRY.values():
+        backend.kernels  # noqa: B018  (found on first access)
+
+
 def kernel(backend: str, op: str) -> Kernel:
     return _REGISTRY[backend].kernels[op]
 
