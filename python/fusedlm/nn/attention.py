@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from ..ops.attention import visible_keys
 from ._checks import check_mask, check_shape, sequence_dims
 from ._eager import EagerModule
 
@@ -143,26 +144,40 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                            key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                           scale: Optional[float] = None, dropout_p: float = 0.0) -> tuple:
+                           attn_bias: Optional[Tensor] = None, scale: Optional[float] = None,
+                           dropout_p: float = 0.0, window_size: tuple = (-1, -1),
+                           softcap: Optional[float] = None,
+                           softmax_dtype: Optional[torch.dtype] = None) -> tuple:
     """(softmax(q k^T * scale, masked) with dropout @ v, the attention weights), for q/k/v
-    [batch, heads, seq, head_dim]: the plain-PyTorch path for callers that ask to see the
-    weights, which the fused kernels never materialise. key_padding_mask is bool [batch,
-    seq_k], True = padding; attn_mask, broadcastable to the scores [batch, heads, seq_q,
-    seq_k], is bool (True = may attend, as SDPA's) or added to the scores. Masked scores
-    take the dtype's lowest value, as transformers' eager attention does, so a row with
-    every key masked is uniform."""
+    [batch, heads, seq, head_dim] (k and v may have fewer heads, a divisor of q's: each
+    serves a group of query heads): the plain-PyTorch path for callers that ask to see the
+    weights, which the fused kernels never materialise. The scores are softcapped
+    (softcap * tanh(s / softcap)) where ``softcap`` is given, then take ``attn_bias`` and
+    ``attn_mask`` (broadcastable to [batch, heads, seq_q, seq_k]; a bool mask is True =
+    may attend, as SDPA's, any other is added); key_padding_mask is bool [batch, seq_k],
+    True = padding; ``causal`` and ``window_size`` (keys left and right of the diagonal,
+    -1 unbounded) are aligned to the bottom right. Masked scores take the dtype's lowest
+    value, as transformers' eager attention does, so a row with every key masked is
+    uniform. The softmax runs in ``softmax_dtype`` (default the scores'), the weights
+    return in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, heads, seq_q, seq_k]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attn_bias is not None:
+        scores = scores + attn_bias.to(scores.dtype)
     lowest = torch.finfo(scores.dtype).min
-    if causal:
-        seq_q, seq_k = scores.shape[-2:]
-        future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).triu(seq_k - seq_q + 1)
-        scores = scores.masked_fill(future, lowest)
-    if key_padding_mask is not None:
-        scores = scores.masked_fill(key_padding_mask[:, None, None, :], lowest)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, lowest)
     elif attn_mask is not None:
         scores = scores + attn_mask.to(scores.dtype)
-    weights = torch.softmax(scores, dim=-1)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], lowest)
+    visible = visible_keys(scores.shape[-2], scores.shape[-1], causal, window_size, q.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, lowest)
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
     return torch.matmul(F.dropout(weights, dropout_p), v), weights

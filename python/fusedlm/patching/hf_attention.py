@@ -22,7 +22,6 @@ transformers' eager attention instead, with one warning naming the reason: a cal
 asks for the attention weights (``output_attentions=True``), logit softcapping (Gemma 2),
 an additive ``position_bias``. Attention sinks (``s_aux``) and a ``head_mask`` are refused.
 """
-import math
 import warnings
 from typing import Optional
 
@@ -30,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..ops.attention import visible_keys
+from ..nn.attention import attention_with_weights
 
 try:  # imported here, not where it is used: torch 2.11's compiler cannot trace the import
     from transformers import masking_utils
@@ -119,26 +118,12 @@ def _plain(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], ca
            window: tuple, scaling: Optional[float], dropout: float, softcap=None,
            position_bias=None):
     """transformers' eager attention: softmax in float32 of the (softcapped) scores plus the
-    mask and position_bias, masked scores at the dtype's lowest value (a row with every
+    position_bias and the mask, masked scores at the dtype's lowest value (a row with every
     key masked is uniform, as there), grouped key/value heads repeated."""
-    group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scale = 1 / math.sqrt(query.shape[-1]) if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if position_bias is not None:
-        scores = scores + position_bias
-    lowest = torch.finfo(scores.dtype).min
-    if mask is not None and mask.dtype != torch.bool:
-        scores = scores + mask.to(scores.dtype)
-    elif mask is not None:
-        scores = scores.masked_fill(~mask, lowest)
-    visible = visible_keys(query.shape[2], key.shape[2], causal, window, query.device)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, lowest)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(nn.functional.dropout(weights, dropout), value)
+    out, weights = attention_with_weights(query, key, value, causal=causal, attn_mask=mask,
+                                          attn_bias=position_bias, scale=scaling,
+                                          dropout_p=dropout, window_size=window, softcap=softcap,
+                                          softmax_dtype=torch.float32)
     return out.transpose(1, 2), weights
 
 
