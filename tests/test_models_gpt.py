@@ -71,14 +71,30 @@ def _enable_checkpointing(model, **options) -> None:
     enable(**options)
 
 
-def _assert_same_grads(ours, theirs, tol: float) -> None:
+def _float64_twin(theirs):
+    """transformers' model in float64: the truth the float32 gradients are judged against."""
+    return copy.deepcopy(theirs).double()
+
+
+def _assert_same_grads(ours, theirs, truth, tol: float) -> None:
+    """Every gradient of ours within ``tol`` (norm-wise) of transformers', or no further
+    from the float64 ``truth`` than 4 times transformers' float32 one: a gradient whose
+    terms cancel (c_attn's, through the softmax) loses more than ``tol`` to rounding on
+    some draws, in both."""
     expected = dict(theirs.named_parameters())
+    exact = dict(truth.named_parameters())
     assert {n for n, _ in ours.named_parameters()} == set(expected)
     # c_attn's key biases have zero gradients in exact arithmetic (softmax ignores a shift
     # of a row): rounding noise, small next to the largest gradient.
     floor = tol * max(p.grad.norm().item() for p in expected.values())
     for name, p in ours.named_parameters():
-        assert_rel(p.grad, expected[name].grad, f"grad {name}", tol=tol, floor=floor)
+        got, want, true = (g.grad.detach().double() for g in (p, expected[name], exact[name]))
+        error, ours_off, theirs_off = ((got - want).norm().item(), (got - true).norm().item(),
+                                       (want - true).norm().item())
+        close = error <= max(tol * want.norm().item(), floor)
+        assert close or ours_off <= 4 * theirs_off + floor, (
+            f"grad {name}: relative error {error / max(want.norm().item(), 1e-30):.2e} to "
+            f"transformers'; {ours_off:.3g} from float64's, transformers' {theirs_off:.3g}")
 
 
 # --- outputs, losses and gradients -------------------------------------------------------------
@@ -110,16 +126,17 @@ def test_a_training_step_matches_transformers(side, backend):
     """Training mode, dropout 0: the loss and every gradient within 1e-5 of transformers',
     and after one AdamW step on each, the same loss again."""
     ours, theirs = _pair()
+    truth = _float64_twin(theirs)
     batch = _padded(side)
     batch["labels"] = _labels(batch)
     losses = []
-    for model in (ours.train(), theirs.train()):
+    for model in (ours.train(), theirs.train(), truth.train()):
         loss = _with_backend(backend, lambda: model(**batch).loss)
         loss.backward()
         torch.optim.AdamW(model.parameters(), lr=1e-3).step()
         losses.append(loss)
     assert_rel(losses[0], losses[1], "loss", tol=1e-5)
-    _assert_same_grads(ours, theirs, tol=1e-5)
+    _assert_same_grads(ours, theirs, truth, tol=1e-5)
     with torch.no_grad():
         after = [_with_backend(backend, lambda: m(**batch).loss) for m in (ours, theirs)]
     assert_rel(after[0], after[1], "loss after the step", tol=1e-5)
@@ -161,17 +178,18 @@ def test_loss_arguments_give_transformers_loss_and_gradients(case, head):
     """transformers' causal LM loss arguments, through the fused loss (and through the head
     as a module, where a hook must see its product)."""
     ours, theirs = _pair()
+    truth = _float64_twin(theirs)
     if head == "module":
         ours.lm_head.register_forward_hook(lambda module, args, out: None)
     batch = _padded("right")
     arguments = LOSS_ARGUMENTS[case](batch)
     losses = []
-    for model in (ours.train(), theirs.train()):
+    for model in (ours.train(), theirs.train(), truth.train()):
         loss = model(**batch, **arguments).loss
         loss.backward()
         losses.append(loss)
     assert_rel(losses[0], losses[1], "loss", tol=1e-5)
-    _assert_same_grads(ours, theirs, tol=1e-5)
+    _assert_same_grads(ours, theirs, truth, tol=1e-5)
 
 
 def test_the_trainer_passes_num_items_in_batch_as_to_transformers_models(tmp_path):
@@ -640,11 +658,12 @@ def test_gradient_checkpointing_options_give_transformers_gradients(options):
     block (every n-th) runs again in the backward, through torch's checkpoint with the
     caller's arguments, and the gradients are transformers'."""
     ours, theirs = _pair()
+    truth = _float64_twin(theirs)
     batch = _padded("right")
     batch["labels"] = _labels(batch)
     runs = _count_block_runs(ours)
     losses = []
-    for model in (ours.train(), theirs.train()):
+    for model in (ours.train(), theirs.train(), truth.train()):
         _enable_checkpointing_with(model, CHECKPOINTING[options])
         loss = model(**batch).loss
         loss.backward()
@@ -652,7 +671,7 @@ def test_gradient_checkpointing_options_give_transformers_gradients(options):
     checkpointed = 1 if options == "every_2nd_layer" else TINY["n_layer"]
     assert len(runs) == TINY["n_layer"] + checkpointed
     assert_rel(losses[0], losses[1], "loss", tol=1e-5)
-    _assert_same_grads(ours, theirs, tol=1e-5)
+    _assert_same_grads(ours, theirs, truth, tol=1e-5)
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
