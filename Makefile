@@ -39,9 +39,10 @@ $(VENV)/.fusedlm: $(VENV)/.deps $(SOURCES)
 # draws new cases; `make fuzz` runs 2,000).
 SLOW_FUZZ := FUSEDLM_FUZZ_CASES=50
 # Every run of the suite spreads its tests over the cores (pytest-xdist), each worker
-# taking its share of torch's threads (tests/conftest.py). The suite times nothing:
-# pytest-benchmark, where installed, is left out (under xdist it warns in every worker).
-PYTEST := -m pytest -q -n auto -p no:benchmark
+# taking its share of torch's threads (tests/conftest.py); at most 8 workers, each of which
+# holds its own torch and models in memory. The suite times nothing: pytest-benchmark,
+# where installed, is left out (under xdist it warns in every worker).
+PYTEST := -m pytest -q -n auto --maxprocesses 8 -p no:benchmark
 
 test: $(VENV)/.fusedlm
 	$(PY) $(PYTEST)
