@@ -156,6 +156,20 @@ def test_no_check_while_torch_compile_traces(checks, monkeypatch):
     assert len(calls) == 1
 
 
+# The checks called the op through fusedlm.ops, where a caller's wrapper (a test's
+# recorder, a user's logger) took the probe's calls for its own. They call it as the
+# module declaring it defines it.
+def test_a_check_calls_the_op_itself_not_a_wrapper_in_its_place(checks, monkeypatch):
+    seen = []
+    bias_gelu = fusedlm.ops.bias_gelu
+    monkeypatch.setattr(fusedlm.ops, "bias_gelu",
+                        lambda *a, **k: seen.append(tuple(a[0].shape)) or bias_gelu(*a, **k))
+    x, b = _inputs()
+    fusedlm.ops.bias_gelu(x, b)
+    assert "bias_gelu/cpu/float32" in verify._records["cpu"]["results"]  # the check ran
+    assert seen == [tuple(x.shape)]
+
+
 def test_a_check_leaves_torchs_generator_alone(checks):
     torch.manual_seed(5)
     before = torch.get_rng_state()

@@ -40,6 +40,7 @@ from ..backends.dispatch import _PLANNERS
 from ..backends.registry import _AUTO_ORDER, _REGISTRY
 from . import _device_key, identity  # (fusedlm imports this module after fusedlm.verify)
 from . import _file as verified_file
+from .probes import op_function
 
 _MODE = (switches.value("FUSEDLM_TUNE") or "1").strip()
 if _MODE not in ("0", "1"):
@@ -201,8 +202,7 @@ def _measured(op: str, args: tuple, kwargs: dict, device: torch.device) -> dict:
 
 
 def _timed_here(op: str, args: tuple, kwargs: dict, device: torch.device, names: list) -> dict:
-    import fusedlm.ops as ops
-
+    function = op_function(op)
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     devices = [device] if device.type == "cuda" else []
     grad = torch.is_grad_enabled()
@@ -215,7 +215,7 @@ def _timed_here(op: str, args: tuple, kwargs: dict, device: torch.device, names:
                       if isinstance(t, torch.Tensor) and t.requires_grad]
 
             def step(copies=copies, copied_kwargs=copied_kwargs, leaves=leaves):
-                out = getattr(ops, op)(*copies, **copied_kwargs)
+                out = function(*copies, **copied_kwargs)
                 outputs = [o for o in (out if isinstance(out, tuple) else (out,))
                            if isinstance(o, torch.Tensor) and o.requires_grad]
                 if leaves and outputs:
