@@ -20,6 +20,7 @@ fusedlm.ops.reference on the same inputs, at one of two shape sets (shape_set):
   bound (MAX_RELATIVE_ERROR), after poison_memory so an element a kernel never writes
   reads NaN.
 """
+import contextlib
 import os
 
 import pytest
@@ -182,6 +183,24 @@ def poison_memory():
     blocks += [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(64)]
     torch.cuda.synchronize()
     del blocks
+
+
+@contextlib.contextmanager
+def on_this_thread():
+    """One ATen thread for the block, so the cpu kernels run on the calling thread: a test
+    can then see the floating-point mode they leave behind (subnormals_survive)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def subnormals_survive() -> bool:
+    """Whether this thread's float arithmetic still gives subnormal results, as it does
+    unless something left its flush-to-zero mode on."""
+    return (torch.tensor([1e-38]) * 0.25).item() != 0.0
 
 
 # --- comparisons (see the module's docstring) -----------------------------------------------------

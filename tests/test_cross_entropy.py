@@ -12,7 +12,8 @@ import fuzz
 from fusedlm.ops import reference
 from fuzz import Case
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
-                     fresh, gpu_test, grads, poison_memory, slow_backend)
+                     fresh, gpu_test, grads, on_this_thread, poison_memory, slow_backend,
+                     subnormals_survive)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -237,6 +238,26 @@ def test_cross_entropy_unchecked_bad_label_gives_nan_not_a_stray_read(backend, m
     expected = reference.cross_entropy(logits[:1], labels[:1], reduction="none")
     assert torch.isnan(loss[1]) and torch.isnan(loss[3]) and loss[2] == 0
     assert_close(loss[:1], expected, name="loss")
+
+
+def test_cross_entropy_far_logits_restore_the_thread(cpu_isa):
+    # Logits 85 below the row's largest give probabilities and gradients below float's
+    # normal range, which the cpu kernels flush to 0; the results still match, and the
+    # thread's arithmetic is left as it was found.
+    logits = torch.zeros(4, 64)
+    logits[:, 1:] = -85.0 - torch.rand(4, 63)
+    logits.requires_grad_()
+    labels = torch.tensor([0, 1, 5, 0])
+    with on_this_thread():
+        loss = fusedlm.ops.cross_entropy(logits, labels, reduction="none", backend="cpu")
+        (dlogits,) = torch.autograd.grad(loss.sum(), logits)
+        survive = subnormals_survive()
+    assert survive, f"{cpu_isa}: the kernels left flush-to-zero on"
+    (ref,) = as_reference(logits)
+    expected = reference.cross_entropy(ref, labels, reduction="none")
+    (ref_grad,) = torch.autograd.grad(expected.sum(), ref)
+    assert_close(loss, expected, name=f"{cpu_isa} loss")
+    assert_close(dlogits, ref_grad, name=f"{cpu_isa} dlogits")
 
 
 @pytest.mark.parametrize("backend", backends_for("cross_entropy"))

@@ -14,7 +14,8 @@ from fusedlm.ops._dropout import next_seed
 from fusedlm.backends import cuda as cuda_backend
 from helpers import (MAX_RELATIVE_ERROR, as_reference, assert_close, assert_relative_error,
                      backend_device, backends_for, first_taken, fresh, grads, keep_mask,
-                     needs_emulator, poison_memory, skip_if_refused, slow_backend)
+                     needs_emulator, on_this_thread, poison_memory, skip_if_refused,
+                     slow_backend, subnormals_survive)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -71,7 +72,7 @@ def test_bias_gelu_negative_tail_keeps_its_digits(cpu_isa):
     # The cpu kernels compute Phi's lower tail relative to itself, so GELU and its slope far
     # on the negative side are accurate to a few parts per million, not merely tiny (torch's
     # float32 GELU is 0 there), down to where they leave float's normal range.
-    z = torch.linspace(-12.5, -0.01, 4001, dtype=torch.float32).requires_grad_()
+    z = torch.linspace(-13.1, -0.01, 4001, dtype=torch.float32).requires_grad_()
     out = fusedlm.ops.bias_gelu(z, None, "none", backend="cpu")
     (slope,) = torch.autograd.grad(out, z, torch.ones_like(out))
     z64 = z.detach().double()
@@ -101,6 +102,26 @@ def test_bias_gelu_extremes_and_nan(cpu_isa):
     # Float's subnormals (|GELU| near 1e-38 at z = -13.2) carry few digits: absolute there.
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-37, equal_nan=True)
     torch.testing.assert_close(slope.double(), expected_slope, rtol=1e-6, atol=1e-37, equal_nan=True)
+
+
+def test_bias_gelu_flushes_subnormal_results_and_restores_the_thread(cpu_isa):
+    # Where GELU and its slope fall below float's normal range (z = -13.2) the cpu kernels
+    # give 0, not a subnormal, which costs x86 a microcode assist per vector; just inside it
+    # (z = -13.1) they keep the value. They leave the thread's arithmetic as they found it.
+    assert torch.set_flush_denormal(True), "this processor has no flush-to-zero mode"
+    try:
+        assert not subnormals_survive()  # the check sees a flushing thread
+    finally:
+        torch.set_flush_denormal(False)
+    z = torch.tensor([-13.2, -13.1, -1.0], requires_grad=True)
+    with on_this_thread():
+        out = fusedlm.ops.bias_gelu(z, None, "none", backend="cpu")
+        (slope,) = torch.autograd.grad(out, z, torch.ones_like(out))
+        survive = subnormals_survive()
+    assert survive, f"{cpu_isa}: the kernels left flush-to-zero on"
+    assert out[0] == 0 and slope[0] == 0, (cpu_isa, out, slope)
+    tiny = torch.finfo(torch.float32).tiny
+    assert out[1].abs() >= tiny and slope[1].abs() >= tiny, (cpu_isa, out, slope)
 
 
 @settings(max_examples=25, deadline=None)

@@ -10,7 +10,8 @@ from fuzz import Case
 from fusedlm.models import ELMo, ElmoConfig
 from fusedlm.models.elmo import batch_to_ids
 from helpers import (as_reference, assert_close, assert_relative_error, backend_device, backends_for,
-                     fresh, gpu_test, grads, poison_memory, slow_backend)
+                     fresh, gpu_test, grads, on_this_thread, poison_memory, slow_backend,
+                     subnormals_survive)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -96,6 +97,25 @@ def test_lstm_cell_saturated_gates_stay_finite(backend):
         eh, ec = reference.lstm_cell(big.double(), c_prev.double(), cell_clip=3.0)
         assert_close(h, eh, dtype=dtype)
         assert_close(c, ec, dtype=dtype)
+
+
+def test_lstm_cell_underflowing_gates_restore_the_thread(cpu_isa):
+    # Gates near -53 and -87 give products and sigmoids below float's normal range, which
+    # the cpu kernels flush to 0; the results still match, and the thread's arithmetic is
+    # left as it was found.
+    gates = torch.tensor([[-53.0, -87.2, -53.0, -87.2] * 2], requires_grad=True)
+    c_prev = torch.tensor([[0.0, 0.5]], requires_grad=True)
+    with on_this_thread():
+        h, c = fusedlm.ops.lstm_cell(gates, c_prev, backend="cpu")
+        (h.sum() + c.sum()).backward()
+        survive = subnormals_survive()
+    assert survive, f"{cpu_isa}: the kernels left flush-to-zero on"
+    g64, c64 = as_reference(gates, c_prev)
+    eh, ec = reference.lstm_cell(g64, c64)
+    (eh.sum() + ec.sum()).backward()
+    for name, got, want in (("h", h, eh), ("c", c, ec), ("dgates", gates.grad, g64.grad),
+                            ("dc_prev", c_prev.grad, c64.grad)):
+        assert_close(got, want, name=f"{cpu_isa} {name}")
 
 
 def test_lstm_cell_compiles_without_graph_breaks():

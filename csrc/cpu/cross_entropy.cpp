@@ -294,6 +294,7 @@ void cross_entropy_forward(DType dtype, const void* logits, const int64_t* label
                            void* grad, void* col_sum, int64_t rows, int64_t classes,
                            int64_t ignore_index, double label_smoothing, double grad_scale,
                            const void* row_scale) {
+  const FlushSubnormals flush;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using A = acc_t<T>;
@@ -308,6 +309,7 @@ void cross_entropy_forward(DType dtype, const void* logits, const int64_t* label
 void distillation_loss_forward(DType dtype, const void* student, const void* teacher, void* loss,
                                void* grad, int64_t rows, int64_t classes, double temperature,
                                double grad_scale) {
+  const FlushSubnormals flush;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     distill_rows(static_cast<const T*>(student), static_cast<const T*>(teacher),

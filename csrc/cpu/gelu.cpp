@@ -165,6 +165,7 @@ auto backward_for(Gelu kind, bool with_act) {
 
 void bias_gelu_forward(DType dtype, const void* x, const void* bias, void* y, int64_t rows,
                        int64_t cols, Gelu kind, const uint8_t* keep, double p) {
+  const FlushSubnormals flush;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto b = widen_bias(static_cast<const T*>(bias), cols);
@@ -176,6 +177,7 @@ void bias_gelu_forward(DType dtype, const void* x, const void* bias, void* y, in
 void bias_gelu_backward(DType dtype, const void* dy, const void* x, const void* bias, void* dx,
                         void* act, void* dbias_partial, int64_t rows, int64_t cols, Gelu kind,
                         const uint8_t* keep, double p) {
+  const FlushSubnormals flush;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto b = widen_bias(static_cast<const T*>(bias), cols);

@@ -86,6 +86,7 @@ void backward_row(const T* __restrict__ dh, const T* __restrict__ dc, const T* _
 
 void lstm_cell_forward(DType dtype, const void* gates, const void* c_prev, void* h, void* c,
                        int64_t rows, int64_t cell, double clip) {
+  const FlushSubnormals flush;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* g = static_cast<const T*>(gates);
@@ -102,6 +103,7 @@ void lstm_cell_forward(DType dtype, const void* gates, const void* c_prev, void*
 void lstm_cell_backward(DType dtype, const void* dh, const void* dc, const void* gates,
                         const void* c_prev, void* dgates, void* dc_prev, int64_t rows,
                         int64_t cell, double clip) {
+  const FlushSubnormals flush;
   dispatch_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* g = static_cast<const T*>(gates);

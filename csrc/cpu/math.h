@@ -15,6 +15,9 @@
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
+#ifdef __SSE__
+#include <xmmintrin.h>
+#endif
 
 #ifndef FUSEDLM_ISA
 #error "csrc/cpu sources are compiled once per instruction set with -DFUSEDLM_ISA=<name>"
@@ -37,6 +40,21 @@ inline uint32_t select_mask(bool cond) { return 0u - uint32_t(cond); }
 inline uint32_t select(uint32_t mask, uint32_t if_set, uint32_t if_clear) {
   return (if_set & mask) | (if_clear & ~mask);
 }
+
+// While one lives, this thread's arithmetic flushes subnormal results to zero (MXCSR's
+// flush-to-zero bit); inputs are read as they are. The kernels of transcendental functions
+// take one. On x86 every subnormal result costs a microcode assist of a hundred cycles or
+// more for its whole vector, and such results come from ordinary inputs: GELU's tail near
+// |z| = 13, a sigmoid near -87, an LSTM's saturated gates, a softmax's far logits. A
+// kernel fed a few of them ran several times slower. Results that small are below what
+// these kernels are accurate to, and GPUs flush them too. A no-op without SSE.
+struct FlushSubnormals {
+#ifdef __SSE__
+  unsigned saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | _MM_FLUSH_ZERO_ON); }
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+#endif
+};
 
 // Loads widen to float (double stays double); stores round to nearest even.
 inline float load(float v) { return v; }
@@ -157,7 +175,9 @@ inline float normal_pdf_f(float a) {
 // and the cap changes nothing, but +-inf give value inf or 0 and slope 1 or 0 rather than
 // NaN from inf * 0; a NaN stays NaN (the cap's compare is false for it). With
 // d = Phi(-a) - a phi(a) = (t P - a) phi, value = max(z, 0) - a Phi(-a) and slope = d for
-// z < 0, 1 - d otherwise. The loops are bound by their vector instructions (about 36 per
+// z < 0, 1 - d otherwise. a Phi(-a) is formed as (a t P) phi, a t P being near 1: Phi(-a)
+// alone leaves float's normal range from a = 12.95, where the value is still normal, and
+// the kernels flush subnormal results (FlushSubnormals). The loops are bound by their vector instructions (about 36 per
 // 16 values, 38 per 16 slopes, loads and stores included), so each counts: no select but
 // the slope's, no clamp but the cap, no float-to-integer conversion, no constant factor of
 // its own.
@@ -175,7 +195,7 @@ inline void gelu_erf(float z, float& value, float& slope) {
   p = p * t + 0.296812683f;
   const float phi = normal_pdf_f(a);
   const float tp = t * p;
-  value = (z > 0.0f ? z : 0.0f) - a * (tp * phi);
+  value = (z > 0.0f ? z : 0.0f) - (a * tp) * phi;
   const float d = (tp - a) * phi;
   slope = z < 0.0f ? d : 1.0f - d;
 }
