@@ -53,6 +53,8 @@ struct FlushSubnormals {
   unsigned saved = _mm_getcsr();
   FlushSubnormals() { _mm_setcsr(saved | _MM_FLUSH_ZERO_ON); }
   ~FlushSubnormals() { _mm_setcsr(saved); }
+#else
+  FlushSubnormals() {}  // user-provided, so that a const one may be declared
 #endif
 };
 
