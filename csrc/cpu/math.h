@@ -148,8 +148,9 @@ inline float exp_f(float x) {
 // 2^n, n = round(y). Adding 1.5 * 2^23 + 127 rounds y + 127 to an integer and leaves it in
 // the sum's low mantissa bits; shifted left by 23 they are 2^n's exponent field (the
 // constant's own bits shift out), so no conversion to an integer is needed. a <= 13.25
-// keeps y > -127: where n = -127 the field is 0 and the result exactly 0, flushing what
-// lies below float's normal range.
+// keeps y > -127: where n = -127 the field is 0 and the result exactly 0. Just above, from
+// a = 13.15 (n = -126, or -125 with a fit below 1/2), the result is subnormal, which the
+// calling kernel's FlushSubnormals turns to 0.
 inline float normal_pdf_f(float a) {
   const float y = a * a * -0.72134752044448170f;
   const float m = y + 12583039.0f;           // 1.5 * 2^23 + 127
