@@ -534,6 +534,14 @@ if __name__ == "__main__":
 POINTWISE = 1e-4
 
 
+def kv_heads(d, heads):
+    """Key/value heads for q's ``heads``, drawn with ``d``: mostly as many; often a divisor
+    of them (grouped-query, or multi-query at 1)."""
+    if heads == 1 or d.chance(0.6):
+        return heads
+    return d.choice([n for n in range(1, heads) if heads % n == 0])
+
+
 def softmax_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_bias=None, scale=None,
                       window_size=(-1, -1)):
     """softmax(q k^T * scale + bias) v over [..., seq, head_dim], computed in q's dtype; rows

@@ -1019,13 +1019,6 @@ def _fuzz_scale(d):
     return None if d.chance(0.7) else d.choice([0.01, 0.3, 2.0])
 
 
-def _kv_heads(d, heads):
-    """Mostly q's heads; often a divisor of them (grouped-query, or multi-query at 1)."""
-    if heads == 1 or d.chance(0.6):
-        return heads
-    return d.choice([n for n in range(1, heads) if heads % n == 0])
-
-
 def _window(d):
     """Mostly none; often a left bound, a right one or both, down to 0 (the diagonal)."""
     if d.chance(0.6):
@@ -1045,7 +1038,7 @@ def _more_kv_heads(heads):
 def draw_attention(d):
     dtype = d.dtype()
     batch, heads = d.size(0, 3), d.size(1, 4)
-    kv_heads = _kv_heads(d, heads)
+    kv_heads = fuzz.kv_heads(d, heads)
     seq_q, seq_k = d.size(0, 70, (1, 63, 64, 65)), d.size(0, 70, (1, 63, 64, 65))
     head_dim, head_dim_v = _head_dims(d)
     magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
@@ -1119,7 +1112,7 @@ def _varlen_case(d, lengths_q, lengths_k, causal=None, window=None):
     """attention_varlen over sequences of these lengths (and this causal and window where
     given), the rest drawn."""
     dtype, batch, heads = d.dtype(), len(lengths_q), d.size(1, 4)
-    kv_heads = _kv_heads(d, heads)
+    kv_heads = fuzz.kv_heads(d, heads)
     head_dim, head_dim_v = _head_dims(d)
     magnitude = d.magnitude(30.0 if dtype in (torch.float16, torch.bfloat16) else 1e3)
     total_q, total_k = sum(lengths_q), sum(lengths_k)

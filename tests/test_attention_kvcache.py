@@ -12,7 +12,8 @@ from helpers import (assert_close, assert_relative_error, backend_device, backen
                      poison_memory)
 
 CASES = {
-    # name: (batch, heads, seq_q, seq_new, max_len, head_dim, cached lengths, left padding)
+    # name: (batch, heads, seq_q, seq_new, max_len, head_dim, cached lengths, left padding[,
+    # key/value heads, if fewer than heads])
     "decode": (4, 2, 1, 1, 40, 16, [0, 17, 39, 5], None),
     "prefill": (3, 2, 6, 6, 20, 16, [0, 9, 14], None),
     "read_only": (3, 3, 1, 0, 33, 8, [1, 33, 20], None),
@@ -21,15 +22,18 @@ CASES = {
     "left_padded": (4, 2, 1, 1, 36, 16, [7, 20, 35, 3], [3, 0, 30, 4]),
     "left_padded_prefill": (3, 2, 4, 4, 25, 24, [0, 10, 21], [2, 9, 0]),
     "long": (2, 2, 3, 3, 300, 32, [150, 297], [40, 0]),  # several key blocks
+    "grouped_decode": (4, 6, 1, 1, 40, 16, [0, 17, 39, 5], [0, 3, 30, 1], 2),
+    "multi_query_prefill": (3, 4, 4, 4, 25, 24, [0, 10, 21], [2, 9, 0], 1),
 }
 
 
 def _case(name, dtype, device):
-    batch, heads, seq_q, seq_new, max_len, head_dim, cached, leftpad = CASES[name]
+    batch, heads, seq_q, seq_new, max_len, head_dim, cached, leftpad, *grouped = CASES[name]
+    kv_heads = grouped[0] if grouped else heads
     q = fresh((batch, seq_q, heads, head_dim), dtype, device, requires_grad=False)
-    caches = [fresh((batch, max_len, heads, head_dim), dtype, device, requires_grad=False)
+    caches = [fresh((batch, max_len, kv_heads, head_dim), dtype, device, requires_grad=False)
               for _ in range(2)]
-    new = [fresh((batch, seq_new, heads, head_dim), dtype, device, requires_grad=False)
+    new = [fresh((batch, seq_new, kv_heads, head_dim), dtype, device, requires_grad=False)
            for _ in range(2)] if seq_new else [None, None]
     seqlens = torch.tensor(cached, dtype=torch.int32, device=device)
     pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device=device)
@@ -82,12 +86,12 @@ def test_attention_with_kvcache_low_precision(backend):
 
 
 @pytest.mark.parametrize("backend", backends_for("attention_with_kvcache") + ["reference"])
-def test_attention_with_kvcache_equals_attention_over_the_sequence(backend):
+@pytest.mark.parametrize("case", ["left_padded_prefill", "multi_query_prefill"])
+def test_attention_with_kvcache_equals_attention_over_the_sequence(backend, case):
     # Each sequence's step is causal attention of its queries over its own keys
-    # [leftpad, total), written out explicitly.
+    # [leftpad, total), written out explicitly (grouped heads as attention groups them).
     device = backend_device(backend)
-    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case("left_padded_prefill",
-                                                                torch.float32, device)
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _case(case, torch.float32, device)
     out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
                                              cache_leftpad=pad, backend=backend)
     for b in range(q.shape[0]):
@@ -149,7 +153,8 @@ def test_attention_with_kvcache_rejects_bad_input(backend):
     int32 = dict(dtype=torch.int32)
     cases = [
         (ValueError, "q", dict(q=q[0])),
-        (ValueError, "k_cache", dict(k_cache=k_cache[:, :, :1])),
+        (ValueError, "k_cache", dict(k_cache=k_cache[:, :, :1].expand(-1, -1, 3, -1))),  # 3 of 2 heads
+        (ValueError, "v_cache", dict(k_cache=k_cache[:, :, :1])),  # one key head, two value heads
         (ValueError, "v_cache", dict(v_cache=v_cache[:, :5])),
         (TypeError, "v_cache", dict(v_cache=v_cache.double())),
         (TypeError, "cache_seqlens", dict(cache_seqlens=seqlens.long())),
@@ -180,17 +185,17 @@ def test_attention_with_kvcache_rejects_bad_input(backend):
 BATCH, HEADS, HEAD_DIM, MAX_LEN = 8, 12, 64, 1024  # GPT-2 small decoding
 
 
-def _real_step(dtype, seq_q, seq_new, leftpad):
+def _real_step(dtype, seq_q, seq_new, leftpad, kv_heads=HEADS):
     def randn(*shape):
         return torch.randn(*shape, device="cuda").to(dtype)
 
-    caches = [randn(BATCH, MAX_LEN, HEADS, HEAD_DIM) for _ in range(2)]
+    caches = [randn(BATCH, MAX_LEN, kv_heads, HEAD_DIM) for _ in range(2)]
     seqlens = torch.randint(0, MAX_LEN - seq_new + 1, (BATCH,), device="cuda", dtype=torch.int32)
     seqlens[0], seqlens[1] = 0, MAX_LEN - seq_new  # empty and full
     pad = None
     if leftpad:
         pad = (torch.rand(BATCH, device="cuda") * (seqlens + seq_new).float()).to(torch.int32)
-    new = [randn(BATCH, seq_new, HEADS, HEAD_DIM) for _ in range(2)] if seq_new else [None, None]
+    new = [randn(BATCH, seq_new, kv_heads, HEAD_DIM) for _ in range(2)] if seq_new else [None, None]
     return randn(BATCH, seq_q, HEADS, HEAD_DIM), caches, new, seqlens, pad
 
 
@@ -202,8 +207,10 @@ def _float(t):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("seq_q,seq_new", [(1, 1), (128, 128), (4, 0)], ids=["decode", "prefill", "read"])
 @pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
-def test_attention_with_kvcache_real_shapes(backend, dtype, seq_q, seq_new, leftpad):
-    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _real_step(dtype, seq_q, seq_new, leftpad)
+@pytest.mark.parametrize("kv_heads", [HEADS, 4], ids=["", "grouped"])
+def test_attention_with_kvcache_real_shapes(backend, dtype, seq_q, seq_new, leftpad, kv_heads):
+    q, (k_cache, v_cache), (k_new, v_new), seqlens, pad = _real_step(dtype, seq_q, seq_new, leftpad,
+                                                                     kv_heads)
     ref_caches = [k_cache.float(), v_cache.float()]
     poison_memory()
     out = fusedlm.ops.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new,
@@ -252,7 +259,8 @@ def test_lengths_past_the_cache_write_nothing_outside_it(backend):
 
 def draw_attention_with_kvcache(d):
     dtype = d.dtype()
-    batch, heads, seq_q = d.size(1, 3), d.size(1, 3), d.size(1, 5)
+    batch, heads, seq_q = d.size(1, 3), d.size(1, 4), d.size(1, 5)
+    kv_heads = fuzz.kv_heads(d, heads)
     max_len = d.size(1, 40, (1, 31, 32, 33))
     seq_new = d.size(0, min(3, max_len)) if d.chance(0.7) else 0
     head_dim = d.choice([64, 128]) if d.chance(0.5) else d.size(1, 72, (1, 3, 17, 40, 65))
@@ -262,16 +270,16 @@ def draw_attention_with_kvcache(d):
     # The caches are written in place: never expanded.
     writable = ("contiguous", "permuted", "sliced")
     d.tensor("q", (batch, seq_q, heads, head_dim), dtype, scale=d.magnitude(30.0), grad=False)
-    d.tensor("k_cache", (batch, max_len, heads, head_dim), dtype, grad=False, layouts=writable)
-    d.tensor("v_cache", (batch, max_len, heads, head_dim_v), dtype, grad=False, layouts=writable)
+    d.tensor("k_cache", (batch, max_len, kv_heads, head_dim), dtype, grad=False, layouts=writable)
+    d.tensor("v_cache", (batch, max_len, kv_heads, head_dim_v), dtype, grad=False, layouts=writable)
     if seq_new:
-        d.tensor("k_new", (batch, seq_new, heads, head_dim), dtype, grad=False)
-        d.tensor("v_new", (batch, seq_new, heads, head_dim_v), dtype, grad=False)
+        d.tensor("k_new", (batch, seq_new, kv_heads, head_dim), dtype, grad=False)
+        d.tensor("v_new", (batch, seq_new, kv_heads, head_dim_v), dtype, grad=False)
     d.index_tensor("cache_seqlens", torch.tensor(cached, dtype=torch.int32))
     if leftpad is not None:
         d.index_tensor("cache_leftpad", torch.tensor(leftpad, dtype=torch.int32))
     scale = None if d.chance(0.7) else d.choice([0.01, 0.3, 2.0])
-    d.note(f"cached={cached} leftpad={leftpad}")
+    d.note(f"cached={cached} leftpad={leftpad} kv_heads={kv_heads}/{heads}")
 
     def arguments(t):
         return ((t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], t.get("k_new"), t.get("v_new")),

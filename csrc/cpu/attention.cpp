@@ -1225,7 +1225,7 @@ Rows lse_rows(const at::Tensor& lse, bool varlen) {
 
 // attention_with_kvcache: appends k_new/v_new to the caches at each sequence's length,
 // then poses the decoding step as a padded, causal Problem over the caches read in place
-// ([batch, max_cache_len, heads, dim] seen as [batch, heads, seq, dim]): sequence b's keys
+// ([batch, max_cache_len, kv_heads, dim] seen as [batch, kv_heads, seq, dim]): sequence b's keys
 // are positions [leftpad_b, total_b), total_b = cache_seqlens[b] + seqlen_new, and the
 // causal limit aligns its queries to total_b (the bottom right of its own keys).
 Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -1256,8 +1256,8 @@ Problem kvcache_problem(const at::Tensor& q, const at::Tensor& k_cache, const at
       check_cpu(*t, name);
       TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, " must have q's dtype");
       TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == batch && t->size(1) == seq_new &&
-                            t->size(2) == pb.heads && t->size(3) == cache->size(3),
-                        name, " must be [batch, seqlen_new, heads, head_dim] like its cache");
+                            t->size(2) == pb.kv_heads && t->size(3) == cache->size(3),
+                        name, " must be [batch, seqlen_new, kv_heads, head_dim] like its cache");
     }
   for (int64_t b = 0; b < batch; ++b) {
     // (the messages are fusedlm.ops.attention_with_kvcache's: the cpu backend checks the
@@ -1386,7 +1386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
 FUSEDLM_KERNEL(attention_varlen_backward);
 
 // Decoding attention over a KV cache: q [batch, seqlen_q, heads, head_dim], caches
-// [batch, max_cache_len, heads, head_dim]. k_new/v_new [batch, seqlen_new, ...] are first
+// [batch, max_cache_len, kv_heads, head_dim]. k_new/v_new [batch, seqlen_new, ...] are first
 // written into the caches at positions cache_seqlens[b] (int32 [batch]) onwards; query i
 // then attends causally (bottom right) to keys [cache_leftpad[b], cache_seqlens[b] +
 // seqlen_new). Returns out [batch, seqlen_q, heads, v's head_dim].

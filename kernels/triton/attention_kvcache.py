@@ -1,7 +1,7 @@
 """attention_with_kvcache in Triton: one decoding step over a KV cache.
 
 First _append_kernel writes k_new/v_new into the caches at each sequence's length, one
-program per (sequence, new token). Then _forward_kernel: one program per (sequence, head,
+program per (sequence, new token). Then _forward_kernel: one program per (sequence, query head,
 block of BLOCK_M queries) walks that sequence's keys [leftpad, reach) in blocks of
 BLOCK_N with the online softmax (running row max and sum in float32, the output
 accumulator rescaled as the max grows), where reach is one past the last key the block's
@@ -40,8 +40,8 @@ def _append_kernel(NEW, CACHE, SEQLENS, heads, dim, max_len, snb, sns, snh, snd,
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, max_len, heads, dk, dv,
-                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, max_len, heads, group,
+                    dk, dv, sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                     sob, sos, soh, sod, HAS_LEFTPAD: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -63,8 +63,8 @@ def _forward_kernel(Q, K, V, OUT, SEQLENS, LEFTPAD, scale, seq_q, seq_new, max_l
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    K += b * skb + h * skh
-    V += b * svb + h * svh
+    K += b * skb + (h // group) * skh  # query head h reads key/value head h // group
+    V += b * svb + (h // group) * svh
     for j0 in range(first, reach, BLOCK_N):
         keys = j0 + tl.arange(0, BLOCK_N)
         k = tl.load(K + keys[:, None] * sks + ck[None, :] * skd,
@@ -115,7 +115,8 @@ def attention_with_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k_new, v_
     _forward_kernel[grid](
         q, k_cache, v_cache, out, cache_seqlens,
         cache_leftpad if cache_leftpad is not None else cache_seqlens, scale, seq_q,
-        0 if k_new is None else k_new.shape[1], k_cache.shape[1], heads, dk, dv, *q.stride(),
+        0 if k_new is None else k_new.shape[1], k_cache.shape[1], heads, heads // k_cache.shape[2],
+        dk, dv, *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *out.stride(), HAS_LEFTPAD=cache_leftpad is not None,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_products(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))

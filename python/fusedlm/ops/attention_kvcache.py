@@ -14,7 +14,7 @@ from ..backends import check_index_data, choose, planner
 from . import _validate as check
 from ._op import Op
 from ._probe import Probe, randn
-from .attention import _check_head_dims, _resolve_scale, _sdpa, attend
+from .attention import _check_groups, _check_head_dims, _resolve_scale, _sdpa, attend
 
 __all__ = ["attention_with_kvcache"]
 
@@ -56,16 +56,17 @@ def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, 
     check.tensor("v_new", v_new, ndim=4, optional=True)
     check.tensor("cache_leftpad", cache_leftpad, ndim=1, dtypes=(torch.int32,), optional=True)
     batch, _, heads, head_dim = q.shape
-    max_len, head_dim_v = k_cache.shape[1], v_cache.shape[3]
-    check.shape("k_cache", k_cache, (batch, max_len, heads, head_dim))
-    check.shape("v_cache", v_cache, (batch, max_len, heads, head_dim_v))
+    max_len, kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    check.shape("k_cache", k_cache, (batch, max_len, kv_heads, head_dim))
+    _check_groups(heads, k_cache, kv_heads, names="k_cache and v_cache")
+    check.shape("v_cache", v_cache, (batch, max_len, kv_heads, head_dim_v))
     check.shape("cache_seqlens", cache_seqlens, (batch,))
     check.shape("cache_leftpad", cache_leftpad, (batch,))
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together (or neither)")
     seq_new = 0 if k_new is None else k_new.shape[1]
-    check.shape("k_new", k_new, (batch, seq_new, heads, head_dim))
-    check.shape("v_new", v_new, (batch, seq_new, heads, head_dim_v))
+    check.shape("k_new", k_new, (batch, seq_new, kv_heads, head_dim))
+    check.shape("v_new", v_new, (batch, seq_new, kv_heads, head_dim_v))
     if seq_new > max_len:
         raise ValueError(f"k_new has seqlen_new = {seq_new}, more than max_cache_len = {max_len}")
     _check_head_dims(q, v_cache)
@@ -74,7 +75,8 @@ def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, 
     device = check.same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                                k_new=k_new, v_new=v_new, cache_leftpad=cache_leftpad)
     _check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
-    choice = choose("attention_with_kvcache", device, backend, dtype=q.dtype, head_dim=head_dim)
+    choice = choose("attention_with_kvcache", device, backend, dtype=q.dtype, head_dim=head_dim,
+                    grouped=kv_heads != heads)
     if check_index_data(device, choice.backend):
         _check_lengths(cache_seqlens, cache_leftpad, seq_new, max_len)
     return choice.copying(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
@@ -86,9 +88,11 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            backend: Optional[str] = None) -> Tensor:
     """Causal attention of q [batch, seqlen_q, heads, head_dim] over a KV cache.
 
-    k_cache/v_cache are [batch, max_cache_len, heads, head_dim]; cache_seqlens (int32
-    [batch]) counts the tokens already in each sequence's cache. k_new/v_new [batch,
-    seqlen_new, heads, head_dim] are written IN PLACE into the caches at positions
+    k_cache/v_cache are [batch, max_cache_len, kv_heads, head_dim], kv_heads dividing heads
+    (grouped-query and multi-query attention: query head h reads key/value head
+    h // (heads // kv_heads)); cache_seqlens (int32 [batch]) counts the tokens already in
+    each sequence's cache. k_new/v_new [batch, seqlen_new, kv_heads, head_dim] are written
+    IN PLACE into the caches at positions
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens itself is not
     changed: the caller advances it). Query i then attends to the keys up to total_b -
     seqlen_q + i, total_b = cache_seqlens[b] + seqlen_new (causal, aligned to the bottom
@@ -110,15 +114,17 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
 def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                                      cache_leftpad=None, scale=None):
     """One decoding step: q [batch, seqlen_q, heads, head_dim] over caches [batch,
-    max_cache_len, heads, head_dim].
+    max_cache_len, kv_heads, head_dim], each key/value head repeated for its group of
+    query heads.
 
     k_new/v_new [batch, seqlen_new, ...] are written into the caches (in place) at
     positions cache_seqlens[b] onwards; query i then sees the keys in
     [cache_leftpad[b], total_b - seqlen_q + i], total_b = cache_seqlens[b] + seqlen_new.
     """
     allowed = _write_new_keys(q, k_cache, v_cache, cache_seqlens, k_new, v_new, cache_leftpad)
-    out = attend(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), allowed,
-                 scale=scale)
+    group = q.shape[2] // max(k_cache.shape[2], 1)
+    k, v = (cache.repeat_interleave(group, dim=2) for cache in (k_cache, v_cache))
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, scale=scale)
     return out.transpose(1, 2)
 
 
