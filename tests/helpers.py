@@ -185,22 +185,24 @@ def poison_memory():
     del blocks
 
 
-@contextlib.contextmanager
-def on_this_thread():
-    """One ATen thread for the block, so the cpu kernels run on the calling thread: a test
-    can then see the floating-point mode they leave behind (subnormals_survive)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def subnormals_survive() -> bool:
     """Whether this thread's float arithmetic still gives subnormal results, as it does
     unless something left its flush-to-zero mode on."""
     return (torch.tensor([1e-38]) * 0.25).item() != 0.0
+
+
+@contextlib.contextmanager
+def leaves_float_mode_as_found(label: str):
+    """Runs the block on one ATen thread, so that the cpu kernels run on the calling thread,
+    then asserts that they left its floating-point mode as they found it (subnormal results
+    survive; the kernels flush them only while they run)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+        assert subnormals_survive(), f"{label}: the kernels left flush-to-zero on"
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- comparisons (see the module's docstring) -----------------------------------------------------

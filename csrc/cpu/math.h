@@ -180,10 +180,10 @@ inline float normal_pdf_f(float a) {
 // d = Phi(-a) - a phi(a) = (t P - a) phi, value = max(z, 0) - a Phi(-a) and slope = d for
 // z < 0, 1 - d otherwise. a Phi(-a) is formed as (a t P) phi, a t P being near 1: Phi(-a)
 // alone leaves float's normal range from a = 12.95, where the value is still normal, and
-// the kernels flush subnormal results (FlushSubnormals). The loops are bound by their vector instructions (about 36 per
-// 16 values, 38 per 16 slopes, loads and stores included), so each counts: no select but
-// the slope's, no clamp but the cap, no float-to-integer conversion, no constant factor of
-// its own.
+// the kernels flush subnormal results (FlushSubnormals). The loops are bound by their
+// vector instructions (about 36 per 16 values, 38 per 16 slopes, loads and stores
+// included), so each counts: no select but the slope's, no clamp but the cap, no
+// float-to-integer conversion, no constant factor of its own.
 inline void gelu_erf(float z, float& value, float& slope) {
   float a = std::fabs(z);
   a = a > 13.25f ? 13.25f : a;  // NaN kept: the compare is false

@@ -116,8 +116,8 @@ def attention_with_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k_new, v_
         q, k_cache, v_cache, out, cache_seqlens,
         cache_leftpad if cache_leftpad is not None else cache_seqlens, scale, seq_q,
         0 if k_new is None else k_new.shape[1], k_cache.shape[1], heads, heads // k_cache.shape[2],
-        dk, dv, *q.stride(),
-        *k_cache.stride(), *v_cache.stride(), *out.stride(), HAS_LEFTPAD=cache_leftpad is not None,
+        dk, dv, *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        HAS_LEFTPAD=cache_leftpad is not None,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_products(q.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))
     return out

@@ -67,11 +67,10 @@ def _resolve_window(window_size) -> tuple:
     return int(window_size[0]), int(window_size[1])
 
 
-def _check_groups(heads: int, k: Tensor, kv_heads: int, names: str = "k and v") -> None:
+def _check_groups(heads: int, k: Tensor, kv_heads: int, key: str = "k", value: str = "v") -> None:
     if kv_heads < 1 and heads > 0 or kv_heads and heads % kv_heads:
-        first = names.split()[0]
-        raise ValueError(f"{names} must have a number of heads that divides q's ({heads}), got "
-                         f"{first} of shape {tuple(k.shape)}")
+        raise ValueError(f"{key} and {value} must have a number of heads that divides q's "
+                         f"({heads}), got {key} of shape {tuple(k.shape)}")
 
 
 def visible_keys(seq_q, seq_k, causal, window_size, device, len_q=None, len_k=None):

@@ -58,7 +58,7 @@ def plan_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, 
     batch, _, heads, head_dim = q.shape
     max_len, kv_heads, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     check.shape("k_cache", k_cache, (batch, max_len, kv_heads, head_dim))
-    _check_groups(heads, k_cache, kv_heads, names="k_cache and v_cache")
+    _check_groups(heads, k_cache, kv_heads, key="k_cache", value="v_cache")
     check.shape("v_cache", v_cache, (batch, max_len, kv_heads, head_dim_v))
     check.shape("cache_seqlens", cache_seqlens, (batch,))
     check.shape("cache_leftpad", cache_leftpad, (batch,))
